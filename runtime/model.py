@@ -1,0 +1,146 @@
+"""Llama-family model runner (Llama 2/3, SmolLM2, TinyLlama, Qwen2) over our paged KV pool.
+
+The arithmetic mirrors transformers' LlamaForCausalLM op for op (fp32 RMSNorm, RoPE as
+q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from sgl_nb import kernels
+from sgl_nb.runtime.forward_batch import ForwardBatch
+from sgl_nb.runtime.kv_pool import KVPool
+from sgl_nb.runtime.linear import DenseLinear
+from sgl_nb.runtime.model_config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: DenseLinear  # q, k and v projections fused into one matmul
+    o_proj: DenseLinear
+    post_norm: torch.Tensor
+    gate_up: DenseLinear  # gate and up projections fused
+    down: DenseLinear
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+class Model:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        c = config
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        lm = "lm_head.weight"
+        self.lm_head = self.embed if c.tie_word_embeddings or lm not in weights else w(lm)
+        self.layers = [self._layer(w, weights, i) for i in range(c.num_layers)]
+        self.inv_freq = c.inv_freq().to(self.device)
+
+    def _layer(self, w, weights: dict, i: int) -> Layer:
+        p = f"model.layers.{i}."
+        att, mlp = p + "self_attn.", p + "mlp."
+        qkv_w = torch.cat([w(att + f"{n}_proj.weight") for n in "qkv"])
+        qkv_b = None
+        if self.config.attention_bias:
+            qkv_b = torch.cat([w(att + f"{n}_proj.bias") for n in "qkv"])
+        o_b = w(att + "o_proj.bias") if att + "o_proj.bias" in weights else None
+        return Layer(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=DenseLinear(qkv_w, qkv_b),
+            o_proj=DenseLinear(w(att + "o_proj.weight"), o_b),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=DenseLinear(torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])),
+            down=DenseLinear(w(mlp + "down_proj.weight")),
+        )
+
+    @classmethod
+    def load(cls, folder: Path, dtype=torch.float32, device="cpu") -> Model:
+        return cls(ModelConfig.from_folder(folder), read_weights(folder), dtype, device)
+
+    def new_kv_pool(self, num_slots: int) -> KVPool:
+        c = self.config
+        return KVPool(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool):
+        """Logits (float32) at batch.logits_at: [B, vocab]; with batch.all_logits, also [T, vocab]."""
+        h = self.embed[batch.input_ids]
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            residual = h
+            h = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+            h = self._attention(i, layer, h, cos, sin, batch, pool)
+            h = residual + h
+            residual = h
+            h = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            h = residual + layer.down(F.silu(gate) * up)
+        last = self._logits(h[batch.logits_at])
+        return (last, self._logits(h)) if batch.all_logits else last
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool):
+        c = self.config
+        T = h.shape[0]
+        qkv = layer.qkv(h)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, c.num_kv_heads, c.head_dim)
+        kb, vb = pool.k_buffers[i], pool.v_buffers[i]
+        kernels.store_kv(kb, vb, batch.out_cache_loc, k, v)
+        if batch.is_decode:
+            o = kernels.decode_attention(
+                q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len
+            )
+        else:
+            o = kernels.extend_attention(
+                q, kb, vb, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.scale,
+                batch.max_kv_len,
+            )
+        return layer.o_proj(o.reshape(T, self.q_size))

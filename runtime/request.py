@@ -1,0 +1,131 @@
+"""One generation request: its tokens, where their KV lives, and how it finishes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_nb.runtime.sampler import Sampled
+from sgl_nb.runtime.sampling_params import SamplingParams
+
+_ids = itertools.count(1)
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    meta: dict
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_tokens clipped to the context length
+    rid: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    # KV: slots[i] holds the K/V of all_ids[i]. Invariant between steps: len(slots) == fill_len;
+    # slots[:cached_len] belong to the radix tree (kept alive by the lock on last_node), the
+    # rest to this request.
+    slots: torch.Tensor = field(default_factory=lambda: EMPTY_SLOTS)
+    cached_len: int = 0
+    last_node: object | None = None
+    prompt_cached_tokens: int = -1  # tokens of the prompt found in the cache at first admission
+    generator: torch.Generator | None = None
+    text: str = ""
+    sent_len: int = 0  # characters of text already streamed
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: BaseException | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return self.slots.numel()
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, s: Sampled, eos_ids: tuple[int, ...], tokenizer) -> None:
+        """Take one sampled token, update the text and decide whether the request is done."""
+        p = self.params
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.output_ids.append(s.token)
+        if p.logprobs or p.top_logprobs:
+            self.logprobs.append(s.logprob)
+            if p.top_logprobs:
+                self.top_logprobs.append(s.top)
+        if s.token in p.stop_token_ids or (not p.ignore_eos and s.token in eos_ids):
+            self.finish_reason, self.matched_stop = "stop", s.token
+            self.text = tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True)
+            return
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        for stop in p.stop:
+            # Only the tail can hold a new match: the earlier text was checked before.
+            at = self.text.find(stop, max(0, self.sent_len - len(stop)))
+            if at >= 0:
+                self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", stop
+                return
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    def take_delta(self) -> str:
+        """New text that is safe to stream: never half a character, never a possible stop."""
+        end = len(self.text)
+        if not self.finished:
+            while end > self.sent_len and self.text[end - 1] == "\ufffd":
+                end -= 1
+            for stop in self.params.stop:
+                for k in range(min(len(stop) - 1, end - self.sent_len), 0, -1):
+                    if self.text[end - k : end] == stop[:k]:
+                        end -= k
+                        break
+        delta = self.text[self.sent_len : end]
+        self.sent_len = max(self.sent_len, end)
+        return delta
+
+    def output(self) -> GenerateOutput:
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": len(self.prompt_ids),
+            "cached_tokens": max(self.prompt_cached_tokens, 0),
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+            "retractions": self.retractions,
+            "e2e_latency": time.monotonic() - self.created,
+            "ttft": None if self.first_token_at is None else self.first_token_at - self.created,
+        }
+        want = self.params.logprobs or self.params.top_logprobs
+        return GenerateOutput(
+            text=self.text,
+            token_ids=list(self.output_ids),
+            meta=meta,
+            logprobs=list(self.logprobs) if want else None,
+            top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
+        )

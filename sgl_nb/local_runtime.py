@@ -1,0 +1,117 @@
+"""`sgl.Runtime`: the in-kernel engine as the user sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sgl_nb.runtime.engine import Engine, RequestHandle
+from sgl_nb.runtime.request import GenerateOutput
+from sgl_nb.runtime.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Runtime:
+    """A model loaded in this process with a paged KV pool, a radix prefix cache and a
+    background engine thread. `generate` may be called from any thread, several at once."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        kv_pool_tokens: int = 32768,
+        max_prefill_tokens: int = 512,
+        max_running: int = 64,
+        dtype: str = "float32",
+        device: str | None = None,
+    ):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.engine = Engine(
+            model_path,
+            kv_pool_tokens=kv_pool_tokens,
+            max_prefill_tokens=max_prefill_tokens,
+            max_running=max_running,
+            dtype=_DTYPES[dtype],
+            device=device,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_path(self) -> Path:
+        return self.engine.model_path
+
+    def generate(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        stream: bool = False,
+    ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
+        """Generate from a string or a list of token ids; a list of those is a batch."""
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, seed=seed, stop=stop or [], stop_token_ids=stop_token_ids or [],
+            ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+        )
+        batch = _is_batch(prompt)
+        if batch and stream:
+            raise ValueError("stream=True takes one prompt, not a batch")
+        prompts = prompt if batch else [prompt]
+        # Check every request before submitting any, so a bad one leaves nothing running.
+        reqs = [self.engine.make_request(self._token_ids(p), params) for p in prompts]
+        handles = [self.engine.submit(r, stream=stream) for r in reqs]
+        if stream:
+            return handles[0].chunks()
+        outs = [h.result() for h in handles]
+        return outs if batch else outs[0]
+
+    def submit(self, prompt: str | list[int], stream: bool = False, **params) -> RequestHandle:
+        """Start one request and return at once; the handle's .result() waits for it."""
+        req = self.engine.make_request(self._token_ids(prompt), SamplingParams(**params))
+        return self.engine.submit(req, stream=stream)
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            # Only the special tokens the tokenizer adds by itself (SmolLM2: none).
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt=True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def cache_stats(self) -> dict:
+        return self.engine.cache_stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _is_batch(prompt) -> bool:
+    if isinstance(prompt, str) or not isinstance(prompt, list | tuple) or not prompt:
+        return False
+    return isinstance(prompt[0], str | list | tuple)
