@@ -1,0 +1,81 @@
+"""`sgl-nb`: the command line (model set-up, a terminal demo, benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEMO_QUESTION = "What is a radix tree, and why does it help an LLM server? Answer briefly."
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from sgl_nb.runtime.model_loader import resolve_model_path
+
+    t0 = time.monotonic()
+    path = resolve_model_path(args.path)
+    print(f"model ready: {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sgl_nb import Runtime
+
+    print("loading the model ...", flush=True)
+    t0 = time.monotonic()
+    with Runtime(args.model) as rt:
+        print(f"loaded {rt.model_path.name} in {time.monotonic() - t0:.1f} s\n")
+        for turn in range(2):
+            # The second turn repeats the system prompt and question: the radix cache hits.
+            prompt = rt.apply_chat_template([{"role": "user", "content": args.question}])
+            print(f"user> {args.question}\nassistant> ", end="", flush=True)
+            t1, n = time.monotonic(), 0
+            for chunk in rt.generate(prompt, max_tokens=args.max_tokens, stream=True):
+                print(chunk, end="", flush=True)
+                n += 1
+            print(f"\n[{n} chunks in {time.monotonic() - t1:.1f} s]\n")
+            if turn == 0:
+                print("(asking again: this time the prompt comes from the radix cache)\n")
+        stats = rt.cache_stats()
+        print("cache statistics:")
+        print(json.dumps({k: v for k, v in stats.items() if k != "time"}, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sgl_nb.bench_engine import run_engine_bench
+
+    return run_engine_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sgl-nb", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("model", help="convert the default model (or PATH) once into the cache")
+    m.add_argument("path", nargs="?", default=None, help="a checkpoint folder or .gguf file")
+    m.set_defaults(func=cmd_model)
+
+    d = sub.add_parser("demo", help="stream a chat answer in the terminal, then cache stats")
+    d.add_argument("--model", default=None, help="checkpoint folder or .gguf (default model)")
+    d.add_argument("--question", default=DEMO_QUESTION)
+    d.add_argument("--max-tokens", type=int, default=160)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
+    b.add_argument("what", choices=["engine"])
+    b.add_argument("--model", default=None)
+    b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
+    b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
+    b.add_argument("--prefix-tokens", type=int, default=400)
+    b.add_argument("--shared-new-tokens", type=int, default=32)
+    b.add_argument("--json", default=None, help="also write the figures to this file")
+    b.set_defaults(func=cmd_bench)
+
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: the real default model, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_nb.runtime.model_loader import resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return resolve_model_path()
+
+
+@pytest.fixture(scope="session")
+def runtime(model_path):
+    from sgl_nb import Runtime
+
+    rt = Runtime(model_path, kv_pool_tokens=16384)
+    yield rt
+    rt.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers `generate`, greedy, exactly n new tokens (EOS does not stop it)."""
+    from transformers import GenerationConfig
+
+    # The model's own generation_config would stop at EOS: use a bare one.
+    hf.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    assert out.shape[1] == len(ids) + n
+    return out[0, len(ids):].tolist()
