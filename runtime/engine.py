@@ -54,7 +54,8 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
         if self.req.error is not None:
-            raise EngineError(f"request {self.req.rid} failed: {self.req.error}") from self.req.error
+            err = self.req.error
+            raise EngineError(f"request {self.req.rid} failed: {err}") from err
         return self.req.output()
 
     def chunks(self) -> Iterator[str]:

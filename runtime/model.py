@@ -89,7 +89,9 @@ class Model:
             qkv=DenseLinear(qkv_w, qkv_b),
             o_proj=DenseLinear(w(att + "o_proj.weight"), o_b),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=DenseLinear(torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])),
+            gate_up=DenseLinear(
+                torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])
+            ),
             down=DenseLinear(w(mlp + "down_proj.weight")),
         )
 
@@ -103,7 +105,7 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
-        """Logits (float32) at batch.logits_at: [B, vocab]; with batch.all_logits, also [T, vocab]."""
+        """Float32 logits at batch.logits_at, [B, vocab]; with all_logits, also [T, vocab]."""
         h = self.embed[batch.input_ids]
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]

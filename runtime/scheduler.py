@@ -223,7 +223,7 @@ class Scheduler:
         present = self.cache.insert(key, req.slots)
         if present > req.cached_len:
             self.pool.free(req.slots[req.cached_len : present])
-        slots, node = self.cache.match_prefix(key)
+        slots, node = self.cache.match_prefix(key, count=False)
         assert slots.numel() == len(key), "radix tree lost tokens just inserted"
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(req.last_node)
