@@ -1,0 +1,100 @@
+"""Attention and KV-store ops: Triton kernels on CUDA, torch everywhere else.
+
+KV layout: one buffer per layer for K and one for V, [num_slots, num_kv_heads, head_dim];
+slot 0 is reserved as padding. Page size 1: a request's KV is the list of its slot ids in
+position order (kv_indices[kv_indptr[b]:kv_indptr[b + 1]]).
+
+SGL_NB_ATTENTION=torch|triton forces one implementation (triton on CPU tensors needs
+TRITON_INTERPRET=1). Triton is imported only when a Triton path is taken, so this package
+imports without it.
+
+The Triton modules are named *_triton: a submodule named like a function of this package
+(e.g. `decode_attention`) would replace that function as a package attribute on import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+__all__ = ["decode_attention", "extend_attention", "store_kv"]
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    # Read at every call (a dict lookup) so tests and notebooks can flip it at run time.
+    forced = os.environ.get("SGL_NB_ATTENTION", "").strip().lower()
+    if forced == "torch":
+        return False
+    if forced == "triton":
+        return True
+    if forced not in ("", "auto"):
+        raise ValueError(f"SGL_NB_ATTENTION must be torch, triton or auto, got {forced!r}")
+    return t.is_cuda
+
+
+def store_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, in place, cast to the buffers' dtype.
+
+    loc: int64/int32 [T] slot ids; k, v: [T, Hkv, D].
+    """
+    if _use_triton(k_buffer):
+        from .store_kv_triton import store_kv as impl
+    else:
+        impl = reference.store_kv
+    impl(k_buffer, v_buffer, loc, k, v)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention, one query token per request: q [B, Hq, D] -> [B, Hq, D].
+
+    Request b attends to slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (its current token
+    included, already stored). GQA: query head h uses KV head h // (Hq // Hkv).
+    max_kv_len, the longest request's KV length if the caller knows it, saves a
+    device-to-host read. Softmax and accumulation are fp32; the result has q's dtype.
+    """
+    if _use_triton(q):
+        from .decode_attention_triton import decode_attention as impl
+    else:
+        impl = reference.decode_attention
+    return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over a cached prefix plus themselves: [T, Hq, D] -> same.
+
+    Request b's queries are q[qo_indptr[b]:qo_indptr[b + 1]]; its KV slots (prefix, then the
+    new tokens, all already stored) are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]. Query i
+    of request b sits at position prefix_len_b + i (prefix_len_b = kv_len_b - qo_len_b)
+    and sees KV positions <= that. Softmax and accumulation are fp32; result in q's dtype.
+    """
+    if _use_triton(q):
+        from .extend_attention_triton import extend_attention as impl
+    else:
+        impl = reference.extend_attention
+    return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len)

@@ -1,0 +1,173 @@
+"""Torch implementations of the KV store and paged attention.
+
+These are the CPU engine's hot path (and the oracle the Triton kernels are tested against),
+so they are written for a small CPU: no Python loop over heads or tokens, gathers through
+`index_select` (several times faster than advanced indexing on CPU), and one batched
+computation for all decode requests.
+
+KV layout: one buffer per layer for K and one for V, [num_slots, num_kv_heads, head_dim].
+Only the slots a request lists are read, so slots never written may hold anything.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def store_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, in place, cast to the buffers' dtype."""
+    loc = loc.long()
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
+
+
+def _rows(k_buffer: torch.Tensor) -> torch.Tensor:
+    # [num_slots * Hkv, D]: row slot * Hkv + h is head h of a slot, so a gather can produce
+    # head-major K/V ([..., Hkv, L, D]) directly, which is what bmm wants.
+    return k_buffer.reshape(-1, k_buffer.shape[-1])
+
+
+def _padded_slots(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, max_len] slot ids and the [B, max_len] mask of the real ones.
+
+    Padding repeats the request's first slot rather than slot 0: it is masked out of the
+    scores and weighted by exactly 0 in the output, which is only harmless if its V is
+    finite, and a pool allocated with torch.empty may hold NaN bits in slots never written.
+    """
+    starts = kv_indptr[:-1, None]
+    pos = torch.arange(max_len, device=kv_indptr.device)
+    valid = pos < kv_indptr[1:, None] - starts
+    flat = torch.where(valid, starts + pos, starts)
+    return kv_indices.take(flat), valid
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per request against its paged KV. q: [B, Hq, D] -> [B, Hq, D].
+
+    max_kv_len, if given, must be at least the longest request's KV length.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    kv_indptr = kv_indptr.long()
+    kv_indices = kv_indices.long()
+    head_ids = torch.arange(num_kv_heads, device=q.device)
+
+    if batch == 0:
+        return torch.empty_like(q)
+    if batch == 1:
+        # One request: its slots are all valid, so no padding and no mask.
+        start, end = kv_indptr.tolist()
+        slots = kv_indices[start:end][None, :]
+        valid = None
+    else:
+        if max_kv_len is None:
+            max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+        slots, valid = _padded_slots(kv_indptr, kv_indices, max_kv_len)
+    seq_len = slots.shape[1]
+    # [B, Hkv, L] row ids into the flattened buffers.
+    rows = slots[:, None, :] * num_kv_heads + head_ids[:, None]
+
+    # GQA as a view: the `group` query heads of one KV head are the rows of one small matmul.
+    qf = (q.float() * scale).view(batch * num_kv_heads, group, head_dim)
+    k = _rows(k_buffer).index_select(0, rows.view(-1))
+    k = k.view(batch * num_kv_heads, seq_len, head_dim).float()
+    scores = torch.bmm(qf, k.transpose(1, 2))  # [B * Hkv, G, L]
+    if valid is not None:
+        scores.view(batch, num_q_heads, seq_len).masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+
+    if v_buffer.dtype == torch.float32:
+        # embedding_bag sums the weighted V rows without materialising the gathered V:
+        # one pass over V instead of gather + write + read.
+        bags = rows[:, :, None, :].expand(batch, num_kv_heads, group, seq_len)
+        out = F.embedding_bag(
+            bags.reshape(batch * num_q_heads, seq_len),
+            _rows(v_buffer),
+            per_sample_weights=probs.view(batch * num_q_heads, seq_len),
+            mode="sum",
+        )
+    else:
+        # Low-precision V: upcast the gathered rows so the weighted sum is done in fp32.
+        v = _rows(v_buffer).index_select(0, rows.view(-1))
+        out = torch.bmm(probs, v.view(batch * num_kv_heads, seq_len, head_dim).float())
+    return out.view(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """New tokens of each request against its cached prefix plus themselves, causal.
+
+    q: [T, Hq, D] -> [T, Hq, D]. Request b's KV (kv_indices[kv_indptr[b]:kv_indptr[b+1]])
+    holds prefix_len_b = kv_len_b - qo_len_b cached tokens followed by its new tokens.
+    """
+    del max_kv_len  # each request's lengths are read on the host anyway
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    kv_indices = kv_indices.long()
+    compute_dtype = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
+    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    head_ids = torch.arange(num_kv_heads, device=q.device)
+
+    qo_bounds = qo_indptr.tolist()
+    kv_bounds = kv_indptr.tolist()
+    for b in range(len(qo_bounds) - 1):
+        q_start, q_end = qo_bounds[b], qo_bounds[b + 1]
+        kv_start, kv_end = kv_bounds[b], kv_bounds[b + 1]
+        q_len, kv_len = q_end - q_start, kv_end - kv_start
+        if q_len == 0:
+            continue
+        prefix_len = kv_len - q_len
+        slots = kv_indices[kv_start:kv_end]
+        # [Hkv, L, D] straight from the gather (see _rows).
+        rows = (slots[None, :] * num_kv_heads + head_ids[:, None]).view(-1)
+        k = _rows(k_buffer).index_select(0, rows).view(num_kv_heads, kv_len, head_dim)
+        v = _rows(v_buffer).index_select(0, rows).view(num_kv_heads, kv_len, head_dim)
+        # GQA as a view: query heads of one KV head stacked as [Hkv, G * q_len, D], so
+        # SDPA sees plain multi-head attention (no enable_gqa, no repeated K/V).
+        qb = q[q_start:q_end].view(q_len, num_kv_heads, group, head_dim)
+        qb = qb.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        mask = None
+        if q_len > 1:
+            # Query i sits at position prefix_len + i and sees positions <= that.
+            pos_q = torch.arange(prefix_len, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
+            mask = mask.repeat(group, 1)
+        ob = F.scaled_dot_product_attention(
+            qb.to(compute_dtype),
+            k.to(compute_dtype),
+            v.to(compute_dtype),
+            attn_mask=mask,
+            scale=scale,
+        )
+        ob = ob.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = ob.reshape(q_len, num_q_heads, head_dim)
+    return out
