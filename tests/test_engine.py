@@ -142,25 +142,29 @@ def test_generate_from_many_threads(runtime):
     assert [got[i] for i in range(6)] == want
 
 
-def test_bad_input_is_named_and_others_keep_running(runtime):
-    p = runtime.tokenizer.encode("Alpha, beta, gamma,")
-    want = runtime.generate(p, max_tokens=40, ignore_eos=True).token_ids
-    running = runtime.submit(p, max_tokens=40, ignore_eos=True)
-    with pytest.raises(ValueError, match="empty prompt"):
-        runtime.generate("")
-    with pytest.raises(ValueError, match="max_tokens"):
-        runtime.generate("hello", max_tokens=0)
-    with pytest.raises(ValueError, match="max_tokens"):
-        runtime.generate("hello", max_tokens=-3)
-    ctx = runtime.engine.context_len
-    with pytest.raises(ValueError, match=f"context of {ctx}"):
-        runtime.generate([1] * (ctx + 5), max_tokens=4)
-    cap = runtime.engine.pool.capacity
-    with pytest.raises(ValueError, match="never fit the KV pool"):
-        runtime.generate([1] * 100, max_tokens=cap)
-    with pytest.raises(ValueError, match="top_p"):
-        runtime.generate("hello", top_p=0.0)
-    assert running.result(timeout=300).token_ids == want
+def test_bad_input_is_named_and_others_keep_running(model_path):
+    with Runtime(model_path, kv_pool_tokens=2048) as rt:
+        p = rt.tokenizer.encode("Alpha, beta, gamma,")
+        want = rt.generate(p, max_tokens=40, ignore_eos=True).token_ids
+        running = rt.submit(p, max_tokens=40, ignore_eos=True)
+        with pytest.raises(ValueError, match="empty prompt"):
+            rt.generate("")
+        with pytest.raises(ValueError, match="max_tokens"):
+            rt.generate("hello", max_tokens=0)
+        with pytest.raises(ValueError, match="max_tokens"):
+            rt.generate("hello", max_tokens=-3)
+        ctx = rt.engine.context_len
+        with pytest.raises(ValueError, match=f"context of {ctx}"):
+            rt.generate([1] * (ctx + 5), max_tokens=4)
+        with pytest.raises(ValueError, match="never fit the KV pool"):
+            rt.generate([1] * 100, max_tokens=2000)
+        with pytest.raises(ValueError, match="top_p"):
+            rt.generate("hello", top_p=0.0)
+        with pytest.raises(ValueError, match="token ids"):
+            rt.generate([1, -4, 2])
+        assert not running.done() or running.result().token_ids == want
+        assert running.result(timeout=300).token_ids == want
+        assert rt.engine.pool.used() <= rt.cache_stats()["cached_tokens"]  # nothing leaked
 
 
 def test_missing_model_path_is_named(tmp_path):
