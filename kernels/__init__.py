@@ -20,7 +20,7 @@ import torch
 
 from . import reference
 
-__all__ = ["decode_attention", "extend_attention", "store_kv"]
+__all__ = ["decode_attention", "extend_attention", "plan_decode", "store_kv"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -53,6 +53,20 @@ def store_kv(
     impl(k_buffer, v_buffer, loc, k, v)
 
 
+def plan_decode(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_heads: int,
+    num_q_heads: int,
+    max_kv_len: int | None = None,
+) -> reference.DecodePlan | None:
+    """Gather indices for the torch decode path, computed once per step and shared by all
+    layers; None on the Triton path (its kernels read kv_indices themselves)."""
+    if _use_triton(kv_indices):
+        return None
+    return reference.plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -61,6 +75,7 @@ def decode_attention(
     kv_indices: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    plan: reference.DecodePlan | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request: q [B, Hq, D] -> [B, Hq, D].
 
@@ -71,9 +86,11 @@ def decode_attention(
     """
     if _use_triton(q):
         from .decode_attention_triton import decode_attention as impl
-    else:
-        impl = reference.decode_attention
-    return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len)
+
+        return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len)
+    return reference.decode_attention(
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len, plan
+    )
 
 
 def extend_attention(

@@ -11,6 +11,8 @@ Only the slots a request lists are read, so slots never written may hold anythin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,43 @@ def _padded_slots(
     return kv_indices.take(flat), valid
 
 
+@dataclass
+class DecodePlan:
+    """Gather indices for one decode step, shared by every layer (the slots are the same)."""
+
+    rows: torch.Tensor  # [B * Hkv * L] row ids into the [num_slots * Hkv, D] buffer view
+    bags: torch.Tensor  # [B * Hq, L] the same rows, once per query head, for embedding_bag
+    pad: torch.Tensor | None  # [B, 1, L] True at padding positions; None when B == 1
+    batch: int
+    seq_len: int
+
+
+def plan_decode(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_heads: int,
+    num_q_heads: int,
+    max_kv_len: int | None = None,
+) -> DecodePlan:
+    batch = kv_indptr.numel() - 1
+    kv_indptr, kv_indices = kv_indptr.long(), kv_indices.long()
+    if batch == 1:
+        # One request: its slots are all valid, so no padding and no mask.
+        start, end = kv_indptr.tolist()
+        slots, pad = kv_indices[start:end][None, :], None
+    else:
+        if max_kv_len is None:
+            max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+        slots, valid = _padded_slots(kv_indptr, kv_indices, max_kv_len)
+        pad = ~valid[:, None, :]
+    seq_len = slots.shape[1]
+    head_ids = torch.arange(num_kv_heads, device=slots.device)
+    rows = slots[:, None, :] * num_kv_heads + head_ids[:, None]  # [B, Hkv, L]
+    group = num_q_heads // num_kv_heads
+    bags = rows[:, :, None, :].expand(batch, num_kv_heads, group, seq_len)
+    return DecodePlan(rows.reshape(-1), bags.reshape(-1, seq_len), pad, batch, seq_len)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -60,55 +99,42 @@ def decode_attention(
     kv_indices: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged KV. q: [B, Hq, D] -> [B, Hq, D].
 
-    max_kv_len, if given, must be at least the longest request's KV length.
+    max_kv_len, if given, must be at least the longest request's KV length. `plan`
+    (from plan_decode) saves recomputing the gather indices in every layer.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    group = num_q_heads // num_kv_heads
-    kv_indptr = kv_indptr.long()
-    kv_indices = kv_indices.long()
-    head_ids = torch.arange(num_kv_heads, device=q.device)
-
     if batch == 0:
         return torch.empty_like(q)
-    if batch == 1:
-        # One request: its slots are all valid, so no padding and no mask.
-        start, end = kv_indptr.tolist()
-        slots = kv_indices[start:end][None, :]
-        valid = None
-    else:
-        if max_kv_len is None:
-            max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
-        slots, valid = _padded_slots(kv_indptr, kv_indices, max_kv_len)
-    seq_len = slots.shape[1]
-    # [B, Hkv, L] row ids into the flattened buffers.
-    rows = slots[:, None, :] * num_kv_heads + head_ids[:, None]
+    if plan is None:
+        plan = plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len)
+    group, seq_len = num_q_heads // num_kv_heads, plan.seq_len
 
     # GQA as a view: the `group` query heads of one KV head are the rows of one small matmul.
     qf = (q.float() * scale).view(batch * num_kv_heads, group, head_dim)
-    k = _rows(k_buffer).index_select(0, rows.view(-1))
+    k = _rows(k_buffer).index_select(0, plan.rows)
     k = k.view(batch * num_kv_heads, seq_len, head_dim).float()
     scores = torch.bmm(qf, k.transpose(1, 2))  # [B * Hkv, G, L]
-    if valid is not None:
-        scores.view(batch, num_q_heads, seq_len).masked_fill_(~valid[:, None, :], float("-inf"))
+    if plan.pad is not None:
+        scores.view(batch, num_q_heads, seq_len).masked_fill_(plan.pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
 
     if v_buffer.dtype == torch.float32:
         # embedding_bag sums the weighted V rows without materialising the gathered V:
         # one pass over V instead of gather + write + read.
-        bags = rows[:, :, None, :].expand(batch, num_kv_heads, group, seq_len)
         out = F.embedding_bag(
-            bags.reshape(batch * num_q_heads, seq_len),
+            plan.bags,
             _rows(v_buffer),
             per_sample_weights=probs.view(batch * num_q_heads, seq_len),
             mode="sum",
         )
     else:
         # Low-precision V: upcast the gathered rows so the weighted sum is done in fp32.
-        v = _rows(v_buffer).index_select(0, rows.view(-1))
+        v = _rows(v_buffer).index_select(0, plan.rows)
         out = torch.bmm(probs, v.view(batch * num_kv_heads, seq_len, head_dim).float())
     return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 

@@ -21,16 +21,26 @@ from sgl_nb.runtime.model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
+    # torch's fused F.rms_norm is slower than this on CPU at decode sizes (measured).
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and signed sin, [T, 1, D], for apply_rope (computed as transformers does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    half = inv_freq.numel()
+    sin = emb.sin()
+    sin[..., :half].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # rotate_half(x) * sin == roll(x, half) * [-sin1, sin2] exactly (negation is exact),
+    # in two ops instead of four.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 @dataclass
@@ -107,16 +117,21 @@ class Model:
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with all_logits, also [T, vocab]."""
         h = self.embed[batch.input_ids]
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
+        plan = None
+        if batch.is_decode:
+            c = self.config
+            plan = kernels.plan_decode(
+                batch.kv_indptr, batch.kv_indices, c.num_kv_heads, c.num_heads, batch.max_kv_len
+            )
+        eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             residual = h
-            h = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            h = self._attention(i, layer, h, cos, sin, batch, pool)
+            h = rms_norm(h, layer.input_norm, eps)
+            h = self._attention(i, layer, h, cos, sin, batch, pool, plan)
             h = residual + h
             residual = h
-            h = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            h = rms_norm(h, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             h = residual + layer.down(F.silu(gate) * up)
         last = self._logits(h[batch.logits_at])
@@ -126,7 +141,7 @@ class Model:
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
-    def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool):
+    def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool, plan):
         c = self.config
         T = h.shape[0]
         qkv = layer.qkv(h)
@@ -138,7 +153,7 @@ class Model:
         kernels.store_kv(kb, vb, batch.out_cache_loc, k, v)
         if batch.is_decode:
             o = kernels.decode_attention(
-                q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len
+                q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len, plan
             )
         else:
             o = kernels.extend_attention(
