@@ -62,7 +62,22 @@ class DecodePlan:
     bags: torch.Tensor  # [B * Hq, L] the same rows, once per query head, for embedding_bag
     pad: torch.Tensor | None  # [B, 1, L] True at padding positions; None when B == 1
     batch: int
-    seq_len: int
+    seq_len: int  # L: the per-request part (everything after the shared prefix)
+    # The first prefix_len slots, identical in every request (a radix-cache prefix the
+    # batch shares): read once for all queries instead of once per request.
+    prefix_rows: torch.Tensor | None = None  # [Hkv * P], head-major
+    prefix_len: int = 0
+
+
+# Below this many shared slots the separate prefix pass costs more than it saves.
+SHARED_PREFIX_MIN = 64
+
+
+def _shared_prefix_len(slots: torch.Tensor, valid: torch.Tensor) -> int:
+    same = ((slots == slots[:1]) & valid).all(0)
+    shared = int(same.int().cumprod(0).sum())
+    # Every request keeps at least one token of its own (its current one) in the suffix.
+    return min(shared, int(valid.sum(1).min()) - 1)
 
 
 def plan_decode(
@@ -74,6 +89,7 @@ def plan_decode(
 ) -> DecodePlan:
     batch = kv_indptr.numel() - 1
     kv_indptr, kv_indices = kv_indptr.long(), kv_indices.long()
+    prefix_len = 0
     if batch == 1:
         # One request: its slots are all valid, so no padding and no mask.
         start, end = kv_indptr.tolist()
@@ -82,13 +98,21 @@ def plan_decode(
         if max_kv_len is None:
             max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max())
         slots, valid = _padded_slots(kv_indptr, kv_indices, max_kv_len)
+        prefix_len = _shared_prefix_len(slots, valid)
+        if prefix_len >= SHARED_PREFIX_MIN:
+            prefix = slots[0, :prefix_len]
+            slots, valid = slots[:, prefix_len:], valid[:, prefix_len:]
         pad = ~valid[:, None, :]
     seq_len = slots.shape[1]
     head_ids = torch.arange(num_kv_heads, device=slots.device)
     rows = slots[:, None, :] * num_kv_heads + head_ids[:, None]  # [B, Hkv, L]
     group = num_q_heads // num_kv_heads
     bags = rows[:, :, None, :].expand(batch, num_kv_heads, group, seq_len)
-    return DecodePlan(rows.reshape(-1), bags.reshape(-1, seq_len), pad, batch, seq_len)
+    plan = DecodePlan(rows.reshape(-1), bags.reshape(-1, seq_len), pad, batch, seq_len)
+    if batch > 1 and prefix_len >= SHARED_PREFIX_MIN:
+        plan.prefix_rows = (head_ids[:, None] + prefix[None, :] * num_kv_heads).reshape(-1)
+        plan.prefix_len = prefix_len
+    return plan
 
 
 def decode_attention(
@@ -112,6 +136,8 @@ def decode_attention(
         return torch.empty_like(q)
     if plan is None:
         plan = plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len)
+    if plan.prefix_len:
+        return _decode_shared_prefix(q, k_buffer, v_buffer, scale, plan)
     group, seq_len = num_q_heads // num_kv_heads, plan.seq_len
 
     # GQA as a view: the `group` query heads of one KV head are the rows of one small matmul.
@@ -137,6 +163,47 @@ def decode_attention(
         v = _rows(v_buffer).index_select(0, plan.rows)
         out = torch.bmm(probs, v.view(batch * num_kv_heads, seq_len, head_dim).float())
     return out.view(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _decode_shared_prefix(q, k_buffer, v_buffer, scale: float, plan: DecodePlan):
+    """Decode attention split in two and merged by log-sum-exp: the shared prefix for all
+    queries at once (its K/V read once), then each request's own tokens."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group, p_len, s_len = num_q_heads // num_kv_heads, plan.prefix_len, plan.seq_len
+    qf = q.float() * scale
+
+    # Prefix: every request's query heads of one KV head are rows of one matmul.
+    qh = qf.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+    qh = qh.reshape(num_kv_heads, batch * group, head_dim)
+    kp = _rows(k_buffer).index_select(0, plan.prefix_rows).view(num_kv_heads, p_len, head_dim)
+    vp = _rows(v_buffer).index_select(0, plan.prefix_rows).view(num_kv_heads, p_len, head_dim)
+    sp = torch.bmm(qh, kp.float().transpose(1, 2))  # [Hkv, B * G, P]
+    mp = sp.amax(-1, keepdim=True)
+    ep = (sp - mp).exp_()
+    op = torch.bmm(ep, vp.float())  # [Hkv, B * G, D], not yet normalised
+
+    def per_request(t: torch.Tensor, width: int) -> torch.Tensor:  # -> [B, Hkv, G, width]
+        return t.view(num_kv_heads, batch, group, width).transpose(0, 1)
+
+    lp = per_request(ep.sum(-1, keepdim=True), 1)
+    mp, op = per_request(mp, 1), per_request(op, head_dim)
+
+    # Each request's own tokens (at least its current one, so the max is finite).
+    ks = _rows(k_buffer).index_select(0, plan.rows).view(batch * num_kv_heads, s_len, head_dim)
+    ss = torch.bmm(qf.view(batch * num_kv_heads, group, head_dim), ks.float().transpose(1, 2))
+    ss.view(batch, num_q_heads, s_len).masked_fill_(plan.pad, float("-inf"))
+    ms = ss.amax(-1, keepdim=True)
+    es = (ss - ms).exp_()
+    vs = _rows(v_buffer).index_select(0, plan.rows).view(batch * num_kv_heads, s_len, head_dim)
+    os_ = torch.bmm(es, vs.float())
+    shape = (batch, num_kv_heads, group)
+    ms, ls, os_ = ms.view(*shape, 1), es.sum(-1, keepdim=True).view(*shape, 1), os_.view(*shape, -1)
+
+    m = torch.maximum(mp, ms)
+    wp, ws = (mp - m).exp_(), (ms - m).exp_()
+    out = (op * wp + os_ * ws) / (lp * wp + ls * ws)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def extend_attention(

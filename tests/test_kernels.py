@@ -344,3 +344,24 @@ def test_package_works_without_triton():
     )
     env = {k: v for k, v in os.environ.items() if k != "SGL_NB_ATTENTION"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+def test_decode_reference_shared_prefix_matches_naive(num_q_heads, num_kv_heads):
+    """Requests whose first slots are the same (a radix prefix the batch shares) take the
+    prefix-once path; the result must not change."""
+    gen = torch.Generator().manual_seed(11)
+    head_dim, shared = 64, reference.SHARED_PREFIX_MIN + 37
+    own = [1, 5, 30, 2]
+    k_buf, v_buf, _, slots = _paged_kv([shared + sum(own)], num_kv_heads, head_dim,
+                                       torch.float32, gen)
+    prefix, rest = slots[:shared], slots[shared:].split(own)
+    kv_indices = torch.cat([torch.cat([prefix, r]) for r in rest])
+    kv_lens = [shared + n for n in own]
+    kv_indptr = _indptr(kv_lens)
+    plan = reference.plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads)
+    assert plan.prefix_len == shared
+    q = torch.randn(len(own), num_q_heads, head_dim, generator=gen)
+    out = reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, plan=plan)
+    want = _naive(q, k_buf, v_buf, [1] * len(own), kv_lens, kv_indices, 0.125)
+    torch.testing.assert_close(out, want.float(), **FP32_TOL)
