@@ -18,6 +18,13 @@ from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import EMPTY_SLOTS, Request
 
+# Admission keeps room for the tokens running requests are still expected to generate:
+# ratio x (their remaining max_new_tokens). The ratio starts cautious, relaxes a little at
+# every decode step, and jumps back up after a retraction, so memory pressure does not
+# turn into a loop of admit, retract, admit (the scheme SGLang uses).
+NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002
+NEW_TOKEN_RATIO_AFTER_RETRACT = 0.3
+
 # A waiting request that shares at least this many uncached tokens with one already
 # chosen for this step waits one step, then finds that prefix in the cache.
 IN_BATCH_SHARE_MIN = 32
@@ -59,6 +66,7 @@ class Scheduler:
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.retractions = 0
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -111,6 +119,19 @@ class Scheduler:
                 return True
         return False
 
+    def _expected_growth(self, reqs: list[Request]) -> int:
+        r = self.new_token_ratio
+        return sum(int(r * (q.max_new_tokens - len(q.output_ids))) + 1 for q in reqs)
+
+    def _fits(self, req: Request, uncached: int) -> bool:
+        """Would admitting req leave room for everyone's expected growth?"""
+        others = self.running + self.prefilling
+        if not others:
+            return True  # alone it always fits: submission checked prompt + max_tokens
+        others_left = sum(q.seq_len - q.fill_len for q in self.prefilling)
+        need = uncached + others_left + self._expected_growth([*others, req])
+        return self.pool.available() + self.cache.evictable_size() >= need
+
     def _admit(self, req: Request, budget: int) -> int:
         """Match the cached prefix, lock it, allocate the first chunk. 0 if out of memory."""
         ids = req.all_ids
@@ -118,6 +139,9 @@ class Scheduler:
         prefix, node = self.cache.match_prefix(ids[: len(ids) - 1])
         n = min(len(ids) - prefix.numel(), budget)
         self.cache.inc_lock_ref(node)
+        if not self._fits(req, len(ids) - prefix.numel()):
+            self.cache.dec_lock_ref(node)
+            return 0
         slots = self._alloc(n)
         if slots is None:
             self.cache.dec_lock_ref(node)
@@ -148,6 +172,9 @@ class Scheduler:
         if not self.running:
             return None
         self._make_room_for_decode()
+        self.new_token_ratio = max(
+            NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
         chosen = [(req, 1) for req in self.running]
         for req, _ in chosen:
             req.slots = torch.cat([req.slots, self.pool.alloc(1)])
@@ -211,6 +238,7 @@ class Scheduler:
         self.release(req)
         req.retractions += 1
         self.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + NEW_TOKEN_RATIO_AFTER_RETRACT)
         self.waiting.appendleft(req)
 
     def _cache_progress(self, req: Request) -> None:

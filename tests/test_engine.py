@@ -60,13 +60,25 @@ def test_chunked_prefill_matches_one_chunk(model_path, runtime):
 
 
 def test_memory_pressure_retracts_and_still_completes(model_path, runtime):
-    prompts = [runtime.tokenizer.encode(f"Story {i}: " + STORY * 2) for i in range(4)]
-    want = [runtime.generate(p, max_tokens=64, ignore_eos=True).token_ids for p in prompts]
-    need = sum(len(p) + 64 for p in prompts)
-    with Runtime(model_path, kv_pool_tokens=need // 2) as small:
-        outs = small.generate(prompts, max_tokens=64, ignore_eos=True)
+    prompts = [runtime.tokenizer.encode(f"Story {i}: once upon a time") for i in range(4)]
+    want = [runtime.generate(p, max_tokens=96, ignore_eos=True).token_ids for p in prompts]
+    # Room for the prompts and 60% of the outputs: admission (which expects about half of
+    # max_tokens) lets all four in, and their growth then has to be handled by retraction.
+    pool = sum(len(p) for p in prompts) + int(0.6 * 4 * 96)
+    with Runtime(model_path, kv_pool_tokens=pool) as small:
+        outs = small.generate(prompts, max_tokens=96, ignore_eos=True)
         assert [o.token_ids for o in outs] == want
         assert small.cache_stats()["retractions"] > 0
+        assert sum(o.meta["retractions"] for o in outs) > 0
+
+
+def test_small_pool_runs_fewer_at_once_without_losing_anything(model_path, runtime):
+    prompts = [runtime.tokenizer.encode(f"Story {i}: " + STORY * 2) for i in range(4)]
+    want = [runtime.generate(p, max_tokens=48, ignore_eos=True).token_ids for p in prompts]
+    need = sum(len(p) + 48 for p in prompts)
+    with Runtime(model_path, kv_pool_tokens=need // 4 + 48) as small:
+        outs = small.generate(prompts, max_tokens=48, ignore_eos=True)
+        assert [o.token_ids for o in outs] == want
 
 
 def test_sampling_seed_is_reproducible(runtime):
