@@ -157,8 +157,16 @@ class Engine:
                 log.exception("scheduling failed")
                 self._fail_all(e)
                 continue
-            if batch is not None:
+            if batch is None:
+                continue
+            try:
                 self._step(batch)
+            except Exception as e:  # e.g. detokenization: fail this batch, keep serving
+                log.exception("engine step failed")
+                for req in batch.reqs:
+                    if req.rid in self._handles:
+                        self.scheduler.drop_uncomputed(req, min(req.fill_len, req.seq_len - 1))
+                        self._finish(req, error=e)
         self._fail_all(RuntimeError("the engine was shut down"))
 
     def _drain(self, block: bool) -> bool:
