@@ -365,3 +365,50 @@ def test_decode_reference_shared_prefix_matches_naive(num_q_heads, num_kv_heads)
     out = reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, plan=plan)
     want = _naive(q, k_buf, v_buf, [1] * len(own), kv_lens, kv_indices, 0.125)
     torch.testing.assert_close(out, want.float(), **FP32_TOL)
+
+
+def test_model_forward_on_triton_kernels_equals_torch_path(monkeypatch):
+    """The model runner drives the Triton kernels (interpreted here) through the same
+    interface as the torch path: prefill, a cached-prefix extend and a batched decode."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sgl_nb.runtime.forward_batch import build_batch
+    from sgl_nb.runtime.model import Model
+    from sgl_nb.runtime.model_config import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                      max_position_embeddings=128, architectures=["Qwen2ForCausalLM"])
+    hf = Qwen2ForCausalLM(cfg)
+    model = Model(ModelConfig.from_dict(cfg.to_dict()), hf.state_dict())
+
+    def run() -> list[torch.Tensor]:
+        pool = model.new_kv_pool(64)
+        a, b = pool.alloc(12), pool.alloc(7)
+        ids_a, ids_b = list(range(3, 15)), list(range(40, 47))
+        steps = [
+            build_batch(False, [ids_a[:8], ids_b], [0, 0], [a[:8], b], [a[:8], b], "cpu"),
+            build_batch(False, [ids_a[8:11]], [8], [a[:11]], [a[8:11]], "cpu"),
+        ]
+        b2 = torch.cat([b, pool.alloc(1)])
+        steps.append(build_batch(True, [[ids_a[11]], [9]], [11, 7], [a, b2], [a[11:], b2[7:]],
+                                 "cpu"))
+        return [model.forward(fb, pool) for fb in steps]
+
+    monkeypatch.setenv("SGL_NB_ATTENTION", "torch")
+    want = run()
+    monkeypatch.setenv("SGL_NB_ATTENTION", "triton")
+    calls: list[str] = []
+    for module, name in [(decode_tt, "decode_attention"), (extend_tt, "extend_attention")]:
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    got = run()
+    assert calls.count("extend_attention") == 2 * 2 and calls.count("decode_attention") == 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
