@@ -133,6 +133,14 @@ class Engine:
             )
         return Request(list(prompt_ids), params, max_new)
 
+    def make_score_request(self, ids: list[int], start: int) -> Request:
+        """A request that returns the logprob of ids[start:] (each given what precedes it)."""
+        if not 1 <= start < len(ids):
+            raise ValueError(f"scored tokens must start in [1, {len(ids)}), got {start}")
+        req = self.make_request(ids, SamplingParams(max_tokens=1))
+        req.logprob_start = start
+        return req
+
     def submit(self, req: Request, stream: bool = False) -> RequestHandle:
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
@@ -200,10 +208,16 @@ class Engine:
         kind = "decode" if batch.is_decode else "extend"
         self.steps[kind] += 1
         self.step_seconds[kind] += time.perf_counter() - t0
+        if batch.scored:
+            logits = self._record_scores(batch, *logits)
         ready = [
             (i, r) for i, r in enumerate(batch.reqs)
             if batch.is_decode or self.scheduler.prefill_done(r)
         ]
+        for i, r in [(i, r) for i, r in ready if r.logprob_start is not None]:
+            ready.remove((i, r))
+            r.finish_reason = "score"
+            self._finish(r)
         if not ready:
             return
         rows = torch.tensor([i for i, _ in ready], device=logits.device)
@@ -218,6 +232,16 @@ class Engine:
                 handle._push(req.take_delta())
             if req.finished:
                 self._finish(req)
+
+    def _record_scores(self, batch: ScheduledBatch, last, scored_logits) -> torch.Tensor:
+        logp = torch.log_softmax(scored_logits.float(), -1)
+        row = 0
+        for req, first, n in batch.scored:
+            targets = torch.tensor(req.all_ids[first + 1 : first + 1 + n], device=logp.device)
+            got = logp[row : row + n].gather(1, targets[:, None])[:, 0]
+            req.input_logprobs.extend(got.tolist())
+            row += n
+        return last
 
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if error is not None:

@@ -26,7 +26,8 @@ class ForwardBatch:
     qo_indptr: torch.Tensor  # [B+1] int64; for decode it is arange(B+1)
     max_kv_len: int
     logits_at: torch.Tensor  # [B] int64 rows of the new tokens whose logits are wanted
-    all_logits: bool = False  # also return the logits of every new token (prompt scoring)
+    # Rows whose logits are also returned (prompt scoring: the logprob of given tokens).
+    score_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -40,7 +41,7 @@ def build_batch(
     slots: list[torch.Tensor],
     out_loc: list[torch.Tensor],
     device: torch.device,
-    all_logits: bool = False,
+    score_rows: list[int] | None = None,
 ) -> ForwardBatch:
     """tokens[b]: request b's new tokens, at positions starts[b]...; slots[b]: all its KV slots
     (prefix + new); out_loc[b]: the slots of the new tokens (the tail of slots[b])."""
@@ -64,5 +65,5 @@ def build_batch(
         qo_indptr=to(qo_indptr),
         max_kv_len=max(kv_lens),
         logits_at=to(qo_indptr[1:] - 1),
-        all_logits=all_logits,
+        score_rows=None if score_rows is None else to(torch.tensor(score_rows, dtype=torch.int64)),
     )

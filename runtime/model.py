@@ -115,7 +115,7 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
-        """Float32 logits at batch.logits_at, [B, vocab]; with all_logits, also [T, vocab]."""
+        """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
         h = self.embed[batch.input_ids]
         cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
         plan = None
@@ -135,7 +135,9 @@ class Model:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             h = residual + layer.down(F.silu(gate) * up)
         last = self._logits(h[batch.logits_at])
-        return (last, self._logits(h)) if batch.all_logits else last
+        if batch.score_rows is None:
+            return last
+        return last, self._logits(h[batch.score_rows])
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)

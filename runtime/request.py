@@ -22,6 +22,7 @@ class GenerateOutput:
     meta: dict
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs: list[float] | None = None  # scoring requests: logprob of each scored token
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     max_new_tokens: int  # params.max_tokens clipped to the context length
+    # Scoring request: no generation; the logprob of every prompt token from this position
+    # on, each given the tokens before it, is recorded and the request ends after prefill.
+    logprob_start: int | None = None
     rid: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     # KV: slots[i] holds the K/V of all_ids[i]. Invariant between steps: len(slots) == fill_len;
@@ -47,6 +51,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     retractions: int = 0
+    input_logprobs: list[float] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -128,4 +133,5 @@ class Request:
             meta=meta,
             logprobs=list(self.logprobs) if want else None,
             top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
+            input_logprobs=None if self.logprob_start is None else list(self.input_logprobs),
         )

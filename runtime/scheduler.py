@@ -35,6 +35,8 @@ class ScheduledBatch:
     reqs: list[Request]
     new_lens: list[int]  # tokens each request computes in this step
     forward: ForwardBatch
+    # Scoring requests: (request, first scored position, number of rows) in score_rows order.
+    scored: list[tuple[Request, int, int]]
 
     @property
     def is_decode(self) -> bool:
@@ -135,8 +137,10 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Match the cached prefix, lock it, allocate the first chunk. 0 if out of memory."""
         ids = req.all_ids
-        # Always leave one token to compute: its logits give the next token.
-        prefix, node = self.cache.match_prefix(ids[: len(ids) - 1])
+        # Always leave one token to compute: its logits give the next token. A scoring
+        # request also computes the token before its first scored one.
+        limit = len(ids) - 1 if req.logprob_start is None else max(req.logprob_start - 1, 0)
+        prefix, node = self.cache.match_prefix(ids[:limit])
         n = min(len(ids) - prefix.numel(), budget)
         self.cache.inc_lock_ref(node)
         if not self._fits(req, len(ids) - prefix.numel()):
@@ -198,8 +202,28 @@ class Scheduler:
         starts = [r.fill_len - n for r, n in chosen]  # slots already include the new ones
         tokens = [r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, lens)]
         out_loc = [r.slots[s:] for r, s in zip(reqs, starts)]
-        fb = build_batch(is_decode, tokens, starts, [r.slots for r in reqs], out_loc, self.device)
-        return ScheduledBatch(reqs, lens, fb)
+        rows, scored = self._score_rows(reqs, starts, lens)
+        fb = build_batch(
+            is_decode, tokens, starts, [r.slots for r in reqs], out_loc, self.device, rows
+        )
+        return ScheduledBatch(reqs, lens, fb, scored)
+
+    @staticmethod
+    def _score_rows(reqs, starts, lens) -> tuple[list[int] | None, list]:
+        """Rows (in the flattened step) whose logits score a request's next prompt token."""
+        rows: list[int] = []
+        scored = []
+        offset = 0
+        for r, start, n in zip(reqs, starts, lens):
+            if r.logprob_start is not None:
+                # Position p's logits predict token p + 1; the last token predicts nothing.
+                first = max(start, r.logprob_start - 1)
+                last = min(start + n, r.seq_len - 1)
+                if last > first:
+                    rows.extend(range(offset + first - start, offset + last - start))
+                    scored.append((r, first, last - first))
+            offset += n
+        return (rows or None), scored
 
     # ---- after a step -------------------------------------------------------------------
 

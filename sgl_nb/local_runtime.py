@@ -85,6 +85,23 @@ class Runtime:
         req = self.engine.make_request(self._token_ids(prompt), SamplingParams(**params))
         return self.engine.submit(req, stream=stream)
 
+    def score(self, prefix: str | list[int], continuations: list[str | list[int]]) -> list[
+        list[float]
+    ]:
+        """Logprob of each token of each continuation after `prefix` (prefix and continuation
+        tokenized separately). The continuations run as one batch; the prefix is computed once."""
+        pre = self._token_ids(prefix)
+        if not pre:
+            raise ValueError("score needs a non-empty prefix")
+        reqs = []
+        for c in continuations:
+            ids = self._token_ids(c)
+            if not ids:
+                raise ValueError(f"empty continuation to score: {c!r}")
+            reqs.append(self.engine.make_score_request(pre + ids, len(pre)))
+        handles = [self.engine.submit(r) for r in reqs]
+        return [h.result().input_logprobs for h in handles]
+
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             # Only the special tokens the tokenizer adds by itself (SmolLM2: none).
