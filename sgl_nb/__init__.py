@@ -1,8 +1,30 @@
-"""sgl-nb: a Jupyter-first runtime and tracing debugger for structured LLM programs."""
+"""sgl-nb: a Jupyter-first runtime and tracing debugger for structured LLM programs.
 
+Programs written for SGLang's frontend run with `import sgl_nb as sgl`.
+"""
+
+from sgl_nb.expressions import (
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
+    assistant,
+    gen,
+    gen_int,
+    gen_string,
+    select,
+    system,
+    user,
+)
+from sgl_nb.function import function, get_default_backend, set_default_backend
 from sgl_nb.local_runtime import Runtime
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.state import ProgramError, ProgramState
 
-__all__ = ["Runtime", "GenerateOutput", "SamplingParams"]
+__all__ = [
+    "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramError",
+    "ProgramState", "Runtime", "SamplingParams", "assistant", "function", "gen", "gen_int",
+    "gen_string", "get_default_backend", "select", "set_default_backend", "system", "user",
+]
 __version__ = "0.1.0"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
 from sgl_nb.runtime.engine import Engine, RequestHandle
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -45,6 +47,11 @@ class Runtime:
     @property
     def model_path(self) -> Path:
         return self.engine.model_path
+
+    @functools.cached_property
+    def chat_roles(self) -> ChatRoles:
+        """Role prefixes/suffixes from the model's own chat template (for sgl.user() etc.)."""
+        return derive_chat_roles(self.tokenizer)
 
     def generate(
         self,

@@ -1,0 +1,363 @@
+"""ProgramState: the `s` of a program. `s += expr` records a Node and queues it; a worker
+thread per state runs the queue in order on the backend, so the program's Python goes on
+at once and fork branches run side by side. Reading `s["x"]` waits for x."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sgl_nb.expressions import Gen, Role, RoleBlock, Select
+from sgl_nb.runtime.ir import Node, listing
+from sgl_nb.select_scoring import choose
+
+_state_ids = itertools.count(1)
+
+
+class _ScopeMark:
+    """Where `with s.var_scope(name):` starts or ends."""
+
+    def __init__(self, name: str, begin: bool):
+        self.name, self.begin = name, begin
+
+
+class ProgramError(RuntimeError):
+    """An exception inside a program, with the program line it came from."""
+
+
+class ProgramState:
+    def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None):
+        self.id = next(_state_ids)
+        self.backend, self.defaults, self.parent = backend, defaults, parent
+        self._text = text
+        self._fork_point = len(text)
+        self._vars: dict = {}
+        self._meta: dict = {}
+        self._messages: list[dict] = [] if parent is None else [dict(m) for m in parent._messages]
+        self._role_start: int | None = None
+        self._open_role: str | None = None  # the role a `with s.user():` block has open
+        self._scopes: dict[str, int] = {}
+        self._error: BaseException | None = None
+        self._error_line: int | None = None
+        self.nodes: list[Node] = []
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._stream: list[tuple[str | None, str]] = []  # (variable, text) as it is produced
+        self._finished = False  # set when the program body has returned and the queue drained
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name=f"sgl-state-{self.id}", daemon=True).start()
+
+    # ---- the program side ----------------------------------------------------------------
+
+    def __iadd__(self, expr) -> ProgramState:
+        self._submit(expr, sys._getframe(1))
+        return self
+
+    def _submit(self, expr, frame=None) -> None:
+        line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
+        for kind, name, detail, payload in self._to_nodes(expr):
+            node = Node(kind, self.id, [self.nodes[-1].id] if self.nodes else [], name, detail,
+                        file, line)
+            self.nodes.append(node)
+            with self._cond:
+                self._pending += 1
+            self._queue.put((node, payload))
+
+    def _to_nodes(self, expr):
+        if isinstance(expr, str):
+            return [("Text", None, {"text": expr}, expr)]
+        if isinstance(expr, _ScopeMark):
+            return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
+        if isinstance(expr, Gen):
+            if expr.regex or expr.json_schema or expr.dtype not in (None, str):
+                raise NotImplementedError(
+                    "constrained decoding (regex=, json_schema=, dtype=, gen_int) is not "
+                    "implemented yet in sgl-nb; use a plain gen with stop= for now"
+                )
+            return [("Gen", expr.name, expr.sampling(self.defaults), expr)]
+        if isinstance(expr, Select):
+            return [("Select", expr.name, {"choices": expr.choices, "method": expr.method}, expr)]
+        if isinstance(expr, RoleBlock):
+            if self._open_role is not None:
+                raise ValueError(f"nested roles: {expr.role} inside an open {self._open_role}")
+            out = [("RoleBegin", None, {"role": expr.role}, Role(expr.role, True))]
+            for part in expr.content:
+                out.extend(self._to_nodes(part))
+            return [*out, ("RoleEnd", None, {"role": expr.role}, Role(expr.role, False))]
+        if isinstance(expr, Role):
+            return [("RoleBegin" if expr.begin else "RoleEnd", None, {"role": expr.role}, expr)]
+        raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
+
+    @contextmanager
+    def _role_block(self, role: str):
+        if self._open_role is not None:
+            raise ValueError(f"nested roles: {role} inside an open {self._open_role}")
+        self._submit(Role(role, True), sys._getframe(2))
+        self._open_role = role
+        try:
+            yield self
+        finally:
+            self._open_role = None
+            self._submit(Role(role, False), sys._getframe(2))
+
+    def system(self):
+        return self._role_block("system")
+
+    def user(self):
+        return self._role_block("user")
+
+    def assistant(self):
+        return self._role_block("assistant")
+
+    @contextmanager
+    def var_scope(self, name: str):
+        self._submit(_ScopeMark(name, True))
+        try:
+            yield self
+        finally:
+            self._submit(_ScopeMark(name, False))
+
+    def fork(self, n: int) -> ForkGroup:
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        self.sync()
+        node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n})
+        node.status = "done"
+        self.nodes.append(node)
+        children = [ProgramState(self.backend, self.defaults, self._text, parent=self)
+                    for _ in range(n)]
+        for c in children:
+            c._fork_node = node.id
+        return ForkGroup(self, children, node)
+
+    # ---- reading results ---------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Wait until everything queued so far has run."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+
+    def __getitem__(self, name: str):
+        with self._cond:
+            self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
+            if name in self._vars:
+                return self._vars[name]
+        if self._error is not None:
+            raise ProgramError(f"variable {name!r} was not produced: {self._error}")
+        raise KeyError(f"unknown variable {name!r}; this program has {sorted(self._vars)}")
+
+    def __setitem__(self, name: str, value) -> None:
+        with self._cond:
+            self._vars[name] = value
+            self._cond.notify_all()
+
+    def __contains__(self, name: str) -> bool:
+        self.sync()
+        return name in self._vars
+
+    def text(self) -> str:
+        self.sync()
+        return self._text
+
+    def messages(self) -> list[dict]:
+        self.sync()
+        return [dict(m) for m in self._messages]
+
+    def variables(self) -> dict:
+        self.sync()
+        return dict(self._vars)
+
+    def get_meta_info(self, name: str) -> dict:
+        self.sync()
+        return self._meta.get(name, {})
+
+    def error(self) -> BaseException | None:
+        self.sync()
+        return self._error
+
+    def graph(self) -> str:
+        """The Nodes this program ran, each with its Instructions."""
+        self.sync()
+        return listing(self.nodes)
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Text as it is produced (only variable `var_name`'s, if given), until the end."""
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda i=i: len(self._stream) > i or self._finished)
+                items, done = self._stream[i:], self._finished and len(self._stream) <= i
+            if done:
+                return
+            i += len(items)
+            for var, chunk in items:
+                if var_name is None or var == var_name:
+                    yield chunk
+
+    async def text_async_iter(self, var_name: str | None = None):
+        import asyncio
+
+        it = self.text_iter(var_name)
+        while True:
+            chunk = await asyncio.to_thread(next, it, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
+        if error is not None and self._error is None:
+            self._set_error(error, frame_file)
+        self.sync()
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def _set_error(self, error: BaseException, file: str | None = None) -> None:
+        tb = traceback.extract_tb(error.__traceback__)
+        lines = [f.lineno for f in tb if file is None or f.filename == file]
+        self._error_line = lines[-1] if lines else None
+        self._error = error
+
+    @property
+    def error_line(self) -> int | None:
+        return self._error_line
+
+    def __repr__(self) -> str:
+        return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
+
+    # ---- the worker ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            node, payload = self._queue.get()
+            if self._error is not None:
+                node.status = "skipped"
+            else:
+                node.status = "running"
+                try:
+                    self._execute(node, payload)
+                    node.status = "done"
+                except Exception as e:  # the program fails; the engine and others go on
+                    node.status = "error"
+                    self._set_error(e, node.file)
+                    self._error_line = node.line
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        with self._cond:
+            self._text += text
+            self._stream.append((var, text))
+            self._cond.notify_all()
+
+    def _execute(self, node: Node, payload) -> None:
+        if node.kind == "Text":
+            self._append(payload)
+        elif node.kind in ("RoleBegin", "RoleEnd"):
+            self._role_marker(node, payload)
+        elif node.kind == "Gen":
+            self._gen(node, payload)
+        elif node.kind == "Select":
+            self._select(node, payload)
+        elif node.kind == "VarScope":
+            self._scope(payload)
+
+    def _role_marker(self, node: Node, mark: Role) -> None:
+        roles = self.backend.chat_roles
+        if mark.begin:
+            if not self._messages and mark.role != "system" and self._text == "":
+                self._append(roles.default_system)
+            self._append(roles.prefix[mark.role])
+            self._role_start = len(self._text)
+        else:
+            content = self._text[self._role_start:]
+            self._messages.append({"role": mark.role, "content": content})
+            self._append(roles.suffix[mark.role])
+        node.detail["text"] = roles.prefix[mark.role] if mark.begin else roles.suffix[mark.role]
+
+    def _gen(self, node: Node, g: Gen) -> None:
+        out = ""
+        handle = self.backend.submit(self._text, stream=True, **node.detail)
+        for chunk in handle.chunks():
+            out += chunk
+            self._append(chunk, g.name)
+        result = handle.result()
+        if g.name is not None:
+            self[g.name] = out
+            self._meta[g.name] = result.meta
+
+    def _select(self, node: Node, sel: Select) -> None:
+        scores = self.backend.score(self._text, sel.choices)
+        uncond = None
+        if sel.method == "unconditional_likelihood_normalized":
+            uncond = self.backend.score(self.backend.tokenizer.bos_token or "\n", sel.choices)
+        index, meta = choose(sel.method, scores, uncond)
+        self._append(sel.choices[index], sel.name)
+        if sel.name is not None:
+            self._meta[sel.name] = {"choices": sel.choices, **meta}
+            self[sel.name] = sel.choices[index]
+
+    def _scope(self, mark: _ScopeMark) -> None:
+        if mark.begin:
+            self._scopes[mark.name] = len(self._text)
+        else:
+            self[mark.name] = self._text[self._scopes.pop(mark.name):]
+
+
+class ForkGroup:
+    """The branches of `s.fork(n)`: `forks[i] += ...`, `forks += lambda i: ...`, `join()`."""
+
+    def __init__(self, parent: ProgramState, states: list[ProgramState], node: Node):
+        self.parent, self.states, self.node = parent, states, node
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        if value is not self.states[i]:
+            raise TypeError("assign fork branches with `forks[i] += ...`")
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __iadd__(self, other) -> ForkGroup:
+        frame = sys._getframe(1)
+        for i, s in enumerate(self.states):
+            s._submit(other(i) if callable(other) else other, frame)
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(
+                f"join mode must be gather_variable or concate_and_append, got {mode!r}"
+            )
+        for s in self.states:
+            s.sync()
+        p = self.parent
+        preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
+        node = Node("Join", p.id, preds, None, {"mode": mode})
+        for s in self.states:
+            p.nodes.extend(s.nodes)  # the branches' Nodes belong to the parent's graph
+        p.nodes.append(node)
+        errors = [s._error for s in self.states if s._error is not None]
+        if errors:
+            node.status = "error"
+            p._set_error(errors[0])
+            p._error_line = next(s._error_line for s in self.states if s._error is not None)
+            return
+        if mode == "concate_and_append":
+            p._submit("".join(s._text[s._fork_point:] for s in self.states))
+        else:
+            names = {k for s in self.states for k in s._vars}
+            for k in names:
+                p[k] = [s._vars.get(k) for s in self.states]
+        node.status = "done"

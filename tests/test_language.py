@@ -1,0 +1,207 @@
+"""SGLang-style programs on our engine: roles, select, fork/join, var_scope, streaming,
+async, batches and errors. Uses the session's real Runtime as the default backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import sgl_nb as sgl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def backend(runtime):
+    sgl.set_default_backend(runtime)
+    yield runtime
+
+
+@sgl.function
+def qa(s, question):
+    s += sgl.system("You are terse.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=16))
+
+
+def test_roles_follow_the_chat_template(runtime):
+    st = qa.run(question="What is the capital of France?")
+    want = runtime.apply_chat_template([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ])
+    assert st.text().startswith(want)
+    assert st.messages()[:2] == [{"role": "system", "content": "You are terse."},
+                                 {"role": "user", "content": "What is the capital of France?"}]
+    assert st.messages()[2] == {"role": "assistant", "content": st["answer"]}
+    # Same tokens as asking the engine directly with the same prompt.
+    assert st["answer"] == runtime.generate(want, max_tokens=16).text
+
+
+def test_with_blocks_and_default_system_prompt(runtime):
+    @sgl.function
+    def chat(s):
+        with s.user():
+            s += "Say hi."
+        with s.assistant():
+            s += sgl.gen("reply", max_tokens=8)
+
+    st = chat.run()
+    want = runtime.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    assert st.text().startswith(want)  # the template's own default system prompt first
+    assert [m["role"] for m in st.messages()] == ["user", "assistant"]
+
+
+def test_nested_roles_are_rejected():
+    @sgl.function
+    def nested(s):
+        with s.user():
+            with s.assistant():
+                s += "x"
+
+    st = nested.run()
+    assert isinstance(st.error(), ValueError) and "nested roles" in str(st.error())
+
+
+def test_select_scores_equal_transformers(runtime, hf_model):
+    @sgl.function
+    def pick(s):
+        s += "Q: What colour is a ripe banana?\nA: It is"
+        s += sgl.select("colour", [" yellow", " blue", " bright purple"])
+
+    st = pick.run()
+    meta = st.get_meta_info("colour")
+    tok = runtime.tokenizer
+    pre = tok.encode("Q: What colour is a ripe banana?\nA: It is")
+    for choice, got in zip(meta["choices"], meta["normalized_prompt_logprobs"]):
+        ids = pre + tok.encode(choice)
+        with torch.inference_mode():
+            lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        want = sum(lp[p - 1, ids[p]].item() for p in range(len(pre), len(ids)))
+        assert abs(got - want / (len(ids) - len(pre))) < 1e-4
+    best = max(range(3), key=lambda i: meta["normalized_prompt_logprobs"][i])
+    assert st["colour"] == meta["choices"][best]
+    assert st.text().endswith(st["colour"])
+
+
+@pytest.mark.parametrize("method", ["greedy_token_selection",
+                                    "unconditional_likelihood_normalized"])
+def test_other_select_methods(method):
+    @sgl.function
+    def pick(s):
+        s += "The opposite of hot is"
+        s += sgl.select("x", [" cold", " warm", " banana"], choices_method=method)
+
+    st = pick.run()
+    assert st["x"] in (" cold", " warm", " banana") and st.error() is None
+    assert len(st.get_meta_info("x")["scores"]) == 3
+
+
+def test_fork_gather_and_concatenate(runtime):
+    @sgl.function
+    def ideas(s):
+        s += "Three hobbies, one per line:\n"
+        forks = s.fork(3)
+        forks += lambda i: f"{i + 1}."
+        forks += sgl.gen("hobby", max_tokens=6, stop="\n")
+        forks.join()
+        with s.var_scope("summary"):
+            s += "Chosen: " + ", ".join(h.strip() for h in s["hobby"])
+
+    st = ideas.run()
+    assert isinstance(st["hobby"], list) and len(st["hobby"]) == 3
+    assert st["summary"].startswith("Chosen: ") and st.text().endswith(st["summary"])
+
+    @sgl.function
+    def encode_parallel(s):
+        s += "Notes:"
+        forks = s.fork(2)
+        forks[0] += " alpha"
+        forks[1] += " beta"
+        forks.join(mode="concate_and_append")
+        s += " end"
+
+    assert encode_parallel.run().text() == "Notes: alpha beta end"
+
+
+def test_fork_of_eight_holds_the_prefix_once(runtime):
+    runtime.engine.cache.reset()
+    prefix = "The history of the lighthouse on the northern cape. " * 50
+
+    @sgl.function
+    def fan(s):
+        s += prefix
+        forks = s.fork(8)
+        forks += lambda i: f" Chapter {i}:"
+        forks += sgl.gen("c", max_tokens=4)
+        forks.join()
+
+    n_prefix = len(runtime.tokenizer.encode(prefix))
+    assert n_prefix >= 500
+    st = fan.run()
+    assert st.error() is None and len(st["c"]) == 8
+    # Eight branches, but the pool holds the prefix's KV once (plus small suffixes).
+    assert runtime.engine.pool.used() < n_prefix + 8 * 20
+
+
+def test_streaming_and_async(runtime):
+    st = qa.run(question="Name a colour.", stream=True)
+    chunks = list(st.text_iter("answer"))
+    assert "".join(chunks) == st["answer"] and len(chunks) > 1
+
+    fut = qa.run_async(question="Name an animal.")
+    streamed = "".join(fut.stream("answer"))
+    state = fut.result()
+    assert fut.done() and streamed == state["answer"]
+
+    async def main():
+        return await qa.run_async(question="Name a fruit.")
+
+    assert asyncio.run(main())["answer"]
+
+
+def test_run_batch_shares_the_prefix(runtime):
+    runtime.engine.cache.reset()
+    before = runtime.engine.scheduler.cached_prompt_tokens
+    states = qa.run_batch([{"question": f"What is {i} plus {i}?"} for i in range(6)],
+                          progress_bar=False)
+    assert all(s.error() is None and s["answer"] for s in states)
+    # The shared system turn is computed once, then read from the cache.
+    assert runtime.engine.scheduler.cached_prompt_tokens - before >= 5 * 10
+
+
+def test_exception_inside_program_keeps_its_line():
+    @sgl.function
+    def broken(s):
+        s += "Hello"
+        raise RuntimeError("boom in the program")
+
+    st = broken.run()
+    assert isinstance(st.error(), RuntimeError)
+    assert st.error_line == broken.func.__code__.co_firstlineno + 3
+    assert qa.run(question="Still fine?")["answer"]  # others unaffected
+
+
+def test_unknown_variable_and_bad_expressions():
+    st = qa.run(question="Hi")
+    with pytest.raises(KeyError, match="unknown variable 'nope'"):
+        st["nope"]
+    with pytest.raises(ValueError, match="choices"):
+        sgl.select("x", [])
+    with pytest.raises(ValueError, match="choices_method"):
+        sgl.select("x", ["a"], choices_method="vibes")
+
+    @sgl.function
+    def constrained(s):
+        s += sgl.gen("n", regex=sgl.REGEX_INT)
+
+    assert isinstance(constrained.run().error(), NotImplementedError)
+
+
+def test_graph_lists_nodes_and_instructions():
+    st = qa.run(question="Hi")
+    g = st.graph()
+    for kind in ("RoleBegin system", "Text 'Hi'", "Gen answer", "Extend", "Decode"):
+        assert kind in g
