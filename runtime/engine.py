@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.model_loader import resolve_model_path
 from sgl_nb.runtime.radix_cache import RadixCache
@@ -91,6 +92,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, self.cache, self.device, max_prefill_tokens, max_running
         )
+        self._grammars: GrammarCompilerCache | None = None
+        self._grammar_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         self._stopping = False
@@ -131,7 +134,19 @@ class Engine:
                 f"> pool capacity {self.pool.capacity} tokens; lower max_tokens or raise "
                 "kv_pool_tokens"
             )
-        return Request(list(prompt_ids), params, max_new)
+        req = Request(list(prompt_ids), params, max_new)
+        if params.regex is not None or params.json_schema is not None:
+            req.grammar = self.grammars().matcher(params.regex, params.json_schema)
+        return req
+
+    def grammars(self) -> GrammarCompilerCache:
+        """Built on first use: reading the vocabulary into xgrammar takes a moment."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompilerCache(
+                    self.tokenizer, self.config.vocab_size, list(self.eos_ids)
+                )
+            return self._grammars
 
     def make_score_request(self, ids: list[int], start: int) -> Request:
         """A request that returns the logprob of ids[start:] (each given what precedes it)."""
@@ -222,9 +237,11 @@ class Engine:
             return
         rows = torch.tensor([i for i, _ in ready], device=logits.device)
         reqs = [r for _, r in ready]
-        sampled = sample(
-            logits[rows].float().cpu(), [r.params for r in reqs], [r.generator for r in reqs]
-        )
+        rows_logits = logits[rows].float().cpu()
+        for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                r.grammar.mask(rows_logits[i])
+        sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req, s in zip(reqs, sampled):
             req.append(s, self.eos_ids, self.tokenizer)
             handle = self._handles.get(req.rid)

@@ -43,6 +43,7 @@ class Request:
     last_node: object | None = None
     prompt_cached_tokens: int = -1  # tokens of the prompt found in the cache at first admission
     generator: torch.Generator | None = None
+    grammar: object | None = None  # runtime.grammar.Grammar when regex / json_schema is set
     text: str = ""
     sent_len: int = 0  # characters of text already streamed
     finish_reason: str | None = None
@@ -85,6 +86,8 @@ class Request:
             self.logprobs.append(s.logprob)
             if p.top_logprobs:
                 self.top_logprobs.append(s.top)
+        if self.grammar is not None:
+            self.grammar.accept(s.token)
         if s.token in p.stop_token_ids or (not p.ignore_eos and s.token in eos_ids):
             self.finish_reason, self.matched_stop = "stop", s.token
             self.text = tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True)
@@ -96,7 +99,9 @@ class Request:
             if at >= 0:
                 self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", stop
                 return
-        if len(self.output_ids) >= self.max_new_tokens:
+        if self.grammar is not None and self.grammar.done():
+            self.finish_reason = "stop"  # the output is complete: nothing else would match
+        elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
 
     def take_delta(self) -> str:

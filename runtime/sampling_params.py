@@ -18,6 +18,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and the k most likely alternatives at each step
+    regex: str | None = None  # constrain the output to this regex ...
+    json_schema: str | dict | None = None  # ... or to JSON matching this schema
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +46,8 @@ class SamplingParams:
             bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.regex is not None and self.json_schema is not None:
+            bad("give regex or json_schema, not both")
         if self.top_logprobs < 0:
             bad(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

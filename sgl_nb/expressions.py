@@ -10,6 +10,8 @@ REGEX_FLOAT = r"-?\d+(\.\d+)?([eE][-+]?\d+)?"
 REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""  # a quoted string, as SGLang's frontend defines it
 
+DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
+
 SELECT_METHODS = (
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
 )
@@ -41,7 +43,20 @@ class Gen:
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["ignore_eos"] = self.ignore_eos
         out.setdefault("max_tokens", 128)
+        regex = self.regex if self.regex is not None else DTYPE_REGEX.get(self.dtype)
+        if regex is not None:
+            out["regex"] = regex
+        elif self.json_schema is not None:
+            out["json_schema"] = self.json_schema
         return out
+
+    def convert(self, text: str):
+        """The variable's value: the text, or the number / bool it spells for dtype=."""
+        if self.dtype in (int, float):
+            return self.dtype(text)
+        if self.dtype is bool:
+            return text == "True"
+        return text
 
 
 @dataclass

@@ -67,6 +67,8 @@ class Runtime:
         ignore_eos: bool = False,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        regex: str | None = None,
+        json_schema: str | dict | None = None,
         stream: bool = False,
     ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
         """Generate from a string or a list of token ids; a list of those is a batch."""
@@ -74,6 +76,7 @@ class Runtime:
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop=stop or [], stop_token_ids=stop_token_ids or [],
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+            regex=regex, json_schema=json_schema,
         )
         batch = _is_batch(prompt)
         if batch and stream:
@@ -108,6 +111,10 @@ class Runtime:
             reqs.append(self.engine.make_score_request(pre + ids, len(pre)))
         handles = [self.engine.submit(r) for r in reqs]
         return [h.result().input_logprobs for h in handles]
+
+    def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None:
+        """Raise GrammarError (a ValueError naming the pattern) if it does not compile."""
+        self.engine.grammars().matcher(regex, json_schema)
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

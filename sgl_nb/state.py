@@ -74,12 +74,12 @@ class ProgramState:
         if isinstance(expr, _ScopeMark):
             return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
         if isinstance(expr, Gen):
-            if expr.regex or expr.json_schema or expr.dtype not in (None, str):
-                raise NotImplementedError(
-                    "constrained decoding (regex=, json_schema=, dtype=, gen_int) is not "
-                    "implemented yet in sgl-nb; use a plain gen with stop= for now"
-                )
-            return [("Gen", expr.name, expr.sampling(self.defaults), expr)]
+            params = expr.sampling(self.defaults)
+            if "regex" in params or "json_schema" in params:
+                # Compiled here, in the program's thread: a bad pattern fails at its line,
+                # before any token is generated.
+                self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
+            return [("Gen", expr.name, params, expr)]
         if isinstance(expr, Select):
             return [("Select", expr.name, {"choices": expr.choices, "method": expr.method}, expr)]
         if isinstance(expr, RoleBlock):
@@ -289,8 +289,8 @@ class ProgramState:
             self._append(chunk, g.name)
         result = handle.result()
         if g.name is not None:
-            self[g.name] = out
             self._meta[g.name] = result.meta
+            self[g.name] = g.convert(out)
 
     def _select(self, node: Node, sel: Select) -> None:
         scores = self.backend.score(self._text, sel.choices)

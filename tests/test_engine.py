@@ -194,3 +194,23 @@ def test_cache_stats(runtime):
     s = runtime.cache_stats()
     assert s["cached_prompt_tokens"] > 0 and 0 < s["prompt_hit_rate"] <= 1
     assert s["kv_pool_capacity"] == runtime.engine.pool.capacity
+
+
+def test_regex_and_json_schema_constrain_the_output(runtime):
+    import json
+    import re
+
+    out = runtime.generate("The year the first moon landing happened:", regex=r" ?[0-9]{4}",
+                           max_tokens=8)
+    assert re.fullmatch(r" ?[0-9]{4}", out.text) and out.meta["finish_reason"] == "stop"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+              "required": ["ok", "tags"]}
+    chat = runtime.apply_chat_template([{"role": "user", "content": "Reply in JSON."}])
+    value = json.loads(runtime.generate(chat, json_schema=schema, max_tokens=64).text)
+    assert isinstance(value["ok"], bool) and isinstance(value["tags"], list)
+    with pytest.raises(ValueError, match=r"invalid regex '\(ab'"):
+        runtime.generate("x", regex="(ab")
+    with pytest.raises(ValueError, match="invalid JSON schema"):
+        runtime.generate("x", json_schema="{not json")

@@ -193,11 +193,41 @@ def test_unknown_variable_and_bad_expressions():
     with pytest.raises(ValueError, match="choices_method"):
         sgl.select("x", ["a"], choices_method="vibes")
 
-    @sgl.function
-    def constrained(s):
-        s += sgl.gen("n", regex=sgl.REGEX_INT)
 
-    assert isinstance(constrained.run().error(), NotImplementedError)
+def test_constrained_gen_int_regex_and_json():
+    import json
+    import re
+
+    @sgl.function
+    def facts(s):
+        s += "Q: How many legs does a spider have?\nA: "
+        s += sgl.gen_int("legs", max_tokens=4)
+        s += "\nQ: Write a date as YYYY-MM-DD.\nA: "
+        s += sgl.gen("date", regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}", max_tokens=16)
+        s += "\nQ: Describe a city as JSON.\nA: "
+        s += sgl.gen("city", max_tokens=80, json_schema={
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+            "required": ["name", "population"],
+        })
+
+    st = facts.run()
+    assert st.error() is None, st.error()
+    assert isinstance(st["legs"], int)
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", st["date"])
+    city = json.loads(st["city"])
+    assert isinstance(city["name"], str) and isinstance(city["population"], int)
+
+
+def test_invalid_regex_fails_before_any_token():
+    @sgl.function
+    def bad(s):
+        s += "Number:"
+        s += sgl.gen("n", regex="[0-9")
+
+    st = bad.run()
+    assert isinstance(st.error(), ValueError) and "[0-9" in str(st.error())
+    assert st.text() == "Number:"
 
 
 def test_graph_lists_nodes_and_instructions():

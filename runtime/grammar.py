@@ -1,0 +1,65 @@
+"""Constrained decoding: a regex or JSON schema compiled by xgrammar into a matcher that
+masks, at every step, the tokens that cannot continue a valid output."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+
+class GrammarError(ValueError):
+    """An invalid regex or JSON schema (the message names the pattern)."""
+
+
+class GrammarCompilerCache:
+    """One xgrammar compiler per tokenizer; compiled grammars are cached by pattern."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self._compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+
+    def matcher(self, regex: str | None, json_schema: str | dict | None) -> Grammar:
+        """Compile (in the caller's thread, so errors come before any token is made)."""
+        try:
+            with self._lock:
+                if regex is not None:
+                    compiled = self._compiler.compile_regex(regex)
+                else:
+                    schema = json_schema if isinstance(json_schema, str) else json.dumps(
+                        json_schema)
+                    compiled = self._compiler.compile_json_schema(schema)
+        except Exception as e:
+            what = f"regex {regex!r}" if regex is not None else f"JSON schema {json_schema!r}"
+            raise GrammarError(f"invalid {what}: {e}") from e
+        return Grammar(self._xgr, self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+class Grammar:
+    """The matcher of one request: mask the logits, then accept the token sampled."""
+
+    def __init__(self, xgr, matcher, vocab_size: int):
+        self._xgr, self.matcher, self.vocab_size = xgr, matcher, vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [vocab] float32 on the CPU; masked in place and returned."""
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        row = logits[None, :]
+        self._xgr.apply_token_bitmask_inplace(row, self._bitmask)
+        return logits
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"grammar rejected token {token} that its own mask allowed")
+
+    def done(self) -> bool:
+        return self.matcher.is_terminated()
