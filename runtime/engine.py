@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.model_loader import resolve_model_path
@@ -28,6 +29,10 @@ from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("sgl_nb.engine")
 _DONE = object()
+_WAKE = object()
+# While every runnable request is held by a step controller, look again this often (a
+# grant also wakes the loop at once).
+STALLED_POLL_S = 0.05
 
 
 class EngineError(RuntimeError):
@@ -92,6 +97,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, self.cache, self.device, max_prefill_tokens, max_running
         )
+        self.events = EventBus()
         self._grammars: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -171,8 +177,13 @@ class Engine:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        stalled = False  # work exists but none may run now (a stepped program is held)
         while True:
-            if not self._drain(block=not self.scheduler.has_work()):
+            if stalled:
+                wait = STALLED_POLL_S
+            else:
+                wait = None if not self.scheduler.has_work() else 0
+            if not self._drain(wait):
                 break
             try:
                 batch = self.scheduler.schedule()
@@ -180,6 +191,7 @@ class Engine:
                 log.exception("scheduling failed")
                 self._fail_all(e)
                 continue
+            stalled = batch is None
             if batch is None:
                 continue
             try:
@@ -192,18 +204,24 @@ class Engine:
                         self._finish(req, error=e)
         self._fail_all(RuntimeError("the engine was shut down"))
 
-    def _drain(self, block: bool) -> bool:
-        """Move submitted requests into the scheduler; False once shut down."""
+    def _drain(self, timeout: float | None) -> bool:
+        """Move submitted requests into the scheduler, waiting up to timeout (None: until
+        something arrives) for the first; False once shut down."""
         try:
-            item = self._inbox.get(timeout=None if block else 0)
+            item = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
             while True:
                 if item is None:
                     return False
-                self._handles[item.req.rid] = item
-                self.scheduler.add(item.req)
+                if item is not _WAKE:
+                    self._handles[item.req.rid] = item
+                    self.scheduler.add(item.req)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return True
+
+    def wake(self) -> None:
+        """Re-check held work now (a step controller granted a step)."""
+        self._inbox.put(_WAKE)
 
     def _step(self, batch: ScheduledBatch) -> None:
         computed = [r.fill_len - n for r, n in zip(batch.reqs, batch.new_lens)]
@@ -244,6 +262,8 @@ class Engine:
         sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req, s in zip(reqs, sampled):
             req.append(s, self.eos_ids, self.tokenizer)
+            self.events.emit("token", request=req.rid, data={"token": s.token,
+                                                             "logprob": s.logprob})
             handle = self._handles.get(req.rid)
             if handle is not None:
                 handle._push(req.take_delta())

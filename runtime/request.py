@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ class Request:
     prompt_cached_tokens: int = -1  # tokens of the prompt found in the cache at first admission
     generator: torch.Generator | None = None
     grammar: object | None = None  # runtime.grammar.Grammar when regex / json_schema is set
+    gate: Callable[[], bool] | None = None  # a step controller's "may it decode now?"
     text: str = ""
     sent_len: int = 0  # characters of text already streamed
     finish_reason: str | None = None

@@ -175,11 +175,15 @@ class Scheduler:
     def _decode_batch(self) -> ScheduledBatch | None:
         if not self.running:
             return None
+        # A request held by a step controller sits out this step (and keeps its KV).
+        ready = [r for r in self.running if r.gate is None or r.gate()]
+        if not ready:
+            return None
         self._make_room_for_decode()
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        chosen = [(req, 1) for req in self.running]
+        chosen = [(req, 1) for req in ready if req in self.running]
         for req, _ in chosen:
             req.slots = torch.cat([req.slots, self.pool.alloc(1)])
         return self._make(True, chosen)

@@ -90,10 +90,18 @@ class Runtime:
         outs = [h.result() for h in handles]
         return outs if batch else outs[0]
 
-    def submit(self, prompt: str | list[int], stream: bool = False, **params) -> RequestHandle:
-        """Start one request and return at once; the handle's .result() waits for it."""
+    def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
+               **params) -> RequestHandle:
+        """Start one request and return at once; the handle's .result() waits for it.
+        `gate`, if given, is asked before each decode step whether the request may go on."""
         req = self.engine.make_request(self._token_ids(prompt), SamplingParams(**params))
+        req.gate = gate
         return self.engine.submit(req, stream=stream)
+
+    @property
+    def events(self):
+        """The engine's event stream: .subscribe() gives a queue of runtime Events."""
+        return self.engine.events
 
     def score(self, prefix: str | list[int], continuations: list[str | list[int]]) -> list[
         list[float]

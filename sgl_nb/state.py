@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 from sgl_nb.expressions import Gen, Role, RoleBlock, Select
 from sgl_nb.runtime.ir import Node, listing
+from sgl_nb.runtime.passes import is_static_select
+from sgl_nb.runtime.step_controller import StepController
 from sgl_nb.select_scoring import choose
 
 _state_ids = itertools.count(1)
@@ -31,9 +33,16 @@ class ProgramError(RuntimeError):
 
 
 class ProgramState:
-    def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None):
+    def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
+                 debug: StepController | None = None, passes: frozenset[str] = frozenset()):
         self.id = next(_state_ids)
+        self.passes = passes
+        self.pass_counts: dict[str, int] = {}
+        self._held_text: Node | None = None  # a Text node not queued yet (fuse_text)
+        self._submit_lock = threading.RLock()  # the program and a reader may both flush
         self.backend, self.defaults, self.parent = backend, defaults, parent
+        self.debug = debug  # the step controller, when the program runs under the debugger
+        self.events = getattr(backend, "events", None)
         self._text = text
         self._fork_point = len(text)
         self._vars: dict = {}
@@ -61,12 +70,39 @@ class ProgramState:
     def _submit(self, expr, frame=None) -> None:
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         for kind, name, detail, payload in self._to_nodes(expr):
-            node = Node(kind, self.id, [self.nodes[-1].id] if self.nodes else [], name, detail,
-                        file, line)
-            self.nodes.append(node)
-            with self._cond:
-                self._pending += 1
-            self._queue.put((node, payload))
+            with self._submit_lock:
+                if kind == "Text" and self._fuse_text(detail["text"]):
+                    continue
+                node = Node(kind, self.id, [self.nodes[-1].id] if self.nodes else [], name,
+                            detail, file, line)
+                self.nodes.append(node)
+                self._flush_text()
+                if kind == "Text" and "fuse_text" in self.passes:
+                    self._held_text = node  # more text may join it before it is queued
+                    continue
+                self._enqueue(node, payload)
+
+    def _fuse_text(self, text: str) -> bool:
+        """The fuse_text pass, as the program runs: text added right after text becomes one
+        Text node (one Extend instead of several)."""
+        held = self._held_text
+        if held is None:
+            return False
+        held.detail["text"] += text
+        held.detail["fused"] = held.detail.get("fused", 1) + 1
+        self.pass_counts["fuse_text"] = self.pass_counts.get("fuse_text", 0) + 1
+        return True
+
+    def _flush_text(self) -> None:
+        with self._submit_lock:
+            held, self._held_text = self._held_text, None
+            if held is not None:
+                self._enqueue(held, held.detail["text"])
+
+    def _enqueue(self, node: Node, payload) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put((node, payload))
 
     def _to_nodes(self, expr):
         if isinstance(expr, str):
@@ -75,7 +111,7 @@ class ProgramState:
             return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
         if isinstance(expr, Gen):
             params = expr.sampling(self.defaults)
-            if "regex" in params or "json_schema" in params:
+            if self.backend is not None and ("regex" in params or "json_schema" in params):
                 # Compiled here, in the program's thread: a bad pattern fails at its line,
                 # before any token is generated.
                 self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
@@ -129,8 +165,9 @@ class ProgramState:
         node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n})
         node.status = "done"
         self.nodes.append(node)
-        children = [ProgramState(self.backend, self.defaults, self._text, parent=self)
-                    for _ in range(n)]
+        self._emit("fork", node=node.id, data={"n": n})
+        children = [ProgramState(self.backend, self.defaults, self._text, parent=self,
+                                 debug=self.debug, passes=self.passes) for _ in range(n)]
         for c in children:
             c._fork_node = node.id
         return ForkGroup(self, children, node)
@@ -139,10 +176,12 @@ class ProgramState:
 
     def sync(self) -> None:
         """Wait until everything queued so far has run."""
+        self._flush_text()
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
 
     def __getitem__(self, name: str):
+        self._flush_text()
         with self._cond:
             self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
             if name in self._vars:
@@ -210,9 +249,9 @@ class ProgramState:
             yield chunk
 
     def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
+        self.sync()  # what the program queued before it failed still runs: nothing is lost
         if error is not None and self._error is None:
             self._set_error(error, frame_file)
-        self.sync()
         with self._cond:
             self._finished = True
             self._cond.notify_all()
@@ -232,13 +271,22 @@ class ProgramState:
 
     # ---- the worker ----------------------------------------------------------------------
 
+    def _emit(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.emit(kind, program=self.id, **fields)
+
     def _work(self) -> None:
         while True:
             node, payload = self._queue.get()
             if self._error is not None:
                 node.status = "skipped"
             else:
+                if self.debug is not None:
+                    self.debug.before_node(node)
                 node.status = "running"
+                self._emit("node_started", node=node.id, data={"kind": node.kind,
+                                                               "name": node.name,
+                                                               "line": node.line})
                 try:
                     self._execute(node, payload)
                     node.status = "done"
@@ -246,6 +294,11 @@ class ProgramState:
                     node.status = "error"
                     self._set_error(e, node.file)
                     self._error_line = node.line
+                    self._emit("error", node=node.id, data={"error": repr(e),
+                                                            "line": node.line})
+                self._emit("node_finished", node=node.id, data={"status": node.status})
+                if self.debug is not None:
+                    self.debug.after_node(node)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -258,7 +311,7 @@ class ProgramState:
 
     def _execute(self, node: Node, payload) -> None:
         if node.kind == "Text":
-            self._append(payload)
+            self._append(node.detail["text"])
         elif node.kind in ("RoleBegin", "RoleEnd"):
             self._role_marker(node, payload)
         elif node.kind == "Gen":
@@ -283,7 +336,11 @@ class ProgramState:
 
     def _gen(self, node: Node, g: Gen) -> None:
         out = ""
-        handle = self.backend.submit(self._text, stream=True, **node.detail)
+        gate = None
+        if self.debug is not None:
+            gate = self.debug.may_decode
+            self.debug._wake_engine = self.backend.engine.wake
+        handle = self.backend.submit(self._text, stream=True, gate=gate, **node.detail)
         for chunk in handle.chunks():
             out += chunk
             self._append(chunk, g.name)
@@ -293,6 +350,15 @@ class ProgramState:
             self[g.name] = g.convert(out)
 
     def _select(self, node: Node, sel: Select) -> None:
+        if "static_select" in self.passes and is_static_select(node):
+            # Decided without the model: no Score instruction runs.
+            self.pass_counts["static_select"] = self.pass_counts.get("static_select", 0) + 1
+            node.detail["resolved"] = "static"
+            self._append(sel.choices[0], sel.name)
+            if sel.name is not None:
+                self._meta[sel.name] = {"choices": sel.choices, "resolved": "static"}
+                self[sel.name] = sel.choices[0]
+            return
         scores = self.backend.score(self._text, sel.choices)
         uncond = None
         if sel.method == "unconditional_likelihood_normalized":

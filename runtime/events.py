@@ -1,0 +1,72 @@
+"""The one stream of runtime events that tracing and the views consume.
+
+Publishing never blocks the engine: each subscriber gets its own unbounded queue (lossless;
+a view that falls behind coalesces on its side), or a callback that must return at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+EVENT_KINDS = (
+    "program_started", "program_finished", "node_started", "node_finished",
+    "instruction_started", "instruction_finished", "token", "cache_hit", "cache_insert",
+    "cache_evict", "fork", "join", "paused", "resumed", "error",
+)
+
+
+@dataclass
+class Event:
+    kind: str
+    program: int | None = None  # program state id
+    node: int | None = None
+    request: int | None = None  # engine request id
+    data: dict = field(default_factory=dict)
+    ts: int = field(default_factory=time.monotonic_ns)
+    seq: int = 0  # set by the bus: the order events were published in
+
+    def __post_init__(self) -> None:
+        assert self.kind in EVENT_KINDS, self.kind
+
+
+class EventBus:
+    def __init__(self):
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._queues: list[queue.SimpleQueue] = []
+        self._callbacks: list[Callable[[Event], None]] = []
+
+    def subscribe(self, callback: Callable[[Event], None] | None = None):
+        """A queue of every event from now on; or, with a callback, call it for each one."""
+        with self._lock:
+            if callback is not None:
+                self._callbacks.append(callback)
+                return callback
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self._queues.append(q)
+            return q
+
+    def unsubscribe(self, handle) -> None:
+        with self._lock:
+            for group in (self._queues, self._callbacks):
+                if handle in group:
+                    group.remove(handle)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            event.seq = next(self._seq)
+            queues, callbacks = list(self._queues), list(self._callbacks)
+        for q in queues:
+            q.put(event)
+        for cb in callbacks:
+            cb(event)
+
+    def emit(self, kind: str, **fields) -> None:
+        if self._queues or self._callbacks:
+            self.publish(Event(kind, **fields))
+

@@ -1,0 +1,74 @@
+"""Compiler passes over a program's Nodes. Each returns what it changed, so tests and the
+debugger can say which pass did what; none changes the program's output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_nb.runtime.ir import Node
+
+ALL_PASSES = ("fuse_text", "static_select", "shared_prefix")
+
+
+@dataclass
+class PassReport:
+    name: str
+    changed: int  # nodes merged / selects resolved / programs sharing a prefix
+    detail: str = ""
+
+
+def check_passes(passes) -> frozenset[str]:
+    chosen = frozenset(ALL_PASSES if passes is None else passes)
+    unknown = chosen - set(ALL_PASSES)
+    if unknown:
+        raise ValueError(f"unknown passes {sorted(unknown)}; available: {ALL_PASSES}")
+    return chosen
+
+
+def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
+    """Adjacent Text nodes of one program become one (one Extend instead of several)."""
+    out: list[Node] = []
+    merged = 0
+    for n in nodes:
+        prev = out[-1] if out else None
+        if (n.kind == "Text" and prev is not None and prev.kind == "Text"
+                and prev.program == n.program and n.preds == [prev.id]):
+            prev.detail["text"] += n.detail["text"]
+            prev.detail["fused"] = prev.detail.get("fused", 1) + 1
+            merged += 1
+            continue
+        out.append(n)
+    return out, PassReport("fuse_text", merged)
+
+
+def is_static_select(node: Node) -> bool:
+    """A select whose answer is known without the model: one choice."""
+    return node.kind == "Select" and len(node.detail["choices"]) == 1
+
+
+def static_selects(nodes: list[Node]) -> PassReport:
+    n = sum(is_static_select(x) for x in nodes)
+    return PassReport("static_select", n)
+
+
+def leading_text(nodes: list[Node]) -> str:
+    """The text a program starts with before anything depends on the model."""
+    text = []
+    for n in nodes:
+        if n.kind not in ("Text", "RoleBegin", "RoleEnd") or "text" not in n.detail:
+            break
+        text.append(n.detail["text"])
+    return "".join(text)
+
+
+def shared_prefix(prefixes: list[str]) -> tuple[str, PassReport]:
+    """The longest start every program of a batch shares: computed once, before them."""
+    if len(prefixes) < 2:
+        return "", PassReport("shared_prefix", 0)
+    first, n = prefixes[0], min(len(p) for p in prefixes)
+    i = 0
+    while i < n and all(p[i] == first[i] for p in prefixes):
+        i += 1
+    common = first[:i]
+    return common, PassReport("shared_prefix", len(prefixes) if common else 0,
+                              f"{len(common)} characters")

@@ -1,0 +1,87 @@
+"""The step controller from code: step a Node, step an Instruction (one token), a
+breakpoint by name, continue; only the stepped program waits."""
+
+from __future__ import annotations
+
+import pytest
+
+import sgl_nb as sgl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def backend(runtime):
+    sgl.set_default_backend(runtime)
+    yield runtime
+
+
+@sgl.function
+def story(s):
+    s += "Once upon a time"
+    s += ", in a small town,"
+    s += sgl.gen("a", max_tokens=6, ignore_eos=True)
+    s += " Then"
+    s += sgl.gen("b", max_tokens=4, ignore_eos=True)
+
+
+def held(st):
+    assert st.debug.wait_until_held(timeout=120), "the program never paused"
+    return st.debug.current
+
+
+def test_step_node_then_instruction_then_continue(runtime):
+    st = story.run(step=True, passes=())  # no fusion: each `s +=` is its own Node
+    node = held(st)
+    assert node.kind == "Text" and node.status == "pending" and st.debug.waiting_at == "node"
+    st.debug.step()
+    assert held(st).detail["text"] == ", in a small town,"
+    assert st.nodes[0].status == "done" and st.nodes[1].status == "pending"
+    st.debug.step()
+    gen_node = held(st)
+    assert gen_node.kind == "Gen" and gen_node.name == "a"
+
+    tokens = runtime.events.subscribe()
+    st.debug.step_instruction()  # the Gen's prefill: its first token, then it holds
+    assert held(st) is gen_node and st.debug.waiting_at == "decode"
+    st.debug.step_instruction()  # one Decode: one more token
+    assert held(st) is gen_node
+    mine = [e for e in _drain(tokens) if e.kind == "token"]
+    assert len(mine) == 2
+
+    # Another program runs to completion while this one is held.
+    other = story.run()
+    assert other.error() is None and len(other["b"]) > 0
+    assert "a" not in st._vars
+
+    st.debug.continue_()
+    assert st["b"] and st.error() is None
+    assert st["a"] == other["a"]  # stepping does not change greedy output
+    runtime.events.unsubscribe(tokens)
+
+
+def test_breakpoint_by_name(runtime):
+    st = story.run(step=True)
+    held(st)
+    st.debug.breakpoint(name="b")
+    st.debug.continue_()
+    node = held(st)
+    assert node.kind == "Gen" and node.name == "b"
+    assert st["a"]  # everything before the breakpoint ran
+    st.debug.pause()
+    st.debug.continue_()
+    assert st["b"]
+
+
+def test_breakpoint_needs_a_target():
+    from sgl_nb.runtime.step_controller import StepController
+
+    with pytest.raises(ValueError, match="breakpoint needs"):
+        StepController().breakpoint()
+
+
+def _drain(q):
+    out = []
+    while not q.empty():
+        out.append(q.get())
+    return out
