@@ -44,6 +44,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "programs":
+        from sgl_nb.bench_programs import run_programs_bench
+
+        return run_programs_bench(args)
     from sgl_nb.bench_engine import run_engine_bench
 
     return run_engine_bench(args)
@@ -64,13 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
-    b.add_argument("what", choices=["engine"])
+    b.add_argument("what", choices=["engine", "programs"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
     b.add_argument("--prefix-tokens", type=int, default=400)
     b.add_argument("--shared-new-tokens", type=int, default=32)
     b.add_argument("--json", default=None, help="also write the figures to this file")
+    b.add_argument("--questions", type=int, default=32, help="programs: few-shot questions")
+    b.add_argument("--fork-tokens", type=int, default=64, help="programs: tokens per branch")
+    b.add_argument("--json-items", type=int, default=4, help="programs: JSON objects")
+    b.add_argument("--sessions", type=int, default=8, help="programs: chat sessions")
+    b.add_argument("--turns", type=int, default=4, help="programs: turns per session")
+    b.add_argument("--chat-tokens", type=int, default=24, help="programs: tokens per reply")
     b.set_defaults(func=cmd_bench)
 
     args = p.parse_args(argv)

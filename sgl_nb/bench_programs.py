@@ -1,0 +1,170 @@
+"""`sgl-nb bench programs`: SGLang-paper-style workloads, our programs against transformers.
+
+The transformers side is written as a notebook user would: prompts rebuilt and `generate`
+(or a forward pass, for a select) called for each step; JSON through xgrammar's logits
+processor. Both sides use the same weights in fp32, greedy. Reports end-to-end ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHOTS = [
+    ("Is a whale a mammal?", "yes"), ("Is the sun a planet?", "no"),
+    ("Can penguins fly?", "no"), ("Is water wet?", "yes"), ("Is ice hot?", "no"),
+]
+QUESTIONS = [
+    "Is a tomato a fruit?", "Is the moon made of cheese?", "Do fish live in water?",
+    "Is fire cold?", "Can dogs bark?", "Is Paris in France?", "Do cats have wings?",
+    "Is snow white?", "Is the sea salty?", "Can rocks swim?", "Is gold a metal?",
+    "Do trees have roots?",
+]
+QUESTIONS = [f"{q} (case {i})" if i else q for i in range(3) for q in QUESTIONS]
+CITY_REGEX = (r'\{"name": "[A-Za-z ]{1,20}", "country": "[A-Za-z ]{1,20}", '
+              r'"population": [0-9]{1,8}\}')
+
+
+def few_shot_prefix() -> str:
+    return "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in SHOTS)
+
+
+def run_ours(args: argparse.Namespace, rt) -> dict:
+    import sgl_nb as sgl
+
+    sgl.set_default_backend(rt)
+
+    @sgl.function
+    def few_shot(s, question):
+        s += few_shot_prefix() + f"Question: {question}\nAnswer:"
+        s += sgl.select("answer", [" yes", " no"])
+
+    @sgl.function
+    def fork_judge(s, topic):
+        s += f"Write about {topic}.\n"
+        forks = s.fork(4)
+        forks += lambda i: f"Draft {i + 1}:"
+        forks += sgl.gen("draft", max_tokens=args.fork_tokens, ignore_eos=True)
+        forks.join()
+        s += "The best draft is number"
+        s += sgl.select("best", [" 1", " 2", " 3", " 4"])
+
+    @sgl.function
+    def city_json(s, city):
+        s += f"Describe {city} as JSON: "
+        s += sgl.gen("json", regex=CITY_REGEX, max_tokens=64)
+
+    @sgl.function
+    def chat(s, turns):
+        for t in turns:
+            s += sgl.user(t)
+            s += sgl.assistant(sgl.gen(None, max_tokens=args.chat_tokens, ignore_eos=True))
+
+    out = {}
+    qs = QUESTIONS[: args.questions]
+    out["few_shot"] = _timed(lambda: few_shot.run_batch([{"question": q} for q in qs]))
+    out["fork"] = _timed(lambda: [fork_judge.run(topic=t) for t in ("rain", "bread")])
+    cities = ["Paris", "Tokyo", "Cairo", "Lima"][: args.json_items]
+    out["json"] = _timed(lambda: city_json.run_batch([{"city": c} for c in cities]))
+    sessions = [{"turns": [f"Session {i}, turn {j}: tell me something about number {i + j}."
+                           for j in range(args.turns)]} for i in range(args.sessions)]
+    out["chat"] = _timed(lambda: chat.run_batch(sessions))
+    return out
+
+
+def run_hf(args: argparse.Namespace, hf, tok) -> dict:
+    def generate(text: str, n: int, processors=None) -> str:
+        ids = torch.tensor([tok.encode(text)])
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=n, do_sample=False,
+                              logits_processor=processors, pad_token_id=tok.eos_token_id)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    def select(text: str, choices: list[str]) -> str:
+        pre = tok.encode(text)
+        scores = []
+        for c in choices:
+            ids = pre + tok.encode(c)
+            with torch.inference_mode():
+                lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+            toks = range(len(pre), len(ids))
+            scores.append(sum(lp[p - 1, ids[p]].item() for p in toks) / len(toks))
+        return choices[max(range(len(choices)), key=scores.__getitem__)]
+
+    def few_shot() -> None:
+        for q in QUESTIONS[: args.questions]:
+            select(few_shot_prefix() + f"Question: {q}\nAnswer:", [" yes", " no"])
+
+    def fork() -> None:
+        for topic in ("rain", "bread"):
+            base = f"Write about {topic}.\n"
+            drafts = [generate(base + f"Draft {i + 1}:", args.fork_tokens) for i in range(4)]
+            select(base + "".join(f"Draft {i + 1}:{d}" for i, d in enumerate(drafts))
+                   + "The best draft is number", [" 1", " 2", " 3", " 4"])
+
+    def json_decode() -> None:
+        import xgrammar as xgr
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
+        grammar = xgr.GrammarCompiler(info).compile_regex(CITY_REGEX)
+        for c in ["Paris", "Tokyo", "Cairo", "Lima"][: args.json_items]:
+            generate(f"Describe {c} as JSON: ", 64, [LogitsProcessor(grammar)])
+
+    def chat() -> None:
+        for i in range(args.sessions):
+            messages = []
+            for j in range(args.turns):
+                messages.append({"role": "user", "content":
+                                 f"Session {i}, turn {j}: tell me something about number "
+                                 f"{i + j}."})
+                prompt = tok.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+                messages.append({"role": "assistant",
+                                 "content": generate(prompt, args.chat_tokens)})
+
+    return {"few_shot": _timed(few_shot), "fork": _timed(fork), "json": _timed(json_decode),
+            "chat": _timed(chat)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_programs_bench(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from sgl_nb import Runtime
+
+    print("loading our engine and transformers (same weights, fp32) ...", flush=True)
+    rt = Runtime(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(str(rt.model_path), dtype=torch.float32).eval()
+    rt.generate("warm up", max_tokens=2)
+    print("ours ...", flush=True)
+    ours = run_ours(args, rt)
+    print("transformers ...", flush=True)
+    theirs = run_hf(args, hf, rt.tokenizer)
+    rt.shutdown()
+    targets = {"few_shot": 5.0, "fork": 2.0, "json": 2.0, "chat": 5.0}
+    names = {
+        "few_shot": f"few-shot: 5-shot prefix, {args.questions} questions, select",
+        "fork": f"fork: 4 branches x {args.fork_tokens} tokens, judging select (x2)",
+        "json": f"JSON by regex, {args.json_items} objects",
+        "chat": f"multi-turn chat: {args.sessions} sessions x {args.turns} turns",
+    }
+    print(f"\n{'workload (seconds end to end)':<56}{'ours':>8}{'HF':>9}{'ratio':>8}{'target':>8}")
+    rows = {}
+    for k in targets:
+        ratio = theirs[k] / ours[k]
+        rows[k] = {"ours_s": ours[k], "hf_s": theirs[k], "ratio": ratio}
+        print(f"{names[k]:<56}{ours[k]:>8.2f}{theirs[k]:>9.2f}{ratio:>7.2f}x"
+              f"{'>=' + format(targets[k], 'g') + 'x':>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
