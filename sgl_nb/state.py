@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sgl_nb.expressions import Gen, Role, RoleBlock, Select
-from sgl_nb.runtime.ir import Node, listing
+from sgl_nb.runtime.ir import Node, listing, lower
 from sgl_nb.runtime.passes import is_static_select
 from sgl_nb.runtime.step_controller import StepController
 from sgl_nb.select_scoring import choose
@@ -287,9 +287,15 @@ class ProgramState:
                 self._emit("node_started", node=node.id, data={"kind": node.kind,
                                                                "name": node.name,
                                                                "line": node.line})
+                instructions = lower(node)
+                for ins in instructions:
+                    self._emit("instruction_started", node=node.id, data={"kind": ins.kind})
                 try:
                     self._execute(node, payload)
                     node.status = "done"
+                    for ins in instructions:
+                        self._emit("instruction_finished", node=node.id,
+                                   data={"kind": ins.kind})
                 except Exception as e:  # the program fails; the engine and others go on
                     node.status = "error"
                     self._set_error(e, node.file)

@@ -85,3 +85,18 @@ def _drain(q):
     while not q.empty():
         out.append(q.get())
     return out
+
+
+def test_events_follow_the_program(runtime):
+    events = runtime.events.subscribe()
+    st = story.run(passes=())
+    runtime.events.unsubscribe(events)
+    got = [e for e in _drain(events) if e.program in (st.id, None)]
+    kinds = [e.kind for e in got if e.program == st.id]
+    assert kinds[0] == "program_started" and kinds[-1] == "program_finished"
+    assert kinds.count("node_started") == kinds.count("node_finished") == len(st.nodes)
+    assert kinds.count("instruction_started") == len(st.nodes)  # one Instruction per Node
+    tokens = [e for e in got if e.kind == "token"]
+    assert len(tokens) == 6 + 4  # the two gens' tokens
+    seqs = [e.seq for e in got]
+    assert seqs == sorted(seqs) and all(a.ts <= b.ts for a, b in zip(got, got[1:]))
