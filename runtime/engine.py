@@ -98,6 +98,7 @@ class Engine:
             self.pool, self.cache, self.device, max_prefill_tokens, max_running
         )
         self.events = EventBus()
+        self.scheduler.events = self.events
         self._grammars: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()

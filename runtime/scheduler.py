@@ -69,6 +69,7 @@ class Scheduler:
         self.cached_prompt_tokens = 0
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self.events = None  # the engine's EventBus: cache hits, inserts and evictions
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -152,6 +153,8 @@ class Scheduler:
             return 0
         req.slots, req.cached_len, req.last_node = prefix, prefix.numel(), node
         req.slots = torch.cat([req.slots, slots])
+        self._emit("cache_hit", request=req.rid, data={"cached_tokens": prefix.numel(),
+                                                         "prompt_tokens": len(ids)})
         if req.prompt_cached_tokens < 0:
             req.prompt_cached_tokens = prefix.numel()
             self.prompt_tokens += len(req.prompt_ids)
@@ -169,8 +172,12 @@ class Scheduler:
     def _alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.available()
         if short > 0:
-            self.cache.evict(short)
+            self._emit("cache_evict", data={"tokens": self.cache.evict(short)})
         return self.pool.alloc(n)
+
+    def _emit(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **fields)
 
     def _decode_batch(self) -> ScheduledBatch | None:
         if not self.running:
@@ -194,7 +201,9 @@ class Scheduler:
             short = len(self.running) - self.pool.available()
             if short <= 0:
                 return
-            if self.cache.evict(short) >= short:
+            freed = self.cache.evict(short)
+            self._emit("cache_evict", data={"tokens": freed})
+            if freed >= short:
                 return
             if len(self.running) == 1:
                 raise MemoryError("KV pool exhausted by a single request")  # admission prevents
@@ -277,6 +286,8 @@ class Scheduler:
         """
         key = req.all_ids[: req.fill_len]
         present = self.cache.insert(key, req.slots)
+        if len(key) > present:
+            self._emit("cache_insert", request=req.rid, data={"tokens": len(key) - present})
         if present > req.cached_len:
             self.pool.free(req.slots[req.cached_len : present])
         slots, node = self.cache.match_prefix(key, count=False)

@@ -100,3 +100,16 @@ def test_events_follow_the_program(runtime):
     assert len(tokens) == 6 + 4  # the two gens' tokens
     seqs = [e.seq for e in got]
     assert seqs == sorted(seqs) and all(a.ts <= b.ts for a, b in zip(got, got[1:]))
+
+
+def test_cache_events(runtime):
+    runtime.engine.cache.reset()
+    events = runtime.events.subscribe()
+    prompt = "A sentence about caching, repeated to be cached. " * 4
+    runtime.generate(prompt, max_tokens=2)
+    runtime.generate(prompt, max_tokens=2)
+    runtime.events.unsubscribe(events)
+    got = _drain(events)
+    hits = [e.data["cached_tokens"] for e in got if e.kind == "cache_hit"]
+    assert hits[0] == 0 and hits[1] > 0
+    assert any(e.kind == "cache_insert" and e.data["tokens"] > 0 for e in got)
