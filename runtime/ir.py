@@ -76,14 +76,25 @@ def lower(node: Node) -> list[Instruction]:
     return []  # VarScope only marks where a variable's text starts and ends
 
 
-def listing(nodes: list[Node]) -> str:
-    """A printable program: one line per Node, its Instructions indented under it."""
-    lines = []
+def listing(nodes: list[Node], program: int | None = None) -> str:
+    """A printable program: one line per Node, its Instructions indented under it; with
+    `program`, opened by the program's Init Instruction."""
+    lines = [] if program is None else [f"      {Instruction('Init', 0, {'program': program})}"]
     for n in nodes:
         where = f"line {n.line}" if n.line else ""
         lines.append(f"#{n.id:<4} {n.label():<48} {where:<9} [{n.status}]")
         lines.extend(f"      {ins}" for ins in lower(n))
     return "\n".join(lines)
+
+
+def dot(name: str, nodes: list[Node]) -> str:
+    """Graphviz DOT: one box per Node, edges from its predecessors."""
+    lines = [f'digraph "{name}" {{', "  node [shape=box, fontname=monospace];"]
+    for n in nodes:
+        label = n.label().replace('"', r"\"")
+        lines.append(f'  n{n.id} [label="{label}"];')
+        lines.extend(f"  n{p} -> n{n.id};" for p in n.preds)
+    return "\n".join([*lines, "}"])
 
 
 def _short(v, n: int = 40) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sgl_nb.expressions import Gen, Role, RoleBlock, Select
-from sgl_nb.runtime.ir import Node, listing, lower
+from sgl_nb.runtime.ir import Node, dot, listing, lower
 from sgl_nb.runtime.passes import is_static_select
 from sgl_nb.runtime.step_controller import StepController
 from sgl_nb.select_scoring import choose
@@ -220,9 +220,14 @@ class ProgramState:
         return self._error
 
     def graph(self) -> str:
-        """The Nodes this program ran, each with its Instructions."""
+        """The Nodes this program ran, each with its Instructions (Init ... Return)."""
         self.sync()
-        return listing(self.nodes)
+        return listing(self.nodes, program=self.id)
+
+    def dot(self) -> str:
+        """The graph this program ran, as Graphviz DOT."""
+        self.sync()
+        return dot(f"program {self.id}", self.nodes)
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """Text as it is produced (only variable `var_name`'s, if given), until the end."""
@@ -252,6 +257,10 @@ class ProgramState:
         self.sync()  # what the program queued before it failed still runs: nothing is lost
         if error is not None and self._error is None:
             self._set_error(error, frame_file)
+        if self.parent is None:
+            preds = [self.nodes[-1].id] if self.nodes else []
+            status = "done" if self._error is None else "error"
+            self.nodes.append(Node("Return", self.id, preds, status=status))
         with self._cond:
             self._finished = True
             self._cond.notify_all()

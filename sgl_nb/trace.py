@@ -6,7 +6,7 @@ generated value (reading `s["x"]`, `s.text()`) ends the static part.
 
 from __future__ import annotations
 
-from sgl_nb.runtime.ir import Node, listing
+from sgl_nb.runtime.ir import Node, dot, listing
 from sgl_nb.state import ForkGroup, ProgramState
 
 
@@ -83,13 +83,7 @@ class ProgramGraph:
         return listing(self.nodes) + tail
 
     def dot(self) -> str:
-        """Graphviz DOT: one box per Node, edges from its predecessors."""
-        lines = [f'digraph "{self.name}" {{', "  node [shape=box, fontname=monospace];"]
-        for n in self.nodes:
-            label = n.label().replace('"', r"\"")
-            lines.append(f'  n{n.id} [label="{label}"];')
-            lines.extend(f"  n{p} -> n{n.id};" for p in n.preds)
-        return "\n".join([*lines, "}"])
+        return dot(self.name, self.nodes)
 
     def __str__(self) -> str:
         return self.listing()

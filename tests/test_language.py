@@ -233,5 +233,7 @@ def test_invalid_regex_fails_before_any_token():
 def test_graph_lists_nodes_and_instructions():
     st = qa.run(question="Hi")
     g = st.graph()
-    for kind in ("RoleBegin system", "Text 'Hi'", "Gen answer", "Extend", "Decode"):
+    for kind in ("RoleBegin system", "Text 'Hi'", "Gen answer", "Extend", "Decode", "Init",
+                 "Return"):
         assert kind in g
+    assert st.dot().count("->") == len(st.nodes) - 1
