@@ -23,6 +23,15 @@ def runtime(model_path):
 
 
 @pytest.fixture(scope="session")
+def default_backend(runtime):
+    """Programs (`@sgl.function`) run on the session's Runtime."""
+    import sgl_nb as sgl
+
+    sgl.set_default_backend(runtime)
+    return runtime
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     from transformers import AutoModelForCausalLM
 

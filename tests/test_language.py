@@ -10,13 +10,7 @@ import torch
 
 import sgl_nb as sgl
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def backend(runtime):
-    sgl.set_default_backend(runtime)
-    yield runtime
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
 
 @sgl.function

@@ -9,13 +9,7 @@ import sgl_nb as sgl
 from sgl_nb.runtime.ir import Node
 from sgl_nb.runtime.passes import fuse_text, shared_prefix
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def backend(runtime):
-    sgl.set_default_backend(runtime)
-    yield runtime
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
 
 @sgl.function

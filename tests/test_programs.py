@@ -8,13 +8,7 @@ import pytest
 
 import sgl_nb as sgl
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def backend(runtime):
-    sgl.set_default_backend(runtime)
-    yield runtime
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
 
 def test_few_shot_qa_with_run_batch():
