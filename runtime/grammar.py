@@ -36,7 +36,9 @@ class GrammarCompilerCache:
                 else:
                     schema = json_schema if isinstance(json_schema, str) else json.dumps(
                         json_schema)
-                    compiled = self._compiler.compile_json_schema(schema)
+                    # Compact JSON: free whitespace lets a small model loop on newlines
+                    # until max_tokens and never close the object.
+                    compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:
             what = f"regex {regex!r}" if regex is not None else f"JSON schema {json_schema!r}"
             raise GrammarError(f"invalid {what}: {e}") from e

@@ -203,12 +203,13 @@ def test_regex_and_json_schema_constrain_the_output(runtime):
     out = runtime.generate("The year the first moon landing happened:", regex=r" ?[0-9]{4}",
                            max_tokens=8)
     assert re.fullmatch(r" ?[0-9]{4}", out.text) and out.meta["finish_reason"] == "stop"
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "tags": {"type": "array",
-                                                        "items": {"type": "string"}}},
-              "required": ["ok", "tags"]}
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}},
+        "required": ["ok", "tags"]}
     chat = runtime.apply_chat_template([{"role": "user", "content": "Reply in JSON."}])
-    value = json.loads(runtime.generate(chat, json_schema=schema, max_tokens=64).text)
+    # Bounded by the schema: 3 tags of at most 12 characters fit in 96 tokens.
+    value = json.loads(runtime.generate(chat, json_schema=schema, max_tokens=96).text)
     assert isinstance(value["ok"], bool) and isinstance(value["tags"], list)
     with pytest.raises(ValueError, match=r"invalid regex '\(ab'"):
         runtime.generate("x", regex="(ab")

@@ -201,7 +201,8 @@ def test_constrained_gen_int_regex_and_json():
         s += "\nQ: Describe a city as JSON.\nA: "
         s += sgl.gen("city", max_tokens=80, json_schema={
             "type": "object",
-            "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+            "properties": {"name": {"type": "string", "maxLength": 24},
+                           "population": {"type": "integer", "maximum": 10**9}},
             "required": ["name", "population"],
         })
 

@@ -107,10 +107,11 @@ def test_dtype_decoding_and_json_schema():
         s += "Alice is 31 years old and 1.68 metres tall.\nAge: "
         s += sgl.gen("age", dtype=int, max_tokens=4)
         s += "\nHeight: "
-        s += sgl.gen("height", dtype=float, max_tokens=6)
+        s += sgl.gen("height", dtype=float, max_tokens=10)
         s += "\nAs JSON: "
         s += sgl.gen("json", max_tokens=60, json_schema=json.dumps({
-            "type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}))
+            "type": "object", "properties": {"age": {"type": "integer", "maximum": 200}},
+            "required": ["age"]}))
 
     st = profile.run()
     assert st.error() is None, st.error()
