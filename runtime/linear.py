@@ -1,9 +1,66 @@
-"""The model runner's linear layers, behind one call: y = layer(x)."""
+"""The model runner's linear layers, behind one call: y = layer(x), x [T, K] -> [T, N].
+
+Four implementations: dense fp32, dense bf16 (DenseLinear in either dtype), int8 weight-only
+(per-output-channel scales) and int4 weight-only (groups of 32 inputs with scale and zero
+point). The quantized ones compute with 16-bit activations: torch's int8/int4 CPU kernels
+have no vectorised path for fp32 activations (measured 5-40x slower than bf16).
+
+`make_linear` builds one from a weight and, for int8/int4, its quantized form
+(runtime/quantize.py), checks the kernel against the dequantized weight once, and falls
+back to the dense layer, with a warning, when the kernel rejects the shape or disagrees.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from sgl_nb.runtime.quantize import (
+    INT4_GROUP,
+    QUANTIZATIONS,
+    dequantize,
+    int4_shape_error,
+    unpack_int4,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Bound once: calling an OpOverload directly skips the overload resolution of the packet.
+_int8_mm = torch.ops.aten._weight_int8pack_mm.default
+_int4_mm_cpu = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_int4_mm_cuda = torch.ops.aten._weight_int4pack_mm.default
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    if quantization is None or quantization in QUANTIZATIONS:
+        return quantization
+    raise ValueError(
+        f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}"
+    )
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device | str, quantization: str | None
+) -> torch.dtype:
+    """The activation and KV-cache dtype. None: bf16 on CUDA or with int8/int4 weights,
+    fp32 otherwise (bf16 matmuls on CPUs without bf16 instructions are slower than fp32
+    beyond a few rows; README "Precision modes" has the figures)."""
+    quantization = check_quantization(quantization)
+    if dtype is None:
+        cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if cuda or quantization else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if quantization and dtype == torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} computes with 16-bit activations: pass "
+            "dtype='bfloat16' (or 'float16'), or leave dtype unset"
+        )
+    return dtype
 
 
 class DenseLinear:
@@ -17,5 +74,174 @@ class DenseLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        self.qweight = qweight.contiguous()
+        self.scale = scale.to(dtype).contiguous()
+        self.bias = None if bias is None else bias.to(dtype).contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = _int8_mm(x, self.qweight, self.scale)
+        if self.bias is not None:
+            y += self.bias  # in place: no second output tensor
+        return y
+
+
+class Int4Linear:
+    """int4 weights in groups of 32 inputs, each with a scale and a zero point."""
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None, group: int = INT4_GROUP):
+        self.packed = packed  # the kernel's own layout
+        self.scale_zeros = scale_zeros  # [K / group, N, 2], the activations' dtype
+        self.group = group
+        self._out, self._in = out_features, scale_zeros.shape[0] * group
+        self.bias = bias
+        self._mm = _int4_mm_cuda if packed.is_cuda else _int4_mm_cpu
+
+    @classmethod
+    def from_quantized(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None,
+                       dtype: torch.dtype, device: torch.device) -> Int4Linear:
+        q = t["qweight"].to(device)
+        n = q.shape[0]
+        if device.type == "cuda":
+            # tinygemm takes the nibble-packed uint8 form directly.
+            packed = torch.ops.aten._convert_weight_to_int4pack(q.contiguous(), 8)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q), 1)
+        sz = torch.stack([t["scale"], t["zero"]], dim=-1).transpose(0, 1)
+        sz = sz.to(device=device, dtype=dtype).contiguous()
+        b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
+        return cls(packed, sz, n, b)
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def in_features(self) -> int:
+        return self._in
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._mm(x, self.packed, self.group, self.scale_zeros)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+Linear = DenseLinear | Int8Linear | Int4Linear
+
+
+class LogitsHead:
+    """The LM head, fp32 logits [T, vocab] from the final hidden states.
+
+    A bf16 matmul rounds its output to ~0.4% (0.06 at a logit of 16), which flips the greedy
+    choice between near-tied tokens: 3.4% of the positions of the evaluation text against
+    fp32 (tests/test_quantization.py). With 16-bit activations the `refine` best candidates
+    of each row are therefore recomputed with fp32 accumulation and output from the 16-bit
+    weight rows; the head's own matmul (16-bit or int8, which is 2x less to read) only has
+    to rank them.
+    """
+
+    def __init__(self, linear: Linear, weight16: torch.Tensor | None, refine: int = 16):
+        self.linear = linear
+        self.weight16 = weight16  # None: fp32 activations, the matmul is already exact
+        self.refine = min(refine, linear.out_features)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(h).float()
+        if self.weight16 is None:
+            return logits
+        top = logits.topk(self.refine, dim=-1, sorted=False).indices  # [T, r]
+        rows = self.weight16.index_select(0, top.view(-1)).view(*top.shape, -1).float()
+        # Multiply and sum rather than bmm: bmm's result for a row changes with the number
+        # of rows in the batch (measured), the sum over the last dim does not.
+        exact = (rows * h.float().unsqueeze(1)).sum(-1)
+        return logits.scatter_(1, top, exact)
+
+
+def shape_error(n: int, k: int, quantization: str) -> str | None:
+    """Why `quantization`'s kernel cannot take an [n, k] weight (None: it can)."""
+    return int4_shape_error(n, k) if quantization == "int4" else None
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None = None,
+    quantized: dict[str, torch.Tensor] | None = None,
+    dense: torch.Tensor | None = None,
+) -> tuple[Linear, str | None]:
+    """A linear layer for `weight` [N, K] (any dtype, any device) computing in `dtype`.
+
+    With quantization, `quantized` is the weight's quantized form (None: the shape was
+    rejected). `dense`, if given, is the weight already in `dtype` on `device`, for the
+    dense layer. Returns the layer and, when it fell back to dense, why.
+    """
+    device = torch.device(device)
+    dense_bias = None if bias is None else bias.to(device=device, dtype=dtype)
+
+    def dense_layer() -> DenseLinear:
+        return DenseLinear(dense if dense is not None else weight.to(device, dtype), dense_bias)
+
+    if quantization is None:
+        return dense_layer(), None
+    n, k = weight.shape
+    why = shape_error(n, k, quantization)
+    if why is None and quantized is None:
+        why = "no quantized weight"
+    if why is None:
+        try:
+            layer = _quantized_linear(quantized, bias, dtype, device, quantization)
+            why = _probe(layer, quantized, dense_bias, quantization, k, dtype, device)
+        except RuntimeError as e:  # the kernel rejected the input: use the dense layer
+            why = f"{quantization} kernel error: {str(e).splitlines()[0]}"
+        if why is None:
+            return layer, None
+    return dense_layer(), why
+
+
+def _quantized_linear(t, bias, dtype, device, quantization: str) -> Linear:
+    if quantization == "int8":
+        return Int8Linear(t["qweight"].to(device), t["scale"].to(device),
+                          None if bias is None else bias.to(device), dtype)
+    return Int4Linear.from_quantized(t, bias, dtype, device)
+
+
+def _probe(layer, t, bias, quantization: str, k: int, dtype, device) -> str | None:
+    """Compare the kernel once with the dequantized weight, so that a kernel that accepts a
+    shape but computes it wrongly is never used. None when it agrees."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, k, generator=gen).to(device=device, dtype=dtype)
+    want = F.linear(x.float(), dequantize(t, quantization).to(device))
+    if bias is not None:
+        want += bias.float()
+    got = layer(x).float()
+    # 16-bit activations and outputs: a few ulps of bf16 relative to the output's size.
+    err = (got - want).abs().max().item()
+    tol = 3e-2 * want.abs().max().item() + 1e-6
+    if not err <= tol:  # also catches NaN
+        return (f"{quantization} kernel disagrees with the dequantized weight "
+                f"(max error {err:.3g} > {tol:.3g})")
+    return None

