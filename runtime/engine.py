@@ -80,15 +80,18 @@ class Engine:
         kv_pool_tokens: int = 32768,
         max_prefill_tokens: int = 512,
         max_running: int = 64,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str | None = None,
         device: str | None = None,
+        quantization: str | None = None,
     ):
         if kv_pool_tokens <= 0:
             raise ValueError(f"kv_pool_tokens must be positive, got {kv_pool_tokens}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.model = Model.load(self.model_path, dtype=dtype, device=self.device)
+        self.model = Model.load(
+            self.model_path, dtype=dtype, device=self.device, quantization=quantization
+        )
         self.config = self.model.config
         self.context_len = self.config.max_position_embeddings
         self.eos_ids = self._eos_ids()

@@ -6,6 +6,8 @@ q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,15 +18,27 @@ from safetensors.torch import load_file
 from sgl_nb import kernels
 from sgl_nb.runtime.forward_batch import ForwardBatch
 from sgl_nb.runtime.kv_pool import KVPool
-from sgl_nb.runtime.linear import DenseLinear
+from sgl_nb.runtime.linear import (
+    DenseLinear,
+    Linear,
+    LogitsHead,
+    check_quantization,
+    make_linear,
+    resolve_dtype,
+    shape_error,
+)
 from sgl_nb.runtime.model_config import ModelConfig
+from sgl_nb.runtime.model_loader import load_quantized
+from sgl_nb.runtime.quantize import quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # torch's fused F.rms_norm is slower than this on CPU at decode sizes (measured).
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    # The weight's dtype, not x's: with 16-bit weights and the fp32 residual stream the
+    # norm hands the next matmul its 16-bit input in the same op (fp32: the same thing).
+    return weight * h.to(weight.dtype)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -46,11 +60,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: DenseLinear  # q, k and v projections fused into one matmul
-    o_proj: DenseLinear
+    qkv: Linear  # q, k and v projections fused into one matmul
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: DenseLinear  # gate and up projections fused
-    down: DenseLinear
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
+
+
+# The LM head in int8/int4 modes: always int8 (int4 there cost 14 points of greedy agreement
+# with fp32 on the evaluation text), its best candidates then recomputed from 16-bit rows
+# (linear.LogitsHead).
+LM_HEAD_QUANTIZATION = "int8"
+
+
+def quantize_weights(
+    c: ModelConfig, weights: dict[str, torch.Tensor], quantization: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each linear layer's quantized form, for the layers whose shape the kernel takes."""
+    out = {}
+    for name, weight, _ in linear_weights(c, weights):
+        if shape_error(*weight.shape, quantization) is None:
+            out[name] = quantize(weight, quantization)
+    out["lm_head"] = quantize(lm_head_weight(c, weights), LM_HEAD_QUANTIZATION)
+    return out
+
+
+def _warn_fallbacks(fallbacks: dict[str, str], quantization: str | None) -> None:
+    by_reason: dict[str, list[str]] = {}
+    for name, why in fallbacks.items():
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        warnings.warn(
+            f"{quantization}: {len(names)} linear layer(s) stay dense ({shown}): {why}",
+            stacklevel=3,
+        )
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -63,6 +107,30 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def linear_weights(
+    c: ModelConfig, weights: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, weight, bias) of every decoder-layer linear as the runner computes it: q/k/v
+    and gate/up fused along the output dimension."""
+    for i in range(c.num_layers):
+        att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv_b = None
+        if c.attention_bias:
+            qkv_b = torch.cat([weights[att + f"{n}_proj.bias"] for n in "qkv"])
+        qkv_w = torch.cat([weights[att + f"{n}_proj.weight"] for n in "qkv"])
+        yield f"layers.{i}.qkv", qkv_w, qkv_b
+        yield f"layers.{i}.o_proj", weights[att + "o_proj.weight"], weights.get(att + "o_proj.bias")
+        gate_up = torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+        yield f"layers.{i}.gate_up", gate_up, None
+        yield f"layers.{i}.down", weights[mlp + "down_proj.weight"], None
+
+
+def lm_head_weight(c: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    if c.tie_word_embeddings or "lm_head.weight" not in weights:
+        return weights["model.embed_tokens.weight"]
+    return weights["lm_head.weight"]
+
+
 class Model:
     def __init__(
         self,
@@ -70,8 +138,13 @@ class Model:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quantization: str | None = None,
+        quantized: dict[str, dict[str, torch.Tensor]] | None = None,
     ):
+        """`quantized` holds, for int8/int4, each linear layer's quantized form by name
+        (see linear_weights; a layer absent from it stays dense)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.quantization = check_quantization(quantization)
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
@@ -81,33 +154,60 @@ class Model:
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        lm = "lm_head.weight"
-        self.lm_head = self.embed if c.tie_word_embeddings or lm not in weights else w(lm)
-        self.layers = [self._layer(w, weights, i) for i in range(c.num_layers)]
+        linears: dict[str, Linear] = {}
+        self.fallbacks: dict[str, str] = {}  # layer name -> why it stayed dense
+        for name, weight, bias in linear_weights(c, weights):
+            q = None if quantized is None else quantized.get(name)
+            linears[name], why = make_linear(weight, bias, dtype, self.device, quantization, q)
+            if why is not None:
+                self.fallbacks[name] = why
+        head = lm_head_weight(c, weights)
+        # Tied: the embedding's copy serves as the head's 16-bit weight too.
+        head16 = self.embed if head is weights["model.embed_tokens.weight"] else w("lm_head.weight")
+        head_linear: Linear = DenseLinear(head16)
+        if quantization is not None:
+            q = None if quantized is None else quantized.get("lm_head")
+            head_linear, why = make_linear(
+                head, None, dtype, self.device, LM_HEAD_QUANTIZATION, q, dense=head16
+            )
+            if why is not None:
+                self.fallbacks["lm_head"] = why
+        if self.fallbacks:
+            _warn_fallbacks(self.fallbacks, quantization)
+        self.lm_head = LogitsHead(head_linear, None if dtype == torch.float32 else head16)
+        self.layers = [
+            Layer(
+                input_norm=w(f"model.layers.{i}.input_layernorm.weight"),
+                qkv=linears[f"layers.{i}.qkv"],
+                o_proj=linears[f"layers.{i}.o_proj"],
+                post_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up=linears[f"layers.{i}.gate_up"],
+                down=linears[f"layers.{i}.down"],
+            )
+            for i in range(c.num_layers)
+        ]
         self.inv_freq = c.inv_freq().to(self.device)
 
-    def _layer(self, w, weights: dict, i: int) -> Layer:
-        p = f"model.layers.{i}."
-        att, mlp = p + "self_attn.", p + "mlp."
-        qkv_w = torch.cat([w(att + f"{n}_proj.weight") for n in "qkv"])
-        qkv_b = None
-        if self.config.attention_bias:
-            qkv_b = torch.cat([w(att + f"{n}_proj.bias") for n in "qkv"])
-        o_b = w(att + "o_proj.bias") if att + "o_proj.bias" in weights else None
-        return Layer(
-            input_norm=w(p + "input_layernorm.weight"),
-            qkv=DenseLinear(qkv_w, qkv_b),
-            o_proj=DenseLinear(w(att + "o_proj.weight"), o_b),
-            post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=DenseLinear(
-                torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])
-            ),
-            down=DenseLinear(w(mlp + "down_proj.weight")),
-        )
-
     @classmethod
-    def load(cls, folder: Path, dtype=torch.float32, device="cpu") -> Model:
-        return cls(ModelConfig.from_folder(folder), read_weights(folder), dtype, device)
+    def load(
+        cls,
+        folder: Path,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str = "cpu",
+        quantization: str | None = None,
+    ) -> Model:
+        """dtype None: bf16 on CUDA or with quantization, else fp32. int8/int4 weights are
+        quantized once and kept in the cache folder (model_loader.load_quantized)."""
+        quantization = check_quantization(quantization)
+        dtype = resolve_dtype(dtype, device, quantization)
+        config = ModelConfig.from_folder(folder)
+        weights = read_weights(folder)
+        quantized = None
+        if quantization is not None:
+            quantized = load_quantized(
+                folder, quantization, lambda: quantize_weights(config, weights, quantization)
+            )
+        return cls(config, weights, dtype, device, quantization, quantized)
 
     def new_kv_pool(self, num_slots: int) -> KVPool:
         c = self.config
@@ -116,7 +216,8 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
-        h = self.embed[batch.input_ids]
+        # The residual stream is fp32 in every mode (a no-op in fp32 mode): see RESIDUAL.
+        h = self.embed[batch.input_ids].float()
         cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
         plan = None
         if batch.is_decode:
@@ -141,7 +242,7 @@ class Model:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h)
 
     def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool, plan):
         c = self.config

@@ -10,10 +10,9 @@ import torch
 
 from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
 from sgl_nb.runtime.engine import Engine, RequestHandle
+from sgl_nb.runtime.linear import resolve_dtype
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Runtime:
@@ -26,18 +25,25 @@ class Runtime:
         kv_pool_tokens: int = 32768,
         max_prefill_tokens: int = 512,
         max_running: int = 64,
-        dtype: str = "float32",
+        dtype: str | None = None,
         device: str | None = None,
+        quantization: str | None = None,
     ):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        """dtype: "float32", "bfloat16" or "float16" for activations and the KV cache; None
+        picks bfloat16 on CUDA or with quantization, float32 otherwise. quantization: None,
+        "int8" or "int4" (weight-only; quantized once and kept in the cache folder)."""
+        # Checked before anything loads, so a typo fails at once, naming the allowed values.
+        torch_dtype = resolve_dtype(
+            dtype, device or ("cuda" if torch.cuda.is_available() else "cpu"), quantization
+        )
         self.engine = Engine(
             model_path,
             kv_pool_tokens=kv_pool_tokens,
             max_prefill_tokens=max_prefill_tokens,
             max_running=max_running,
-            dtype=_DTYPES[dtype],
+            dtype=torch_dtype,
             device=device,
+            quantization=quantization,
         )
 
     @property
