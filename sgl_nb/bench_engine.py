@@ -1,47 +1,27 @@
 """`sgl-nb bench engine`: our engine against transformers `generate`, same weights, one run.
 
 1. One stream, N new tokens, greedy: tok/s of both, and our decode step time against the
-   bare weight-matmul floor measured here (F.linear over every 2-D weight, tied
-   embedding once as the LM head, random activations, two warm-ups, mean of five).
+   bare weight-matmul floor measured here (the model's own linear layers, fused q/k/v and
+   gate/up, LM head once, on random activations: two warm-ups, mean of five).
 2. R requests sharing a P-token prefix, M new tokens each: end-to-end seconds, against
    HF batched `generate` with left padding.
+
+fp32 always runs (the first table: ratios and targets). `--dtype bfloat16` and
+`--quantization int8 int4` add one row each to a second table, against the same fp32
+transformers baseline; with llama-cpp-python installed (and the default model) a last row
+measures llama.cpp on the default GGUF file.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 STREAM_PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
-
-
-def matmul_floor(weights: list[torch.Tensor], batch: int) -> float:
-    """Seconds per step for the bare weight matmuls at this batch size."""
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
-    for _ in range(2):
-        for w in weights:
-            F.linear(xs[w.shape[1]], w)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for w in weights:
-            F.linear(xs[w.shape[1]], w)
-        times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
-
-
-def checkpoint_matrices(folder) -> list[torch.Tensor]:
-    from sgl_nb.runtime.model import read_weights
-
-    w = read_weights(folder)
-    mats = [t.float() for name, t in w.items() if t.dim() == 2 and "embed_tokens" not in name]
-    if "lm_head.weight" not in w:
-        mats.append(w["model.embed_tokens.weight"].float())  # tied: the LM head
-    return mats
 
 
 def shared_prefix_prompts(tok, n: int, prefix_tokens: int) -> list[list[int]]:
@@ -85,54 +65,154 @@ def ours_one_stream(rt, ids: list[int], n: int) -> tuple[float, float]:
     return total, step
 
 
-def run_engine_bench(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM
+MODE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
-    from sgl_nb import Runtime
 
-    print("loading our engine and transformers (same weights, fp32) ...", flush=True)
-    rt = Runtime(args.model)
-    tok = rt.tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(str(rt.model_path), dtype=torch.float32).eval()
-    torch.set_num_threads(torch.get_num_threads())
-    mats = checkpoint_matrices(rt.model_path)
-    floor1 = matmul_floor(mats, 1)
-    floor_b = matmul_floor(mats, args.requests)
+def bench_modes(args: argparse.Namespace) -> list[tuple[str, str | None, str | None]]:
+    """(label, dtype, quantization) per engine mode to run: fp32 first (the baseline rows),
+    then each extra --dtype, then each --quantization (with 16-bit activations)."""
+    modes = [("fp32", "float32", None)]
+    for dtype in args.dtype or []:
+        if dtype != "float32":
+            modes.append((MODE_LABELS[dtype], dtype, None))
+    for q in args.quantization or []:
+        if q != "none":
+            modes.append((q, None, q))
+    return modes
 
-    ids = tok.encode(rt.apply_chat_template([{"role": "user", "content": STREAM_PROMPT}]))
+
+def linears_floor(model, batch: int) -> float:
+    """Seconds per step for the bare weight matmuls of `model` as its mode runs them (its
+    own linear layers, LM head included), at this batch size: two warm-ups, mean of five."""
+    layers = [lin for layer in model.layers
+              for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    layers.append(model.lm_head.linear)
+    xs = {lin.in_features: torch.randn(batch, lin.in_features, dtype=model.dtype)
+          for lin in layers}
+    with torch.inference_mode():
+        for _ in range(2):
+            for lin in layers:
+                lin(xs[lin.in_features])
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for lin in layers:
+                lin(xs[lin.in_features])
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[list[int]]) -> dict:
+    floor1 = linears_floor(rt.engine.model, 1)
+    floor_b = linears_floor(rt.engine.model, args.requests)
     rt.generate(ids[:8], max_tokens=4)  # warm-up
-    print("1/4 one stream, ours ...", flush=True)
-    ours_s, ours_step = ours_one_stream(rt, ids, args.new_tokens)
-    print("2/4 one stream, transformers ...", flush=True)
-    hf_s = hf_one_stream(hf, ids, args.new_tokens)
-
-    prompts = shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
+    stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
     rt.engine.cache.reset()
-    print("3/4 shared prefix, ours ...", flush=True)
     t0 = time.perf_counter()
     outs = rt.generate(prompts, max_tokens=args.shared_new_tokens, ignore_eos=True)
-    ours_batch = time.perf_counter() - t0
-    cached = sum(o.meta["cached_tokens"] for o in outs)
-    print("4/4 shared prefix, transformers ...", flush=True)
-    hf_batch = hf_batched(hf, tok, prompts, args.shared_new_tokens)
-    rt.shutdown()
-
-    n = args.new_tokens
-    rows = {
-        "one_stream_tok_s_ours": n / ours_s,
-        "one_stream_tok_s_hf": n / hf_s,
-        "one_stream_speedup": hf_s / ours_s,
-        "decode_step_ms_ours": ours_step * 1e3,
+    shared_s = time.perf_counter() - t0
+    return {
+        "one_stream_tok_s": args.new_tokens / stream_s,
+        "one_stream_s": stream_s,
+        "decode_step_ms": step * 1e3,
         "matmul_floor_ms_b1": floor1 * 1e3,
-        "step_over_floor": ours_step / floor1,
-        "shared_prefix_s_ours": ours_batch,
-        "shared_prefix_s_hf": hf_batch,
-        "shared_prefix_speedup": hf_batch / ours_batch,
-        "shared_prefix_cached_tokens": cached,
         f"matmul_floor_ms_b{args.requests}": floor_b * 1e3,
+        "shared_prefix_s": shared_s,
+        "shared_prefix_cached_tokens": sum(o.meta["cached_tokens"] for o in outs),
+    }
+
+
+def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]):
+    """llama.cpp (llama-cpp-python) on the default GGUF: one stream, then the shared-prefix
+    requests one after another (its KV cache keeps the longest common prefix of the last
+    prompt, so the shared prefix is computed once). None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama.cpp: not measured; `pip install llama-cpp-python` (builds from source "
+              "in a few minutes) to compare against it on the same GGUF", flush=True)
+        return None
+    from sgl_nb.runtime.model_loader import default_gguf_path
+
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_batch=512,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def run(tokens: list[int], n: int) -> None:
+        # generate() yields greedy tokens until told to stop: EOS does not end it early.
+        for i, _ in enumerate(llm.generate(tokens, top_k=1, temp=0.0, reset=True), 1):
+            if i == n:
+                break
+
+    run(ids[:8], 4)  # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    run(ids, args.new_tokens)
+    stream_s = time.perf_counter() - t0
+    llm.reset()
+    t0 = time.perf_counter()
+    for p in prompts:
+        run(p, args.shared_new_tokens)
+    shared_s = time.perf_counter() - t0
+    return {"one_stream_tok_s": args.new_tokens / stream_s, "one_stream_s": stream_s,
+            "shared_prefix_s": shared_s, "threads": threads}
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgl_nb import Runtime
+    from sgl_nb.runtime.model_loader import resolve_model_path
+
+    modes = bench_modes(args)
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ids = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": STREAM_PROMPT}], tokenize=False, add_generation_prompt=True))
+    prompts = shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
+
+    ours = {}
+    for i, (label, dtype, quant) in enumerate(modes, 1):
+        print(f"{i}/{len(modes) + 1} ours, {label}: one stream, then shared prefix ...",
+              flush=True)
+        rt = Runtime(args.model, dtype=dtype, quantization=quant)
+        ours[label] = measure_ours(rt, args, ids, prompts)
+        rt.shutdown()
+        del rt
+        gc.collect()
+
+    print(f"{len(modes) + 1}/{len(modes) + 1} transformers (fp32): one stream, then shared "
+          "prefix ...", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_s = hf_one_stream(hf, ids, args.new_tokens)
+    hf_batch = hf_batched(hf, tok, prompts, args.shared_new_tokens)
+    del hf
+    gc.collect()
+    llama = None
+    if args.model is None:
+        llama = llama_cpp_bench(args, ids, prompts)
+    else:
+        print("llama.cpp: measured on the default model only (its GGUF file)", flush=True)
+
+    n, base = args.new_tokens, ours["fp32"]
+    rows = {
+        "one_stream_tok_s_ours": base["one_stream_tok_s"],
+        "one_stream_tok_s_hf": n / hf_s,
+        "one_stream_speedup": hf_s / base["one_stream_s"],
+        "decode_step_ms_ours": base["decode_step_ms"],
+        "matmul_floor_ms_b1": base["matmul_floor_ms_b1"],
+        "step_over_floor": base["decode_step_ms"] / base["matmul_floor_ms_b1"],
+        "shared_prefix_s_ours": base["shared_prefix_s"],
+        "shared_prefix_s_hf": hf_batch,
+        "shared_prefix_speedup": hf_batch / base["shared_prefix_s"],
+        "shared_prefix_cached_tokens": base["shared_prefix_cached_tokens"],
+        f"matmul_floor_ms_b{args.requests}": base[f"matmul_floor_ms_b{args.requests}"],
         "threads": torch.get_num_threads(),
+        "modes": ours,
+        "llama_cpp": llama,
     }
     print_table(args, rows)
+    print_modes(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -142,7 +222,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 def print_table(args: argparse.Namespace, r: dict) -> None:
     n, R, P, M = args.new_tokens, args.requests, args.prefix_tokens, args.shared_new_tokens
     print()
-    print(f"{'workload':<44}{'ours':>12}{'transformers':>14}{'ratio':>9}{'target':>9}")
+    print(f"{'workload (fp32)':<44}{'ours':>12}{'transformers':>14}{'ratio':>9}{'target':>9}")
     print(f"{f'one stream, {n} new tokens (tok/s)':<44}{r['one_stream_tok_s_ours']:>12.1f}"
           f"{r['one_stream_tok_s_hf']:>14.1f}{r['one_stream_speedup']:>8.2f}x{'>=1.7x':>9}")
     print(f"{f'{R} req, {P}-token shared prefix, {M} new (s)':<44}"
@@ -152,3 +232,29 @@ def print_table(args: argparse.Namespace, r: dict) -> None:
           f"{r['matmul_floor_ms_b1']:>14.1f}{r['step_over_floor']:>8.2f}x{'<=1.25x':>9}")
     print(f"prefix tokens served from the radix cache: {r['shared_prefix_cached_tokens']}"
           f" ({R - 1} x {P} expected at least); torch threads: {r['threads']}")
+
+
+def print_modes(args: argparse.Namespace, r: dict) -> None:
+    """One row per precision mode (and llama.cpp), each against the same fp32 transformers
+    baseline; the floor is that mode's own weight matmuls."""
+    modes, llama = r["modes"], r["llama_cpp"]
+    if len(modes) == 1 and llama is None:
+        return
+    hf_tok_s, hf_shared = r["one_stream_tok_s_hf"], r["shared_prefix_s_hf"]
+    R = args.requests
+    print()
+    print(f"{'mode':<22}{'1 stream tok/s':>15}{'vs HF':>8}{'shared (s)':>12}{'vs HF':>8}"
+          f"{'step ms':>9}{'floor ms':>10}{'ratio':>8}{f'floor b={R}':>12}")
+    for label, m in modes.items():
+        print(f"{label:<22}{m['one_stream_tok_s']:>15.1f}"
+              f"{m['one_stream_tok_s'] / hf_tok_s:>7.2f}x{m['shared_prefix_s']:>12.2f}"
+              f"{hf_shared / m['shared_prefix_s']:>7.2f}x{m['decode_step_ms']:>9.1f}"
+              f"{m['matmul_floor_ms_b1']:>10.1f}"
+              f"{m['decode_step_ms'] / m['matmul_floor_ms_b1']:>7.2f}x"
+              f"{m[f'matmul_floor_ms_b{R}']:>12.1f}")
+    if llama is not None:
+        print(f"{'llama.cpp (Q4_1 GGUF)':<22}{llama['one_stream_tok_s']:>15.1f}"
+              f"{llama['one_stream_tok_s'] / hf_tok_s:>7.2f}x{llama['shared_prefix_s']:>12.2f}"
+              f"{hf_shared / llama['shared_prefix_s']:>7.2f}x{'-':>9}{'-':>10}{'-':>8}{'-':>12}")
+    print("vs HF: against transformers fp32 on the same weights; the shared-prefix requests "
+          "run one after another on llama.cpp")

@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
     b.add_argument("--prefix-tokens", type=int, default=400)
     b.add_argument("--shared-new-tokens", type=int, default=32)
+    b.add_argument("--dtype", nargs="+", default=[], choices=["float32", "bfloat16", "float16"],
+                   help="engine: also run these activation dtypes (fp32 always runs)")
+    b.add_argument("--quantization", nargs="+", default=[], choices=["none", "int8", "int4"],
+                   help="engine: also run these weight-only modes (bf16 activations)")
     b.add_argument("--json", default=None, help="also write the figures to this file")
     b.add_argument("--questions", type=int, default=32, help="programs: few-shot questions")
     b.add_argument("--fork-tokens", type=int, default=64, help="programs: tokens per branch")
