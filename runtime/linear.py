@@ -124,8 +124,11 @@ class Int4Linear:
         q = t["qweight"].to(device)
         n = q.shape[0]
         if device.type == "cuda":
-            # tinygemm takes the nibble-packed uint8 form directly.
-            packed = torch.ops.aten._convert_weight_to_int4pack(q.contiguous(), 8)
+            # tinygemm takes the nibble-packed uint8 form directly; K must be a multiple of
+            # 16 * inner_k_tiles (2, 4 or 8), and K % 32 == 0 already holds.
+            k = q.shape[1] * 2
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack(q.contiguous(), tiles)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q), 1)
         sz = torch.stack([t["scale"], t["zero"]], dim=-1).transpose(0, 1)
