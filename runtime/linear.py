@@ -158,11 +158,11 @@ class LogitsHead:
     """The LM head, fp32 logits [T, vocab] from the final hidden states.
 
     A bf16 matmul rounds its output to ~0.4% (0.06 at a logit of 16), which flips the greedy
-    choice between near-tied tokens: 3.4% of the positions of the evaluation text against
-    fp32 (tests/test_quantization.py). With 16-bit activations the `refine` best candidates
-    of each row are therefore recomputed with fp32 accumulation and output from the 16-bit
-    weight rows; the head's own matmul (16-bit or int8, which is 2x less to read) only has
-    to rank them.
+    choice between near-tied tokens: on the evaluation text (tests/test_quantization.py)
+    bf16 agreed with fp32 on 96.6% of the greedy choices with bf16 logits, 97.9% with these
+    recomputed. With 16-bit activations the `refine` best candidates of each row are
+    recomputed with fp32 accumulation and output from the 16-bit weight rows; the head's own
+    matmul (16-bit, or int8: half the bytes to read) only has to rank them.
     """
 
     def __init__(self, linear: Linear, weight16: torch.Tensor | None, refine: int = 16):
