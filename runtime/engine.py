@@ -251,10 +251,11 @@ class Engine:
             (i, r) for i, r in enumerate(batch.reqs)
             if batch.is_decode or self.scheduler.prefill_done(r)
         ]
-        for i, r in [(i, r) for i, r in ready if r.logprob_start is not None]:
-            ready.remove((i, r))
-            r.finish_reason = "score"
-            self._finish(r)
+        for _, r in ready:
+            if r.logprob_start is not None:  # scored, nothing to generate: done
+                r.finish_reason = "score"
+                self._finish(r)
+        ready = [(i, r) for i, r in ready if r.logprob_start is None]
         if not ready:
             return
         rows = torch.tensor([i for i, _ in ready], device=logits.device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from sgl_nb import kernels
+from sgl_nb.kernels import decode_attention, extend_attention, plan_decode, store_kv
 from sgl_nb.runtime.forward_batch import ForwardBatch
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.linear import (
@@ -224,7 +224,7 @@ class Model:
         plan = None
         if batch.is_decode:
             c = self.config
-            plan = kernels.plan_decode(
+            plan = plan_decode(
                 batch.kv_indptr, batch.kv_indices, c.num_kv_heads, c.num_heads, batch.max_kv_len
             )
         eps = self.config.rms_norm_eps
@@ -255,13 +255,13 @@ class Model:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, c.num_kv_heads, c.head_dim)
         kb, vb = pool.k_buffers[i], pool.v_buffers[i]
-        kernels.store_kv(kb, vb, batch.out_cache_loc, k, v)
+        store_kv(kb, vb, batch.out_cache_loc, k, v)
         if batch.is_decode:
-            o = kernels.decode_attention(
+            o = decode_attention(
                 q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len, plan
             )
         else:
-            o = kernels.extend_attention(
+            o = extend_attention(
                 q, kb, vb, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.scale,
                 batch.max_kv_len,
             )
