@@ -16,8 +16,37 @@ from dataclasses import dataclass, field
 EVENT_KINDS = (
     "program_started", "program_finished", "node_started", "node_finished",
     "instruction_started", "instruction_finished", "token", "cache_hit", "cache_insert",
-    "cache_evict", "fork", "join", "paused", "resumed", "error",
+    "cache_evict", "fork", "join", "paused", "resumed", "preempted", "retracted", "error",
 )
+
+# What each kind carries (the contract tracing/ and the views build on). Every event has
+# kind, ts (time.monotonic_ns), seq (publication order); program / node / request ids where
+# they apply. `data` keys:
+#   program_started   function, priority, model, parent (program id of a fork parent or None)
+#   program_finished  error (repr or None)
+#   node_started      kind, name, line, file, label, preds (node ids)
+#   node_finished     status (done | error | skipped)
+#   instruction_started / instruction_finished
+#                     kind (Extend | Decode | Score | Fork | Join | Return), index (0-based
+#                     within the node); Decode and Score run on the engine and also carry
+#                     request. Finished Decode/Score add: input_tokens, cached_tokens,
+#                     new_tokens (prompt tokens computed), output_tokens, batch_size (largest
+#                     decode batch it ran in), preempted (times suspended or retracted),
+#                     finish_reason.
+#   token             token (id), text (its characters, may be ""), logprob, forced (True
+#                     when the grammar allowed only this token); program/node/request set
+#   cache_hit         cached_tokens, prompt_tokens           (request, program, node)
+#   cache_insert      tokens (newly added to the radix tree) (request, program, node)
+#   cache_evict       tokens (freed)
+#   fork              n, children (program ids)              (program = the parent)
+#   join              mode, children
+#   paused / resumed  the step controller held / released a program: at ("node" | "decode")
+#                     resumed is also sent when the scheduler resumes a preempted request
+#                     (data reason="scheduler")
+#   preempted         reason, priority: a running decode suspended, KV kept (request, ...)
+#   retracted         reason: a request stopped under memory pressure; its tokens stay in
+#                     the radix tree as evictable cache and it is re-admitted later
+#   error             error (repr), line
 
 
 @dataclass
