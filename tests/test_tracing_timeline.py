@@ -1,0 +1,147 @@
+"""The Timeline fold: real Events from real programs, and hand-made ones for edge cases."""
+
+from __future__ import annotations
+
+import pytest
+
+import sgl_nb as sgl
+from sgl_nb.runtime.events import Event
+from sgl_nb.tracing.timeline import Timeline
+
+
+def ev(event_kind: str, seq: int, program=None, node=None, request=None, /, **data) -> Event:
+    return Event(event_kind, program, node, request, data, ts=1000 * seq, seq=seq)
+
+
+def test_hand_made_program_folds():
+    events = [
+        ev("program_started", 1, 1, function="f", priority=0, model="m", parent=None),
+        ev("node_started", 2, 1, 10, kind="Text", name=None, line=3, file="f.py",
+           label="Text 'Hi'", preds=[], text="Hi"),
+        ev("instruction_started", 3, 1, 10, kind="Extend", index=0),
+        ev("instruction_finished", 4, 1, 10, kind="Extend", index=0),
+        ev("node_finished", 5, 1, 10, status="done"),
+        ev("node_started", 6, 1, 11, kind="Gen", name="x", line=4, preds=[10]),
+        ev("instruction_started", 7, 1, 11, 99, kind="Decode", index=0),
+        ev("cache_hit", 8, 1, 11, 99, cached_tokens=2, prompt_tokens=5),
+        ev("token", 9, 1, 11, 99, token=7, text=" a", logprob=-0.5, forced=False),
+        ev("preempted", 10, 1, 11, 99, reason="priority", priority=1),
+        ev("resumed", 11, 1, 11, 99, reason="scheduler"),
+        ev("token", 12, None, None, 99, token=8, text="b", logprob=-0.1),  # node by request
+        ev("cache_insert", 13, 1, 11, 99, tokens=4),
+        ev("instruction_finished", 14, 1, 11, 99, kind="Decode", index=0, input_tokens=5,
+           cached_tokens=2, new_tokens=3, output_tokens=2, batch_size=1, preempted=1,
+           finish_reason="length"),
+        ev("node_finished", 15, 1, 11, status="done"),
+        ev("cache_evict", 16, tokens=3),
+        ev("program_finished", 17, 1, error=None),
+    ]
+    tl = Timeline(events)
+    p = tl.programs[1]
+    assert (p.function, p.status, p.nodes, p.model) == ("f", "done", [10, 11], "m")
+    text, gen = tl.nodes[10], tl.nodes[11]
+    assert (text.kind, text.line, text.file, text.status) == ("Text", 3, "f.py", "done")
+    assert gen.preds == [10] and gen.start_ns == 6000 and gen.end_ns == 15000
+    (dec,) = gen.instructions
+    assert (dec.kind, dec.request, dec.status, dec.index) == ("Decode", 99, "done", 0)
+    assert dec.attrs["output_tokens"] == 2 and dec.attrs["finish_reason"] == "length"
+    assert [m[0] for m in dec.marks] == ["preempted", "resumed"]
+    assert [(t.token, t.text, t.seq) for t in gen.tokens] == [(7, " a", 9), (8, "b", 12)]
+    assert tl.cache == {"hits": 1, "cached_tokens": 2, "prompt_tokens": 5, "inserted": 4,
+                        "evicted": 3}
+    assert [e.kind for e in tl.cache_events] == ["cache_hit", "cache_insert", "cache_evict"]
+    assert tl.program_text(1) == "Hi a" + "b"
+    assert tl.node_steps() == [2, 6] and tl.instruction_steps() == [3, 7]
+
+    back = tl.upto(9)
+    assert back.programs[1].status == "running" and back.nodes[11].status == "running"
+    assert len(back.nodes[11].tokens) == 1 and back.nodes[11].instructions[0].end_ns is None
+    assert back.cache["inserted"] == 0
+
+
+def test_preempted_program_is_suspended_until_resumed():
+    tl = Timeline([ev("program_started", 1, 1, function="f"),
+                   ev("node_started", 2, 1, 5, kind="Gen"),
+                   ev("instruction_started", 3, 1, 5, 42, kind="Decode", index=0),
+                   ev("retracted", 4, 1, 5, 42, reason="memory")])
+    assert tl.programs[1].status == "suspended"
+    assert tl.nodes[5].instructions[0].marks[0][0] == "retracted"
+    tl.apply(ev("resumed", 5, 1, 5, 42, reason="scheduler"))
+    assert tl.programs[1].status == "running"
+
+
+def test_fork_children_and_out_of_order_events():
+    tl = Timeline()
+    tl.apply(ev("program_started", 1, 1, function="f"))
+    tl.apply(ev("fork", 3, 1, 20, n=2, children=[2, 3]))
+    tl.apply(ev("node_started", 2, 1, 20, kind="Fork"))  # published earlier, handed later
+    tl.apply(ev("program_started", 4, 2, function="f", parent=1))
+    tl.apply(ev("node_started", 5, 3, 30, kind="Gen"))  # branch 3 never announced itself
+    assert [e.seq for e in tl.events] == [1, 2, 3, 4, 5]
+    assert tl.programs[1].children == [2, 3]
+    assert tl.programs[2].parent == 1 and tl.programs[3].parent == 1
+    assert tl.programs[3].nodes == [30]
+
+
+def test_unknown_program_text_is_a_clear_error():
+    with pytest.raises(KeyError, match="no program 5"):
+        Timeline().program_text(5)
+
+
+@sgl.function
+def _qa(s, q):
+    s += "Q: " + q + "\nA:"
+    s += sgl.gen("a", max_tokens=5, ignore_eos=True)
+    s += " Verdict:"
+    s += sgl.select("v", choices=[" yes", " no"])
+
+
+@sgl.function
+def _forked(s):
+    s += "List two colors."
+    forks = s.fork(2)
+    forks += lambda i: f" Color {i}:"
+    forks += sgl.gen("c", max_tokens=3, ignore_eos=True)
+    forks.join()
+
+
+@pytest.mark.slow
+def test_real_program_events_fold(default_backend):
+    rt = default_backend
+    q = rt.events.subscribe()
+    st = _qa.run(q="What is 2+2?", passes=())
+    rt.events.unsubscribe(q)
+    events = []
+    while not q.empty():
+        events.append(q.get())
+    tl = Timeline(events)
+    p = tl.programs[st.id]
+    assert p.status == "done" and p.function == "_qa"
+    ran = [n for n in st.nodes if n.kind != "Return"]
+    assert p.nodes == [n.id for n in ran]
+    for n in ran:
+        view = tl.nodes[n.id]
+        assert view.kind == n.kind and view.status == "done" and view.line == n.line
+        assert len(view.instructions) >= 1 and view.end_ns >= view.start_ns
+    gen = tl.nodes[ran[1].id]
+    assert len(gen.tokens) == 5 and "".join(t.text for t in gen.tokens) == st["a"]
+    assert len(tl.node_steps()) == len(ran)
+    assert tl.upto(tl.node_steps()[1]).nodes[ran[1].id].status == "running"
+
+
+@pytest.mark.slow
+def test_real_fork_events_fold(default_backend):
+    rt = default_backend
+    q = rt.events.subscribe()
+    st = _forked.run()
+    rt.events.unsubscribe(q)
+    events = []
+    while not q.empty():
+        events.append(q.get())
+    tl = Timeline(events)
+    assert tl.programs[st.id].status == "done"
+    fork = next(n for n in tl.nodes.values() if n.kind == "Fork" or n.program == st.id)
+    assert fork is not None
+    branch_nodes = [n for n in tl.nodes.values() if n.program != st.id and n.kind == "Gen"]
+    assert len(branch_nodes) == 2
+    assert all(len(n.tokens) == 3 for n in branch_nodes)

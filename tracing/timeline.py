@@ -1,0 +1,304 @@
+"""The Timeline: a pure fold of runtime Events into programs, Nodes, Instructions, tokens
+and cache changes. The same fold serves a live run (events from `rt.events.subscribe`) and
+a replay (events rebuilt from a trace file by `sgl_nb.tracing.load`), so the TUI and the
+notebook widgets step through both the same way. No threads, no I/O."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sgl_nb.runtime.events import Event
+
+# The Node kinds whose output is part of the program's text.
+_TEXT_KINDS = ("Text", "RoleBegin", "RoleEnd", "Gen", "Select")
+
+
+@dataclass
+class TokenView:
+    token: int | None
+    text: str
+    logprob: float | None
+    forced: bool
+    seq: int
+
+
+@dataclass
+class InstructionView:
+    kind: str
+    node: int
+    index: int
+    request: int | None = None
+    status: str = "running"  # running -> done | error
+    start_ns: int | None = None
+    end_ns: int | None = None
+    attrs: dict = field(default_factory=dict)  # what instruction_finished reported
+    marks: list[tuple[str, int, dict]] = field(default_factory=list)  # (kind, ts, data)
+
+
+@dataclass
+class NodeView:
+    id: int
+    program: int | None
+    kind: str | None = None
+    name: str | None = None
+    label: str | None = None
+    line: int | None = None
+    file: str | None = None
+    preds: list[int] = field(default_factory=list)
+    status: str = "running"  # running -> done | error | skipped
+    start_ns: int | None = None
+    end_ns: int | None = None
+    instructions: list[InstructionView] = field(default_factory=list)
+    tokens: list[TokenView] = field(default_factory=list)
+    error: str | None = None
+    text: str | None = None  # the node's text when the runtime reported it
+
+
+@dataclass
+class ProgramView:
+    id: int
+    function: str | None = None
+    parent: int | None = None
+    priority: int | None = None
+    status: str = "running"  # running | suspended | done | error
+    error: str | None = None
+    nodes: list[int] = field(default_factory=list)
+    children: list[int] = field(default_factory=list)
+    model: str | None = None
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+
+def _empty_cache() -> dict:
+    return {"hits": 0, "cached_tokens": 0, "prompt_tokens": 0, "inserted": 0, "evicted": 0}
+
+
+class Timeline:
+    """Everything known so far about a run. `apply` one Event at a time, in seq order."""
+
+    def __init__(self, events: Iterable[Event] = ()):
+        self.events: list[Event] = []
+        self.programs: dict[int, ProgramView] = {}
+        self.nodes: dict[int, NodeView] = {}
+        self.cache: dict = _empty_cache()
+        self.cache_events: list[Event] = []
+        self._by_request: dict[int, InstructionView] = {}  # the request's live instruction
+        self._fork_parent: dict[int, int] = {}  # child program id -> parent program id
+        for e in events:
+            self.apply(e)
+
+    # ---- the fold ----------------------------------------------------------------------
+
+    def apply(self, event: Event) -> None:
+        # Publishers on different threads may hand events over a little out of order;
+        # keep `events` sorted by seq so upto() and the step lists stay right.
+        if self.events and event.seq < self.events[-1].seq:
+            bisect.insort(self.events, event, key=lambda e: e.seq)
+        else:
+            self.events.append(event)
+        handler = getattr(self, f"_on_{event.kind}", None)
+        if handler is not None:
+            handler(event)
+
+    def _program(self, pid: int | None) -> ProgramView | None:
+        if pid is None:
+            return None
+        p = self.programs.get(pid)
+        if p is None:  # joined mid-run, or a fork branch announced only by its parent
+            p = self.programs[pid] = ProgramView(pid, parent=self._fork_parent.get(pid))
+            self._link_child(p)
+        return p
+
+    def _link_child(self, p: ProgramView) -> None:
+        parent = self.programs.get(p.parent) if p.parent is not None else None
+        if parent is not None and p.id not in parent.children:
+            parent.children.append(p.id)
+
+    def _node(self, e: Event) -> NodeView | None:
+        if e.node is None:
+            return None
+        n = self.nodes.get(e.node)
+        if n is None:
+            n = self.nodes[e.node] = NodeView(e.node, e.program, start_ns=e.ts)
+            p = self._program(e.program)
+            if p is not None:
+                p.nodes.append(n.id)
+        return n
+
+    def _on_program_started(self, e: Event) -> None:
+        d = e.data
+        p = self._program(e.program)
+        if p is None:
+            return
+        p.function = d.get("function", p.function)
+        p.priority = d.get("priority", p.priority)
+        p.model = d.get("model", p.model)
+        p.start_ns = e.ts
+        parent = d.get("parent")
+        if parent is not None:
+            p.parent = parent
+            self._link_child(p)
+
+    def _on_program_finished(self, e: Event) -> None:
+        p = self._program(e.program)
+        if p is None:
+            return
+        p.error = e.data.get("error")
+        p.status = "error" if p.error else "done"
+        p.end_ns = e.ts
+
+    def _on_node_started(self, e: Event) -> None:
+        n = self._node(e)
+        if n is None:
+            return
+        d = e.data
+        n.kind, n.name, n.label = d.get("kind"), d.get("name"), d.get("label")
+        n.line, n.file, n.preds = d.get("line"), d.get("file"), list(d.get("preds") or [])
+        n.text = d.get("text", n.text)
+        n.status, n.start_ns = "running", e.ts
+
+    def _on_node_finished(self, e: Event) -> None:
+        n = self._node(e)
+        if n is None:
+            return
+        n.status = e.data.get("status", "done")
+        n.text = e.data.get("text", n.text)
+        n.end_ns = e.ts
+
+    def _instruction(self, e: Event) -> InstructionView | None:
+        """The instruction an instruction_finished / mark event is about."""
+        if e.request is not None and e.request in self._by_request:
+            return self._by_request[e.request]
+        n = self.nodes.get(e.node) if e.node is not None else None
+        if n is None or not n.instructions:
+            return None
+        index = e.data.get("index") if e.kind.startswith("instruction_") else None
+        for ins in reversed(n.instructions):
+            if index is None or ins.index == index:
+                return ins
+        return n.instructions[-1]
+
+    def _on_instruction_started(self, e: Event) -> None:
+        n = self._node(e)
+        if n is None:
+            return
+        d = e.data
+        index = d.get("index", len(n.instructions))
+        ins = InstructionView(d.get("kind"), n.id, index, e.request, start_ns=e.ts)
+        n.instructions.append(ins)
+        if e.request is not None:
+            self._by_request[e.request] = ins
+
+    def _on_instruction_finished(self, e: Event) -> None:
+        ins = self._instruction(e)
+        if ins is None:
+            return
+        ins.attrs.update({k: v for k, v in e.data.items() if k not in ("kind", "index")})
+        ins.status = "error" if e.data.get("status") == "error" else "done"
+        ins.end_ns = e.ts
+        if e.request is not None:
+            ins.request = e.request
+            self._by_request.pop(e.request, None)
+
+    def _on_token(self, e: Event) -> None:
+        n = self._node(e)
+        if n is None and e.request in self._by_request:
+            n = self.nodes.get(self._by_request[e.request].node)
+        if n is None:
+            return  # a bare rt.generate request: no program, no Node
+        d = e.data
+        n.tokens.append(TokenView(d.get("token"), d.get("text") or "", d.get("logprob"),
+                                  bool(d.get("forced", False)), e.seq))
+
+    def _mark(self, e: Event) -> None:
+        ins = self._instruction(e)
+        if ins is not None:
+            ins.marks.append((e.kind, e.ts, dict(e.data)))
+
+    def _on_preempted(self, e: Event) -> None:
+        self._mark(e)
+        self._set_program_status(e.program, "suspended")
+
+    def _on_retracted(self, e: Event) -> None:
+        self._mark(e)
+        self._set_program_status(e.program, "suspended")
+
+    def _on_paused(self, e: Event) -> None:
+        self._set_program_status(e.program, "suspended")
+
+    def _on_resumed(self, e: Event) -> None:
+        if e.data.get("reason") == "scheduler" or e.request is not None:
+            self._mark(e)
+        self._set_program_status(e.program, "running")
+
+    def _set_program_status(self, pid: int | None, status: str) -> None:
+        p = self.programs.get(pid) if pid is not None else None
+        if p is not None and p.status not in ("done", "error"):
+            p.status = status
+
+    def _on_fork(self, e: Event) -> None:
+        p = self._program(e.program)
+        for child in e.data.get("children") or []:
+            self._fork_parent[child] = e.program
+            c = self.programs.get(child)
+            if c is not None and c.parent is None:
+                c.parent = e.program
+            if p is not None and child not in p.children:
+                p.children.append(child)
+
+    def _on_error(self, e: Event) -> None:
+        n = self.nodes.get(e.node) if e.node is not None else None
+        if n is not None:
+            n.error = e.data.get("error")
+        p = self.programs.get(e.program) if e.program is not None else None
+        if p is not None and p.error is None:
+            p.error = e.data.get("error")
+
+    def _on_cache_hit(self, e: Event) -> None:
+        cached = e.data.get("cached_tokens") or 0
+        self.cache["hits"] += 1 if cached > 0 else 0
+        self.cache["cached_tokens"] += cached
+        self.cache["prompt_tokens"] += e.data.get("prompt_tokens") or 0
+        self.cache_events.append(e)
+
+    def _on_cache_insert(self, e: Event) -> None:
+        self.cache["inserted"] += e.data.get("tokens") or 0
+        self.cache_events.append(e)
+
+    def _on_cache_evict(self, e: Event) -> None:
+        self.cache["evicted"] += e.data.get("tokens") or 0
+        self.cache_events.append(e)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def upto(self, seq: int) -> Timeline:
+        """The state right after the events with seq <= `seq` (stepping backwards)."""
+        return Timeline(e for e in self.events if e.seq <= seq)
+
+    def node_steps(self) -> list[int]:
+        """The seq of every node_started event: the stops of stepping by Node."""
+        return [e.seq for e in self.events if e.kind == "node_started"]
+
+    def instruction_steps(self) -> list[int]:
+        """The seq of every instruction_started event: the stops of stepping by Instruction."""
+        return [e.seq for e in self.events if e.kind == "instruction_started"]
+
+    def program_text(self, program_id: int) -> str:
+        """The program's own output as far as the events tell: each text Node's text (when
+        the runtime reported it), a Gen's tokens, a Select's choice."""
+        p = self.programs.get(program_id)
+        if p is None:
+            raise KeyError(f"no program {program_id} in this timeline; "
+                           f"it has {sorted(self.programs)}")
+        parts = []
+        for nid in p.nodes:
+            n = self.nodes[nid]
+            if n.kind not in _TEXT_KINDS and n.kind is not None:
+                continue
+            if n.text is not None:
+                parts.append(n.text)
+            elif n.tokens:
+                parts.append("".join(t.text for t in n.tokens))
+        return "".join(parts)
