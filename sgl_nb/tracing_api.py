@@ -1,0 +1,46 @@
+"""`sgl.enable_tracing(...)` / `sgl.disable_tracing()`: every program on a Runtime becomes
+OpenTelemetry spans (one per program, Node and Instruction), written to an OTLP/JSON file,
+sent over OTLP/HTTP, or handed to any SpanExporter."""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from sgl_nb.tracing import session
+
+
+def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None = None,
+                   exporter: SpanExporter | None = None, service_name: str = "sgl-nb",
+                   resource_attributes: dict | None = None, level: str = "node",
+                   runtime=None) -> None:
+    """Trace the programs of `runtime` (default: the default backend).
+
+    file: append OTLP/JSON, one export per line (replay it with sgl_nb.tracing.load).
+    endpoint: an OTLP/HTTP traces URL, e.g. http://127.0.0.1:6006/v1/traces (Phoenix).
+    exporter: any OpenTelemetry SpanExporter (several destinations may be given at once).
+    service_name, resource_attributes: the resource of our own TracerProvider; if you set
+    an SDK TracerProvider yourself, that one is used (with its resource) instead.
+    level: "node" (default) or "token" (also one span event per generated token)."""
+    rt = runtime if runtime is not None else _default_runtime()
+    bus = getattr(rt, "events", None)
+    if bus is None or not hasattr(bus, "subscribe"):
+        raise TypeError(f"enable_tracing(runtime=...) needs an sgl_nb.Runtime (a backend "
+                        f"with an event bus), got {type(rt).__name__}")
+    path = getattr(rt, "model_path", None)
+    model = getattr(path, "name", None) or (str(path) if path else None)
+    session.enable(bus, file=file, endpoint=endpoint, exporter=exporter,
+                   service_name=service_name, resource_attributes=resource_attributes,
+                   level=level, model=model)
+
+
+def disable_tracing() -> None:
+    """Stop tracing; close the spans still open and export everything recorded."""
+    session.disable()
+
+
+def _default_runtime():
+    from sgl_nb.function import get_default_backend
+
+    return get_default_backend()  # the Runtime programs run on (created on first use)

@@ -1,0 +1,104 @@
+"""Replay: a trace file back into the Events that made it, and into a Timeline."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from sgl_nb.runtime.events import EVENT_KINDS, Event
+from sgl_nb.tracing import codec
+from sgl_nb.tracing.otlp_json import SpanRecord, read_spans
+from sgl_nb.tracing.timeline import Timeline
+
+
+class TraceFormatError(ValueError):
+    """The file is not a trace this version of sgl-nb can replay."""
+
+
+def load(path: str | os.PathLike) -> Timeline:
+    """The Timeline of an exported OTLP/JSON trace file (programs, Nodes, Instructions,
+    tokens and cache changes), its events ordered by their recorded seq."""
+    return Timeline(load_events(path))
+
+
+def load_events(path: str | os.PathLike) -> list[Event]:
+    spans = [s for s in read_spans(path) if s.scope == codec.SCOPE_NAME]
+    if not spans:
+        raise TraceFormatError(f"{path}: no sgl-nb spans (scope {codec.SCOPE_NAME!r}) in "
+                               "this file; was it written by sgl.enable_tracing(file=...)?")
+    for s in spans:
+        _check_format(path, s)
+    events = [e for s in spans for e in span_events(s)]
+    events.sort(key=lambda e: e.seq)
+    return events
+
+
+def _check_format(path, s: SpanRecord) -> None:
+    version = s.scope_attributes.get(codec.FORMAT_KEY)
+    if version == codec.FORMAT_VERSION:
+        return
+    written = f"format {version}" if version is not None else "an earlier, unversioned format"
+    raise TraceFormatError(f"{path}: this trace was written in {written}; this sgl-nb "
+                           f"replays trace format {codec.FORMAT_VERSION} only. Record it "
+                           "again with this version.")
+
+
+def span_events(s: SpanRecord) -> list[Event]:
+    """The Events one span stands for: its opening and closing events, what it recorded
+    as span events, and (at the default level) its tokens."""
+    a = s.attributes
+    kind = a.get(codec.SPAN_TYPE)
+    ids = (a.get(codec.PROGRAM), a.get(codec.NODE), a.get(codec.REQUEST))
+    out: list[Event] = []
+    if kind == "event":
+        out.append(_event(a[codec.EVENT_KIND], ids, codec.from_attrs(a, codec.DATA), s.start,
+                          a[codec.SEQ]))
+    elif kind in _OPEN_CLOSE:
+        open_kind, close_kind, start_data, end_data = _OPEN_CLOSE[kind](a)
+        if codec.SEQ in a:
+            out.append(_event(open_kind, ids, start_data, s.start, a[codec.SEQ]))
+        if codec.END_SEQ in a:
+            out.append(_event(close_kind, ids, end_data, s.end, a[codec.END_SEQ]))
+    for name, ts, ea in s.events:
+        if codec.SEQ in ea and name in EVENT_KINDS:
+            eids = (ea.get(codec.PROGRAM), ea.get(codec.NODE), ea.get(codec.REQUEST))
+            out.append(_event(name, eids, codec.from_attrs(ea, codec.DATA), ts, ea[codec.SEQ]))
+    if "sgl.tokens.seq" in a:
+        out.extend(_tokens(a, ids, s.start))
+    return out
+
+
+def _program(a: dict):
+    start = codec.from_attrs(a, "sgl.program.", skip=("id", "error", "implicit"))
+    return "program_started", "program_finished", start, {"error": a.get("sgl.program.error")}
+
+
+def _node(a: dict):
+    start = codec.from_attrs(a, "sgl.node.", skip=("id",))
+    return "node_started", "node_finished", start, codec.from_attrs(a, "sgl.node.finished.")
+
+
+def _instruction(a: dict):
+    finished = codec.from_attrs(a, "sgl.instruction.")
+    start = {k: finished[k] for k in ("kind", "index") if k in finished}
+    return "instruction_started", "instruction_finished", start, finished
+
+
+_OPEN_CLOSE = {"program": _program, "node": _node, "instruction": _instruction}
+
+
+def _event(kind: str, ids: tuple, data: dict, ts: int, seq: int) -> Event:
+    program, node, request = ids
+    return Event(kind, program, node, request, data, ts=ts, seq=seq)
+
+
+def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:
+    program, node, _ = ids
+    cols = [a.get(f"sgl.tokens.{k}") or [] for k in ("id", "text", "logprob", "forced",
+                                                       "seq", "ts")]
+    out = []
+    for tok, text, logprob, forced, seq, dt in zip(*cols):
+        data = {"token": None if tok < 0 else tok, "text": text,
+                "logprob": None if math.isnan(logprob) else logprob, "forced": forced}
+        out.append(Event("token", program, node, None, data, ts=start + dt, seq=seq))
+    return out

@@ -1,0 +1,339 @@
+"""Runtime Events -> OpenTelemetry spans: one per program, per Node, per Instruction.
+
+`SpanRecorder` is an EventBus callback: it runs on the publishing thread (the engine's or a
+program's), so it only does bookkeeping and starts/ends SDK spans with the events' own
+timestamps; encoding and export happen in the span processor's thread. Everything a replay
+needs to rebuild the Events is on the spans (see codec.py and load.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+
+from sgl_nb.runtime.events import Event
+from sgl_nb.tracing import codec
+from sgl_nb.tracing.genai import instruction_usage, node_llm_attrs, node_span_name
+
+_MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
+
+
+class _Open:
+    """A live span and what it gathers until it ends."""
+
+    __slots__ = ("span", "kind", "usage", "tokens", "start_ts", "program")
+
+    def __init__(self, span, kind: str | None = None, start_ts: int = 0, program=None):
+        self.span, self.kind, self.start_ts, self.program = span, kind, start_ts, program
+        self.usage: list[dict] = []  # instruction_finished data of the node's Decode/Score
+        self.tokens: list[tuple] = []  # (id, text, logprob, forced, seq, ts)
+
+
+class SpanRecorder:
+    def __init__(self, tracer: trace.Tracer, level: str = "node", model: str | None = None):
+        if level not in ("node", "token"):
+            raise ValueError(f"tracing level must be 'node' or 'token', got {level!r}")
+        self.tracer, self.level, self.model = tracer, level, model
+        # Event ts is time.monotonic_ns(); spans want epoch ns: one offset, taken now.
+        self.offset = time.time_ns() - time.monotonic_ns()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Event] = {}  # program_started, span not opened yet
+        self._programs: dict[int, _Open] = {}
+        self._nodes: dict[int, _Open] = {}
+        self._instructions: dict[tuple[int, int], _Open] = {}
+        self._by_request: dict[int, tuple[int, int]] = {}
+        self._ended: OrderedDict[tuple[str, int], SpanContext] = OrderedDict()
+        self._fork_ctx: dict[int, tuple[int, SpanContext]] = {}  # child -> (parent, ctx)
+        self._children: dict[int, list[int]] = {}
+        self._last_node: dict[int, SpanContext] = {}  # program -> its latest node span
+        self._models: dict[int, str] = {}
+
+    # ---- the callback ------------------------------------------------------------------
+
+    def __call__(self, e: Event) -> None:
+        handler = getattr(self, f"_on_{e.kind}", None)
+        with self._lock:
+            if handler is not None:
+                handler(e)
+            else:
+                self._span_event(e)
+
+    def traceparent(self, node_id: int) -> str | None:
+        with self._lock:
+            o = self._nodes.get(node_id)
+        if o is None:
+            return None
+        c = o.span.get_span_context()
+        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+
+    def close(self) -> None:
+        """End every span still open (tracing is being turned off)."""
+        now = time.monotonic_ns()
+        with self._lock:
+            for pid in list(self._pending):
+                self._program(pid)
+            for table in (self._instructions, self._nodes, self._programs):
+                for key in list(table):
+                    self._end(table, key, now)
+
+    # ---- opening and closing spans -----------------------------------------------------
+
+    def _epoch(self, ts: int) -> int:
+        return ts + self.offset
+
+    def _start(self, name: str, ts: int, parent: SpanContext | None, attrs: dict,
+               links: list[Link] | None = None):
+        ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent else None
+        if parent is None:
+            ctx = trace.set_span_in_context(trace.INVALID_SPAN)  # a new trace, not the caller's
+        return self.tracer.start_span(name, context=ctx, attributes=attrs, links=links or (),
+                                      start_time=self._epoch(ts))
+
+    def _end(self, table: dict, key, ts: int, seq: int | None = None) -> _Open | None:
+        o = table.pop(key, None)
+        if o is None:
+            return None
+        if seq is not None:
+            o.span.set_attribute(codec.END_SEQ, seq)
+        kind = "program" if table is self._programs else "node" if table is self._nodes else ""
+        if kind:
+            self._ended[(kind, key)] = o.span.get_span_context()
+            if len(self._ended) > _MAX_ENDED:
+                self._ended.popitem(last=False)
+        o.span.end(end_time=self._epoch(ts))
+        return o
+
+    def _ctx(self, kind: str, key: int | None) -> SpanContext | None:
+        if key is None:
+            return None
+        table = self._programs if kind == "program" else self._nodes
+        o = table.get(key)
+        return o.span.get_span_context() if o is not None else self._ended.get((kind, key))
+
+    def _program(self, pid: int | None) -> _Open | None:
+        """The program's span, opened on first need: a fork branch's parent is only known
+        once its parent's fork event has come, which may follow the branch's start."""
+        if pid is None:
+            return None
+        o = self._programs.get(pid)
+        if o is not None or ("program", pid) in self._ended:
+            return o
+        started = self._pending.pop(pid, None)
+        d = dict(started.data) if started is not None else {}
+        fork = self._fork_ctx.get(pid)
+        parent = d.get("parent", fork[0] if fork else None)
+        parent_ctx = fork[1] if fork else self._ctx("program", parent)
+        model = d.get("model") or self._models.get(parent) or self.model
+        self._models[pid] = model
+        attrs = {codec.SPAN_TYPE: "program", codec.PROGRAM: pid,
+                 "openinference.span.kind": "CHAIN",
+                 **codec.to_attrs({**d, "parent": parent}, "sgl.program.")}
+        if started is not None:
+            attrs[codec.SEQ] = started.seq
+        else:
+            attrs["sgl.program.implicit"] = True  # no program_started event was seen
+        ts = started.ts if started is not None else time.monotonic_ns()
+        span = self._start(f"program {d.get('function') or pid}", ts, parent_ctx, attrs)
+        o = self._programs[pid] = _Open(span, "program", ts, pid)
+        if parent is not None:
+            self._children.setdefault(parent, []).append(pid)
+        return o
+
+    # ---- programs ----------------------------------------------------------------------
+
+    def _on_program_started(self, e: Event) -> None:
+        if e.program is not None:
+            self._pending[e.program] = e
+
+    def _on_program_finished(self, e: Event) -> None:
+        o = self._program(e.program)
+        if o is None:
+            return
+        err = e.data.get("error")
+        if err:
+            o.span.set_attribute("sgl.program.error", str(err))
+            o.span.set_status(Status(StatusCode.ERROR, str(err)))
+        self._end_children(e.program, e.ts)
+        self._end(self._programs, e.program, e.ts, e.seq)
+
+    def _end_children(self, pid: int, ts: int) -> None:
+        """Fork branches that never reported their end close with their parent's join."""
+        for child in self._children.pop(pid, []):
+            self._end_children(child, ts)
+            self._end(self._programs, child, ts)
+
+    def _on_fork(self, e: Event) -> None:
+        ctx = self._ctx("node", e.node) or self._ctx("program", e.program)
+        if ctx is None:
+            self._program(e.program)
+            ctx = self._ctx("program", e.program)
+        for child in e.data.get("children") or []:
+            self._fork_ctx[child] = (e.program, ctx)
+        self._span_event(e)
+
+    def _on_join(self, e: Event) -> None:
+        self._span_event(e)
+        for child in e.data.get("children") or []:
+            self._end_children(child, e.ts)
+            self._end(self._programs, child, e.ts)
+
+    # ---- nodes -------------------------------------------------------------------------
+
+    def _on_node_started(self, e: Event) -> None:
+        if e.node is None:
+            return
+        prog = self._program(e.program)
+        d = e.data
+        attrs = {codec.SPAN_TYPE: "node", codec.SEQ: e.seq,
+                 **codec.id_attrs(e.program, e.node, None), **codec.to_attrs(d, "sgl.node.")}
+        if d.get("line") is not None:
+            attrs["code.lineno"] = d["line"]
+        if d.get("file"):
+            attrs["code.filepath"] = d["file"]
+        model = self._models.get(e.program) or self.model
+        attrs.update(node_llm_attrs(d.get("kind"), model))
+        links = self._join_links(e)
+        parent = prog.span.get_span_context() if prog is not None else None
+        span = self._start(node_span_name(d), e.ts, parent, attrs, links)
+        self._nodes[e.node] = _Open(span, d.get("kind"), e.ts, e.program)
+        if e.program is not None:
+            self._last_node[e.program] = span.get_span_context()
+
+    def _join_links(self, e: Event) -> list[Link]:
+        """A Join links to each branch's last span (its predecessors)."""
+        if e.data.get("kind") != "Join":
+            return []
+        ctxs = [self._ctx("node", p) for p in e.data.get("preds") or []]
+        if not any(ctxs):
+            ctxs = [self._last_node.get(c) for c in self._children.get(e.program, [])]
+        return [Link(c, {"sgl.link": "join"}) for c in ctxs if c is not None]
+
+    def _on_node_finished(self, e: Event) -> None:
+        o = self._nodes.get(e.node)
+        if o is None:
+            return
+        span = o.span
+        for k, v in codec.to_attrs(e.data, "sgl.node.finished.").items():
+            span.set_attribute(k, v)
+        if e.data.get("status") == "error":
+            span.set_status(Status(StatusCode.ERROR))
+        if o.usage or o.kind in ("Gen", "Select"):
+            for k, v in instruction_usage(o.usage, len(o.tokens)).items():
+                span.set_attribute(k, v)
+        if o.tokens:
+            self._set_tokens(o)
+        self._end(self._nodes, e.node, e.ts, e.seq)
+
+    def _set_tokens(self, o: _Open) -> None:
+        """Tokens, compactly, as parallel arrays on the node span (the default level);
+        a replay turns them back into token Events."""
+        ids, texts, logprobs, forced, seqs, ts = zip(*o.tokens)
+        span = o.span
+        span.set_attribute("sgl.tokens.id", [-1 if t is None else t for t in ids])
+        span.set_attribute("sgl.tokens.text", list(texts))
+        span.set_attribute("sgl.tokens.logprob",
+                           [float("nan") if x is None else float(x) for x in logprobs])
+        span.set_attribute("sgl.tokens.forced", list(forced))
+        span.set_attribute("sgl.tokens.seq", list(seqs))
+        span.set_attribute("sgl.tokens.ts", [t - o.start_ts for t in ts])
+        text = "".join(texts)
+        span.set_attribute("output.value", text)
+        span.set_attribute("sgl.output", text)
+
+    # ---- instructions ------------------------------------------------------------------
+
+    def _on_instruction_started(self, e: Event) -> None:
+        node = self._nodes.get(e.node) if e.node is not None else None
+        if node is None:
+            return
+        index = e.data.get("index", 0)
+        attrs = {codec.SPAN_TYPE: "instruction", codec.SEQ: e.seq,
+                 **codec.id_attrs(e.program, e.node, e.request),
+                 **codec.to_attrs(e.data, "sgl.instruction.")}
+        attrs.setdefault("sgl.instruction.index", index)
+        span = self._start(str(e.data.get("kind")), e.ts, node.span.get_span_context(), attrs)
+        self._instructions[(e.node, index)] = _Open(span, e.data.get("kind"), e.ts, e.program)
+        if e.request is not None:
+            self._by_request[e.request] = (e.node, index)
+
+    def _instruction_key(self, e: Event) -> tuple[int, int] | None:
+        key = (e.node, e.data.get("index", 0))
+        if key in self._instructions:
+            return key
+        if e.request is not None:
+            return self._by_request.get(e.request)
+        return next((k for k in reversed(self._instructions) if k[0] == e.node), None)
+
+    def _on_instruction_finished(self, e: Event) -> None:
+        key = self._instruction_key(e)
+        o = self._instructions.get(key) if key is not None else None
+        if o is None:
+            return
+        span = o.span
+        if e.request is not None:
+            span.set_attribute(codec.REQUEST, e.request)
+            self._by_request.pop(e.request, None)
+        for k, v in codec.to_attrs(e.data, "sgl.instruction.").items():
+            span.set_attribute(k, v)
+        if e.data.get("status") == "error":
+            span.set_status(Status(StatusCode.ERROR))
+        node = self._nodes.get(key[0])
+        if node is not None and o.kind in ("Decode", "Score"):
+            node.usage.append(e.data)
+        self._end(self._instructions, key, e.ts, e.seq)
+
+    # ---- everything else: span events --------------------------------------------------
+
+    def _on_token(self, e: Event) -> None:
+        key = self._by_request.get(e.request) if e.request is not None else None
+        nid = e.node if e.node is not None else (key[0] if key else None)
+        node = self._nodes.get(nid) if nid is not None else None
+        if node is None:
+            return  # a bare rt.generate request: no program, nothing to trace
+        if self.level == "token":
+            self._span_event(e, node.program, nid)
+            return
+        d = e.data
+        node.tokens.append((d.get("token"), d.get("text") or "", d.get("logprob"),
+                            bool(d.get("forced", False)), e.seq, e.ts))
+
+    def _host(self, e: Event, program: int | None, node: int | None) -> _Open | None:
+        """The span an event belongs on: its request's instruction, its node, its program,
+        or (for a cache eviction, which belongs to no request) the latest live span."""
+        key = self._by_request.get(e.request) if e.request is not None else None
+        if key is not None and key in self._instructions:
+            return self._instructions[key]
+        if node is not None and node in self._nodes:
+            return self._nodes[node]
+        if program is not None:
+            return self._program(program)
+        for table in (self._instructions, self._nodes, self._programs):
+            if table:
+                return table[next(reversed(table))]
+        return None
+
+    def _span_event(self, e: Event, program: int | None = None, node: int | None = None):
+        program = e.program if program is None else program
+        node = e.node if node is None else node
+        if e.program is None and e.node is None and e.request is None and e.kind == "token":
+            return
+        attrs = {codec.SEQ: e.seq, **codec.id_attrs(program, node, e.request),
+                 **codec.to_attrs(e.data, codec.DATA)}
+        host = self._host(e, program, node)
+        if host is None:
+            self._event_span(e, program, attrs)
+            return
+        host.span.add_event(e.kind, attrs, timestamp=self._epoch(e.ts))
+        if e.kind == "error":
+            host.span.set_status(Status(StatusCode.ERROR, str(e.data.get("error"))))
+
+    def _event_span(self, e: Event, program: int | None, attrs: dict) -> None:
+        """An event with no live span to sit on (its program already ended, or none ran
+        yet): a zero-length span of its own, so that nothing is lost."""
+        parent = self._ctx("program", program)
+        span = self._start(e.kind, e.ts, parent, {codec.SPAN_TYPE: "event",
+                                                  codec.EVENT_KIND: e.kind, **attrs})
+        span.end(end_time=self._epoch(e.ts))
