@@ -30,3 +30,10 @@ __all__ = [
     "enable_tracing", "disable_tracing",
 ]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache and %sgl_trace magics."""
+    from sgl_nb.magics import load_ipython_extension as load  # IPython only when asked
+
+    load(ipython)
