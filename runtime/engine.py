@@ -21,6 +21,7 @@ from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.model_loader import resolve_model_path
+from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import GenerateOutput, Request
 from sgl_nb.runtime.sampler import sample
@@ -83,6 +84,10 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         device: str | None = None,
         quantization: str | None = None,
+        time_slice: int = 8,
+        preemption: bool = True,
+        starvation_steps: int = 256,
+        schedule_policy: str = "lpm",
     ):
         if kv_pool_tokens <= 0:
             raise ValueError(f"kv_pool_tokens must be positive, got {kv_pool_tokens}")
@@ -98,7 +103,9 @@ class Engine:
         self.pool = self.model.new_kv_pool(kv_pool_tokens)
         self.cache = RadixCache(self.pool)
         self.scheduler = Scheduler(
-            self.pool, self.cache, self.device, max_prefill_tokens, max_running
+            self.pool, self.cache, self.device, max_prefill_tokens, max_running,
+            time_slice=time_slice, preemption=preemption, starvation_steps=starvation_steps,
+            schedule_policy=schedule_policy,
         )
         self.events = EventBus()
         self.scheduler.events = self.events
@@ -108,6 +115,8 @@ class Engine:
         self._handles: dict[int, RequestHandle] = {}
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
+        self.generated_tokens = 0
+        self.started = time.monotonic()
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
         # On CPU, decode is bound by memory bandwidth and, on a thread other than the main
         # one, a second OpenMP thread made it slower (measured on 2 cores: 81 vs 55 ms per
@@ -219,6 +228,7 @@ class Engine:
                 if item is not _WAKE:
                     self._handles[item.req.rid] = item
                     self.scheduler.add(item.req)
+                    self._emit_instruction("instruction_started", item.req)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return True
@@ -265,10 +275,15 @@ class Engine:
             if r.grammar is not None:
                 r.grammar.mask(rows_logits[i])
         sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self.generated_tokens += len(reqs)
         for req, s in zip(reqs, sampled):
             req.append(s, self.eos_ids, self.tokenizer)
-            self.events.emit("token", request=req.rid, data={"token": s.token,
-                                                             "logprob": s.logprob})
+            if self.events.active:
+                self.events.emit("token", request=req.rid, program=req.program, node=req.node,
+                                 data={"token": s.token, "logprob": s.logprob,
+                                       "text": self.tokenizer.decode([s.token]),
+                                       "forced": req.grammar is not None
+                                       and req.grammar.forced})
             handle = self._handles.get(req.rid)
             if handle is not None:
                 handle._push(req.take_delta())
@@ -289,16 +304,51 @@ class Engine:
         if error is not None:
             req.error, req.finish_reason = error, "error"
         self.scheduler.release(req)
+        self._emit_instruction("instruction_finished", req)
         handle = self._handles.pop(req.rid, None)
         if handle is not None:
             handle._push(req.take_delta())
             handle._finish()
+
+    def _emit_instruction(self, kind: str, req: Request) -> None:
+        """A request is one Decode (a gen) or Score (a select) instruction of its node."""
+        data = {"kind": "Score" if req.logprob_start is not None else "Decode", "index": 0}
+        if kind == "instruction_finished":
+            data.update(
+                input_tokens=len(req.prompt_ids), cached_tokens=max(req.prompt_cached_tokens, 0),
+                new_tokens=req.prefill_tokens, output_tokens=len(req.output_ids),
+                batch_size=req.max_batch, preempted=req.preemptions + req.retractions,
+                finish_reason=req.finish_reason,
+                error=None if req.error is None else repr(req.error),
+            )
+        self.events.emit(kind, request=req.rid, program=req.program, node=req.node, data=data)
 
     def _fail_all(self, error: BaseException) -> None:
         for handle in list(self._handles.values()):
             self._finish(handle.req, error=error)
 
     # ---- statistics -----------------------------------------------------------------------
+
+    def metrics(self) -> dict:
+        """Scheduler figures; read from any thread (list copies are atomic under the GIL)."""
+        sch = self.scheduler
+        queued = list(sch.waiting) + list(sch.suspended)
+        busy = sum(self.step_seconds.values())
+        return {
+            "waiting": len(sch.waiting), "prefilling": len(sch.prefilling),
+            "running": len(sch.running), "suspended": len(sch.suspended),
+            "queued_by_priority": {name: sum(r.priority == level for r in queued)
+                                   for name, level in PRIORITIES.items()},
+            "cache_hit_rate": sch.hit_rate(),
+            "preemptions": sch.preemptions, "resumes": sch.resumes,
+            "retractions": sch.retractions,
+            "forks": self.events.counts["fork"], "joins": self.events.counts["join"],
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
+            "steps": dict(self.steps), "busy_seconds": round(busy, 3),
+            "uptime_seconds": round(time.monotonic() - self.started, 3),
+            "time_slice": sch.time_slice, "preemption": sch.preemption,
+        }
 
     def cache_stats(self) -> dict:
         s = self.cache.stats()

@@ -10,6 +10,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class EventBus:
         self._lock = threading.Lock()
         self._queues: list[queue.SimpleQueue] = []
         self._callbacks: list[Callable[[Event], None]] = []
+        self.counts: Counter[str] = Counter()  # events emitted by kind, listened to or not
 
     def subscribe(self, callback: Callable[[Event], None] | None = None):
         """A queue of every event from now on; or, with a callback, call it for each one."""
@@ -95,7 +97,13 @@ class EventBus:
         for cb in callbacks:
             cb(event)
 
+    @property
+    def active(self) -> bool:
+        """Anyone listening? (Skip building costly event data when not.)"""
+        return bool(self._queues or self._callbacks)
+
     def emit(self, kind: str, **fields) -> None:
+        self.counts[kind] += 1
         if self._queues or self._callbacks:
             self.publish(Event(kind, **fields))
 

@@ -51,12 +51,15 @@ class Grammar:
     def __init__(self, xgr, matcher, vocab_size: int):
         self._xgr, self.matcher, self.vocab_size = xgr, matcher, vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.forced = False  # was the last masked step left with a single token?
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [vocab] float32 on the CPU; masked in place and returned."""
         self.matcher.fill_next_token_bitmask(self._bitmask)
         row = logits[None, :]
         self._xgr.apply_token_bitmask_inplace(row, self._bitmask)
+        # One token left: the grammar, not the model, chose it (views colour it so).
+        self.forced = int(torch.isfinite(logits).sum()) == 1
         return logits
 
     def accept(self, token: int) -> None:

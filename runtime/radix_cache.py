@@ -134,6 +134,21 @@ class RadixCache:
             self._matched_tokens += pos
         return (torch.cat(values) if values else _empty_slots()), node
 
+    def cached_len(self, key: Sequence[int]) -> int:
+        """How many leading tokens of key the tree holds; changes nothing (no split, no LRU
+        touch, no hit counted): the scheduler ranks waiting requests with it."""
+        key = _as_tokens(key)
+        if self.disable:
+            return 0
+        node, pos = self.root, 0
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            n = _common_len(child.key, key, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Cache key -> value (one slot per token). Returns n, the length of the prefix of key
         that was already cached: the tree now owns value[n:], the caller still owns value[:n]

@@ -54,6 +54,15 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     retractions: int = 0
+    # Scheduling: level (runtime.priority; 0 = interactive), and who asked (for events).
+    priority: int = 1
+    program: int | None = None
+    node: int | None = None
+    preemptions: int = 0  # times suspended (KV kept) for higher-priority work
+    slice_used: int = 0  # decode steps since it last started or resumed
+    waiting_since: int = 0  # scheduler step at which it last began to wait (queued/suspended)
+    prefill_tokens: int = 0  # tokens computed in extend steps (a resume adds none)
+    max_batch: int = 0  # the largest batch it ran in
     input_logprobs: list[float] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -130,6 +139,8 @@ class Request:
             "finish_reason": self.finish_reason,
             "matched_stop": self.matched_stop,
             "retractions": self.retractions,
+            "preemptions": self.preemptions,
+            "prefill_tokens": self.prefill_tokens,
             "e2e_latency": time.monotonic() - self.created,
             "ttft": None if self.first_token_at is None else self.first_token_at - self.created,
         }

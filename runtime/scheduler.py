@@ -4,17 +4,24 @@ Continuous batching: requests join (prefill, in chunks under a token budget) and
 (finish) at every step. A step is either an extend step (prompt chunks; only the part
 of a prompt the radix cache does not hold is computed) or a decode step (one token for
 every running request). Extend steps go first, so new requests start quickly.
+
+Priorities (runtime.priority) and time slices: while more urgent work exists, a running
+decode of a lower level is suspended once it has used its slice of decode steps (it keeps
+its KV and lock, so resuming recomputes nothing), lower-level work is not admitted, and
+lower-level prefills pause. Work that has waited starvation_steps steps runs one slice at
+the top level, so no program waits forever. Programs under a step controller (gated) do
+not count as urgent: only the debugged program waits while it is held.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from sgl_nb.runtime.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.kv_pool import KVPool
+from sgl_nb.runtime.priority import priority_name
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import EMPTY_SLOTS, Request
 
@@ -28,6 +35,12 @@ NEW_TOKEN_RATIO_AFTER_RETRACT = 0.3
 # A waiting request that shares at least this many uncached tokens with one already
 # chosen for this step waits one step, then finds that prefix in the cache.
 IN_BATCH_SHARE_MIN = 32
+
+# With at least this many requests waiting, admit the ones with the longest cached prefix
+# first ("lpm"), so requests sharing a prefix run together while it is still cached. Past
+# LPM_MAX_QUEUE the ranking costs more than it saves and the queue goes in arrival order.
+LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
+SCHEDULE_POLICIES = ("lpm", "fifo")
 
 
 @dataclass
@@ -59,56 +72,146 @@ class Scheduler:
         device: torch.device,
         max_prefill_tokens: int = 512,
         max_running: int = 64,
+        time_slice: int = 8,
+        preemption: bool = True,
+        starvation_steps: int = 256,
+        schedule_policy: str = "lpm",
     ):
+        if time_slice <= 0:
+            raise ValueError(f"time_slice must be a positive number of decode steps, got "
+                             f"{time_slice}")
+        if starvation_steps <= 0:
+            raise ValueError(f"starvation_steps must be positive, got {starvation_steps}")
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
+                             f"{schedule_policy!r}")
         self.pool, self.cache, self.device = pool, cache, device
         self.max_prefill_tokens, self.max_running = max_prefill_tokens, max_running
-        self.waiting: deque[Request] = deque()
+        self.time_slice, self.preemption = time_slice, preemption
+        self.starvation_steps, self.schedule_policy = starvation_steps, schedule_policy
+        self.waiting: list[Request] = []
         self.prefilling: list[Request] = []  # admitted, prompt not fully computed yet
         self.running: list[Request] = []  # decoding
+        self.suspended: list[Request] = []  # preempted: KV kept and locked, not decoding
+        self.boosted: set[int] = set()  # rids running one slice at the top level (starved)
+        self.step_no = 0  # batches scheduled so far: the clock of slices and waits
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
-        self.retractions = 0
+        self.retractions = self.preemptions = self.resumes = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.events = None  # the engine's EventBus: cache hits, inserts and evictions
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.suspended)
 
     def add(self, req: Request) -> None:
+        req.waiting_since = self.step_no
         self.waiting.append(req)
 
     # ---- choosing a step ----------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._extend_batch() or self._decode_batch()
+        if self.preemption:
+            self._rebalance()
+        batch = self._extend_batch() or self._decode_batch()
+        if batch is not None:
+            self.step_no += 1
+        return batch
+
+    def level(self, req: Request) -> int:
+        """Its priority, or the top level for one slice once it has waited too long."""
+        return 0 if req.rid in self.boosted else req.priority
+
+    def _urgent_level(self) -> int:
+        """The most urgent level of any work that could run (held programs excluded)."""
+        live = [*self.waiting, *self.prefilling, *self.suspended]
+        live += [r for r in self.running if r.gate is None]
+        return min((self.level(r) for r in live), default=0)
+
+    def _rebalance(self) -> None:
+        """Age waiting work, suspend lower-level decodes whose slice is used up, resume
+        suspended work that is the most urgent again."""
+        for req in [*self.waiting, *self.suspended]:
+            if self.step_no - req.waiting_since >= self.starvation_steps:
+                self.boosted.add(req.rid)
+        for req in self.running:
+            if req.slice_used >= self.time_slice:
+                self.boosted.discard(req.rid)  # its slice at the top level is over
+        top = self._urgent_level()
+        for req in list(self.running):
+            if self.level(req) > top and req.slice_used >= self.time_slice:
+                self._suspend(req, f"{priority_name(top)} work waits")
+        for req in list(self.suspended):
+            if self.level(req) <= top:
+                self._resume(req)
+
+    def _suspend(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        self.suspended.append(req)
+        self.boosted.discard(req.rid)
+        req.preemptions += 1
+        req.waiting_since = self.step_no
+        self.preemptions += 1
+        self._emit("preempted", req, reason=reason, priority=priority_name(req.priority))
+
+    def _resume(self, req: Request) -> None:
+        self.suspended.remove(req)
+        self.running.append(req)
+        req.slice_used = 0
+        self.resumes += 1
+        self._emit("resumed", req, reason="scheduler")
+
+    def _queue_order(self) -> list[Request]:
+        """Waiting requests in admission order: level, then (with a long queue) the longest
+        cached prefix, then arrival."""
+        lpm = (self.schedule_policy == "lpm"
+               and LPM_MIN_QUEUE <= len(self.waiting) <= LPM_MAX_QUEUE)
+        cached = {r.rid: self.cache.cached_len(r.all_ids) for r in self.waiting} if lpm else {}
+        return sorted(self.waiting, key=lambda r: (self.level(r), -cached.get(r.rid, 0), r.rid))
 
     def _extend_batch(self) -> ScheduledBatch | None:
         budget = self.max_prefill_tokens
+        top = self._urgent_level() if self.preemption else None
         chosen: list[tuple[Request, int]] = []
         for req in list(self.prefilling):
             if budget <= 0:
                 break
+            if top is not None and self.level(req) > top:
+                continue  # a lower-level prefill pauses while more urgent work exists
             n = min(req.seq_len - req.fill_len, budget)
-            if not self._grow(req, n):
+            while not (grown := self._grow(req, n)) and self._retract_for(req):
+                pass
+            if not grown:
                 break
             chosen.append((req, n))
             budget -= n
-        deferred: list[Request] = []
-        while self.waiting and budget > 0 and self._room_for_more(len(chosen)):
-            req = self.waiting.popleft()
+        for req in self._queue_order():
+            if budget <= 0 or not self._room_for_more(len(chosen)):
+                break
+            if top is not None and self.level(req) > top:
+                break  # sorted by level: everything after waits too
             if self._shares_uncached_prefix(req, [r for r, _ in chosen]):
-                deferred.append(req)
                 continue
-            n = self._admit(req, budget)
+            while (n := self._admit(req, budget)) == 0 and self._retract_for(req):
+                pass
             if n == 0:
-                self.waiting.appendleft(req)
                 break
+            self.waiting.remove(req)
             chosen.append((req, n))
             budget -= n
-        self.waiting.extendleft(reversed(deferred))
         if not chosen:
             return None
         return self._make(False, chosen)
+
+    def _retract_for(self, req: Request) -> bool:
+        """Memory for an urgent request: retract one suspended request of a lower level (its
+        tokens stay cached). True if one was retracted."""
+        victims = [r for r in self.suspended if r.priority > self.level(req)]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: (r.priority, r.rid))
+        self.retract(victim, f"memory for {priority_name(self.level(req))} work")
+        return True
 
     def _room_for_more(self, n_chosen: int) -> bool:
         return len(self.running) + len(self.prefilling) + n_chosen < self.max_running
@@ -128,7 +231,7 @@ class Scheduler:
 
     def _fits(self, req: Request, uncached: int) -> bool:
         """Would admitting req leave room for everyone's expected growth?"""
-        others = self.running + self.prefilling
+        others = self.running + self.prefilling + self.suspended
         if not others:
             return True  # alone it always fits: submission checked prompt + max_tokens
         others_left = sum(q.seq_len - q.fill_len for q in self.prefilling)
@@ -153,8 +256,7 @@ class Scheduler:
             return 0
         req.slots, req.cached_len, req.last_node = prefix, prefix.numel(), node
         req.slots = torch.cat([req.slots, slots])
-        self._emit("cache_hit", request=req.rid, data={"cached_tokens": prefix.numel(),
-                                                         "prompt_tokens": len(ids)})
+        self._emit("cache_hit", req, cached_tokens=prefix.numel(), prompt_tokens=len(ids))
         if req.prompt_cached_tokens < 0:
             req.prompt_cached_tokens = prefix.numel()
             self.prompt_tokens += len(req.prompt_ids)
@@ -172,12 +274,17 @@ class Scheduler:
     def _alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.available()
         if short > 0:
-            self._emit("cache_evict", data={"tokens": self.cache.evict(short)})
+            self._emit("cache_evict", tokens=self.cache.evict(short))
         return self.pool.alloc(n)
 
-    def _emit(self, kind: str, **fields) -> None:
-        if self.events is not None:
-            self.events.emit(kind, **fields)
+    def _emit(self, kind: str, req: Request | None = None, **data) -> None:
+        if self.events is None:
+            return
+        if req is None:
+            self.events.emit(kind, data=data)
+        else:
+            self.events.emit(kind, request=req.rid, program=req.program, node=req.node,
+                             data=data)
 
     def _decode_batch(self) -> ScheduledBatch | None:
         if not self.running:
@@ -193,6 +300,8 @@ class Scheduler:
         chosen = [(req, 1) for req in ready if req in self.running]
         for req, _ in chosen:
             req.slots = torch.cat([req.slots, self.pool.alloc(1)])
+            req.slice_used += 1
+            req.max_batch = max(req.max_batch, len(chosen))
         return self._make(True, chosen)
 
     def _make_room_for_decode(self) -> None:
@@ -202,16 +311,24 @@ class Scheduler:
             if short <= 0:
                 return
             freed = self.cache.evict(short)
-            self._emit("cache_evict", data={"tokens": freed})
+            self._emit("cache_evict", tokens=freed)
             if freed >= short:
                 return
+            if self.suspended:  # idle work gives way first
+                self.retract(max(self.suspended, key=lambda r: (r.priority, r.rid)),
+                             "KV pool full")
+                continue
             if len(self.running) == 1:
                 raise MemoryError("KV pool exhausted by a single request")  # admission prevents
-            self.retract(self.running[-1])
+            # The least urgent, most recently arrived request gives way.
+            self.retract(max(self.running, key=lambda r: (r.priority, r.rid)), "KV pool full")
 
     def _make(self, is_decode: bool, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
         reqs = [r for r, _ in chosen]
         lens = [n for _, n in chosen]
+        if not is_decode:
+            for r, n in chosen:
+                r.prefill_tokens += n
         starts = [r.fill_len - n for r, n in chosen]  # slots already include the new ones
         tokens = [r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, lens)]
         out_loc = [r.slots[s:] for r, s in zip(reqs, starts)]
@@ -248,15 +365,15 @@ class Scheduler:
             return False
         self.prefilling.remove(req)
         self.running.append(req)
+        req.slice_used = 0
         return True
 
     def release(self, req: Request) -> None:
         """A request left (finished, failed or aborted): its KV becomes evictable cache."""
-        for queue in (self.prefilling, self.running):
+        for queue in (self.prefilling, self.running, self.suspended, self.waiting):
             if req in queue:
                 queue.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
+        self.boosted.discard(req.rid)
         if req.last_node is None:
             return
         self._cache_progress(req)
@@ -269,14 +386,16 @@ class Scheduler:
             self.pool.free(req.slots[computed:])
             req.slots = req.slots[:computed]
 
-    def retract(self, req: Request) -> None:
+    def retract(self, req: Request, reason: str = "KV pool full") -> None:
         """Memory pressure: stop a running request; its tokens stay in the tree as evictable
         cache, and it waits to be admitted again with its output so far kept."""
         self.release(req)
         req.retractions += 1
         self.retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + NEW_TOKEN_RATIO_AFTER_RETRACT)
-        self.waiting.appendleft(req)
+        req.waiting_since = self.step_no
+        self.waiting.append(req)  # its rid is old: it sorts ahead of later arrivals
+        self._emit("retracted", req, reason=reason)
 
     def _cache_progress(self, req: Request) -> None:
         """Insert the computed tokens into the radix tree and lock the new path.
@@ -287,7 +406,7 @@ class Scheduler:
         key = req.all_ids[: req.fill_len]
         present = self.cache.insert(key, req.slots)
         if len(key) > present:
-            self._emit("cache_insert", request=req.rid, data={"tokens": len(key) - present})
+            self._emit("cache_insert", req, tokens=len(key) - present, total=len(key))
         if present > req.cached_len:
             self.pool.free(req.slots[req.cached_len : present])
         slots, node = self.cache.match_prefix(key, count=False)

@@ -37,6 +37,9 @@ class StepController:
         self.waiting_at: str | None = None  # "node" or "decode" when held
         self._on_change = on_change  # called (without the lock) on pause/resume
         self._wake_engine = None  # set by the state: wakes the engine after a grant
+        # Called with "node" / "decode" when the program becomes held there, and with None
+        # when it goes on (events: paused / resumed). Runs under the lock: must not block.
+        self.on_hold = None
 
     # ---- controls ----------------------------------------------------------------------
 
@@ -105,11 +108,17 @@ class StepController:
             self.current = node
             if any(bp.hits(node) for bp in self.breakpoints):
                 self._paused = True
+            held = False
             while self._paused and self._node_steps == 0:
+                if not held:
+                    held = True
+                    self._held("node")
                 self.waiting_at = "node"
                 self._cond.notify_all()
                 self._cond.wait()
             self.waiting_at = None
+            if held:
+                self._held(None)
             if self._paused:
                 self._node_steps -= 1
 
@@ -123,17 +132,22 @@ class StepController:
     def may_decode(self) -> bool:
         """Engine thread, once per step: may this program's Gen make its next token?"""
         with self._cond:
-            if not self._paused or self._token_steps < 0:
-                self.waiting_at = None
-                return True
-            if self._token_steps > 0:
-                self._token_steps -= 1
+            if not self._paused or self._token_steps < 0 or self._token_steps > 0:
+                if self._token_steps > 0:
+                    self._token_steps -= 1
+                if self.waiting_at == "decode":
+                    self._held(None)
                 self.waiting_at = None
                 return True
             if self.waiting_at != "decode":
                 self.waiting_at = "decode"
+                self._held("decode")
                 self._cond.notify_all()
             return False
+
+    def _held(self, at: str | None) -> None:
+        if self.on_hold is not None:
+            self.on_hold(at, self.current)
 
     def _wake(self) -> None:
         if self._wake_engine is not None:

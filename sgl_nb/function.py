@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from sgl_nb.runtime.passes import PassReport, check_passes, leading_text, shared_prefix
+from sgl_nb.runtime.priority import parse_priority, priority_name
 from sgl_nb.runtime.step_controller import StepController
 from sgl_nb.state import ProgramState
 from sgl_nb.trace import ProgramGraph, trace_program
@@ -69,20 +70,27 @@ class SglFunction:
         functools.update_wrapper(self, func)
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
-               passes=None, **defaults) -> ProgramFuture:
+               passes=None, priority: str = "normal", **defaults) -> ProgramFuture:
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
         run_defaults = {k: v for k, v in defaults.items() if k in _RUN_DEFAULTS}
         if "max_new_tokens" in run_defaults:
             run_defaults["max_tokens"] = run_defaults.pop("max_new_tokens")
+        priority = priority_name(parse_priority(priority))  # a bad name fails here, at once
         controller = StepController(paused=step) if debug or step else None
         state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
-                             passes=check_passes(passes))
+                             passes=check_passes(passes), priority=priority)
         file = self.func.__code__.co_filename
+        if controller is not None:
+            controller.on_hold = lambda at, node: state._emit(
+                "paused" if at else "resumed", node=getattr(node, "id", None),
+                data={"at": at, "reason": "step controller"})
 
         def body() -> None:
-            state._emit("program_started", data={"function": self.func.__name__})
+            state._emit("program_started", data={
+                "function": self.func.__name__, "priority": priority, "parent": None,
+                "model": state._model_name()})
             try:
                 self.func(state, **args)
             except BaseException as e:  # noqa: BLE001 - kept on the state, with its line
@@ -97,21 +105,25 @@ class SglFunction:
         return ProgramFuture(state, thread)
 
     def run(self, *args, stream: bool = False, backend=None, debug: bool = False,
-            step: bool = False, passes=None, **kwargs) -> ProgramState:
+            step: bool = False, passes=None, priority: str = "normal",
+            **kwargs) -> ProgramState:
         """Run the program; returns its state. Returns at once with stream=True (use
         text_iter) or step=True (starts paused: drive it with state.debug). `passes`: the
-        compiler passes to apply (default all; () for none)."""
+        compiler passes to apply (default all; () for none). `priority`: "interactive",
+        "normal" or "batch" (the scheduler serves higher levels first)."""
         call, defaults = self._split(args, kwargs)
-        fut = self._start(call, backend, debug=debug, step=step, passes=passes, **defaults)
+        fut = self._start(call, backend, debug=debug, step=step, passes=passes,
+                          priority=priority, **defaults)
         return fut.state if stream or step else fut.result()
 
     def __call__(self, *args, **kwargs) -> ProgramState:
         return self.run(*args, **kwargs)
 
     def run_async(self, *args, backend=None, debug: bool = False, step: bool = False,
-                  passes=None, **kwargs) -> ProgramFuture:
+                  passes=None, priority: str = "normal", **kwargs) -> ProgramFuture:
         call, defaults = self._split(args, kwargs)
-        return self._start(call, backend, debug=debug, step=step, passes=passes, **defaults)
+        return self._start(call, backend, debug=debug, step=step, passes=passes,
+                           priority=priority, **defaults)
 
     def trace(self, *args, **kwargs) -> ProgramGraph:
         """The static part of the program's graph for these arguments (no model runs)."""
@@ -120,16 +132,18 @@ class SglFunction:
         return trace_program(self.func, call, defaults, roles)
 
     def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
-                  passes=None, **defaults) -> list[ProgramState]:
+                  passes=None, priority: str = "batch", **defaults) -> list[ProgramState]:
         """Run the program once per dict of arguments, all at once. The shared_prefix pass
         computes the text every item starts with once, before them (the radix cache then
         serves it to each)."""
         backend = backend or get_default_backend()
+        parse_priority(priority)
         chosen = check_passes(passes)
         self.last_batch_report = None
         if "shared_prefix" in chosen and len(batch_kwargs) > 1:
-            self.last_batch_report = self._prefill_shared_prefix(batch_kwargs, backend)
-        futures = [self._start(dict(kw), backend, passes=chosen, **defaults)
+            self.last_batch_report = self._prefill_shared_prefix(batch_kwargs, backend,
+                                                                 priority)
+        futures = [self._start(dict(kw), backend, passes=chosen, priority=priority, **defaults)
                    for kw in batch_kwargs]
         if progress_bar:
             from tqdm import tqdm
@@ -137,12 +151,13 @@ class SglFunction:
             return [f.result() for f in tqdm(futures, desc=self.func.__name__)]
         return [f.result() for f in futures]
 
-    def _prefill_shared_prefix(self, batch_kwargs: list[dict], backend) -> PassReport:
+    def _prefill_shared_prefix(self, batch_kwargs: list[dict], backend,
+                               priority: str) -> PassReport:
         roles = getattr(backend, "chat_roles", None)
         graphs = [trace_program(self.func, dict(kw), {}, roles) for kw in batch_kwargs]
         common, report = shared_prefix([leading_text(g.nodes) for g in graphs])
         if common:
-            backend.generate(common, max_tokens=1)  # now in the radix cache, once
+            backend.generate(common, max_tokens=1, priority=priority)  # cached, once
         return report
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:

@@ -11,6 +11,7 @@ import torch
 from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
 from sgl_nb.runtime.engine import Engine, RequestHandle
 from sgl_nb.runtime.linear import resolve_dtype
+from sgl_nb.runtime.priority import parse_priority
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
 
@@ -28,10 +29,23 @@ class Runtime:
         dtype: str | None = None,
         device: str | None = None,
         quantization: str | None = None,
+        time_slice: int = 8,
+        preemption: bool = True,
+        starvation_steps: int = 256,
+        schedule_policy: str = "lpm",
     ):
         """dtype: "float32", "bfloat16" or "float16" for activations and the KV cache; None
         picks bfloat16 on CUDA or with quantization, float32 otherwise. quantization: None,
-        "int8" or "int4" (weight-only; quantized once and kept in the cache folder)."""
+        "int8" or "int4" (weight-only; quantized once and kept in the cache folder).
+
+        kv_pool_tokens: the KV pool's capacity in tokens. time_slice: decode steps a request
+        runs before it yields to waiting higher-priority work; preemption=False turns that
+        off (priorities then only order the queue). starvation_steps: after waiting this
+        many steps, any request runs one slice at the top level. schedule_policy: "lpm"
+        (a long queue admits the longest cached prefix first) or "fifo"."""
+        if time_slice <= 0:
+            raise ValueError(f"time_slice must be a positive number of decode steps, got "
+                             f"{time_slice}")
         # Checked before anything loads, so a typo fails at once, naming the allowed values.
         torch_dtype = resolve_dtype(
             dtype, device or ("cuda" if torch.cuda.is_available() else "cpu"), quantization
@@ -44,6 +58,10 @@ class Runtime:
             dtype=torch_dtype,
             device=device,
             quantization=quantization,
+            time_slice=time_slice,
+            preemption=preemption,
+            starvation_steps=starvation_steps,
+            schedule_policy=schedule_policy,
         )
 
     @property
@@ -76,8 +94,11 @@ class Runtime:
         regex: str | None = None,
         json_schema: str | dict | None = None,
         stream: bool = False,
+        priority: str = "normal",
     ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
-        """Generate from a string or a list of token ids; a list of those is a batch."""
+        """Generate from a string or a list of token ids; a list of those is a batch.
+        priority: "interactive" > "normal" > "batch" (see the scheduler)."""
+        level = parse_priority(priority)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop=stop or [], stop_token_ids=stop_token_ids or [],
@@ -90,6 +111,8 @@ class Runtime:
         prompts = prompt if batch else [prompt]
         # Check every request before submitting any, so a bad one leaves nothing running.
         reqs = [self.engine.make_request(self._token_ids(p), params) for p in prompts]
+        for r in reqs:
+            r.priority = level
         handles = [self.engine.submit(r, stream=stream) for r in reqs]
         if stream:
             return handles[0].chunks()
@@ -97,21 +120,32 @@ class Runtime:
         return outs if batch else outs[0]
 
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
-               **params) -> RequestHandle:
+               priority: str | int | None = None, program: int | None = None,
+               node: int | None = None, **params) -> RequestHandle:
         """Start one request and return at once; the handle's .result() waits for it.
-        `gate`, if given, is asked before each decode step whether the request may go on."""
+        `gate`, if given, is asked before each decode step whether the request may go on;
+        program/node say which program Node it runs for (carried on its events)."""
         req = self.engine.make_request(self._token_ids(prompt), SamplingParams(**params))
-        req.gate = gate
+        req.gate, req.priority = gate, parse_priority(priority)
+        req.program, req.node = program, node
         return self.engine.submit(req, stream=stream)
+
+    def wake(self) -> None:
+        """Re-check programs held by a step controller now (a step was granted)."""
+        self.engine.wake()
+
+    def metrics(self) -> dict:
+        """Queue lengths, cache hit rate, preemptions, retractions, forks, joins, tok/s."""
+        return self.engine.metrics()
 
     @property
     def events(self):
         """The engine's event stream: .subscribe() gives a queue of runtime Events."""
         return self.engine.events
 
-    def score(self, prefix: str | list[int], continuations: list[str | list[int]]) -> list[
-        list[float]
-    ]:
+    def score(self, prefix: str | list[int], continuations: list[str | list[int]],
+              priority: str | int | None = None, program: int | None = None,
+              node: int | None = None) -> list[list[float]]:
         """Logprob of each token of each continuation after `prefix` (prefix and continuation
         tokenized separately). The continuations run as one batch; the prefix is computed once."""
         pre = self._token_ids(prefix)
@@ -122,7 +156,9 @@ class Runtime:
             ids = self._token_ids(c)
             if not ids:
                 raise ValueError(f"empty continuation to score: {c!r}")
-            reqs.append(self.engine.make_score_request(pre + ids, len(pre)))
+            req = self.engine.make_score_request(pre + ids, len(pre))
+            req.priority, req.program, req.node = parse_priority(priority), program, node
+            reqs.append(req)
         handles = [self.engine.submit(r) for r in reqs]
         return [h.result().input_logprobs for h in handles]
 

@@ -34,8 +34,10 @@ class ProgramError(RuntimeError):
 
 class ProgramState:
     def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
-                 debug: StepController | None = None, passes: frozenset[str] = frozenset()):
+                 debug: StepController | None = None, passes: frozenset[str] = frozenset(),
+                 priority: str = "normal"):
         self.id = next(_state_ids)
+        self.priority = priority  # the scheduler's level for this program's requests
         self.passes = passes
         self.pass_counts: dict[str, int] = {}
         self._held_text: Node | None = None  # a Text node not queued yet (fuse_text)
@@ -162,15 +164,35 @@ class ProgramState:
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         self.sync()
-        node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n})
+        caller = sys._getframe(1)
+        node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n},
+                    caller.f_code.co_filename, caller.f_lineno)
         node.status = "done"
         self.nodes.append(node)
-        self._emit("fork", node=node.id, data={"n": n})
         children = [ProgramState(self.backend, self.defaults, self._text, parent=self,
-                                 debug=self.debug, passes=self.passes) for _ in range(n)]
-        for c in children:
-            c._fork_node = node.id
+                                 debug=self.debug, passes=self.passes, priority=self.priority)
+                    for _ in range(n)]
+        self._emit_instant(node, "fork", {"n": n, "children": [c.id for c in children]})
+        for i, c in enumerate(children):
+            c._emit("program_started", node=node.id, data={
+                "function": f"branch {i}", "priority": self.priority, "parent": self.id,
+                "model": self._model_name()})
         return ForkGroup(self, children, node)
+
+    def _emit_instant(self, node: Node, kind: str, data: dict) -> None:
+        """Fork and Join run in the program's own thread, at once: their Node, their one
+        Instruction and the fork/join event, in that order."""
+        self._emit("node_started", node=node.id, data={
+            "kind": node.kind, "name": None, "line": node.line, "file": node.file,
+            "label": node.label(), "preds": list(node.preds)})
+        self._emit("instruction_started", node=node.id, data={"kind": node.kind, "index": 0})
+        self._emit(kind, node=node.id, data=data)
+        self._emit("instruction_finished", node=node.id, data={"kind": node.kind, "index": 0})
+        self._emit("node_finished", node=node.id, data={"status": node.status})
+
+    def _model_name(self) -> str | None:
+        path = getattr(self.backend, "model_path", None)
+        return getattr(path, "name", None) or getattr(self.backend, "model", None)
 
     # ---- reading results ---------------------------------------------------------------
 
@@ -293,18 +315,20 @@ class ProgramState:
                 if self.debug is not None:
                     self.debug.before_node(node)
                 node.status = "running"
-                self._emit("node_started", node=node.id, data={"kind": node.kind,
-                                                               "name": node.name,
-                                                               "line": node.line})
-                instructions = lower(node)
-                for ins in instructions:
-                    self._emit("instruction_started", node=node.id, data={"kind": ins.kind})
+                self._emit("node_started", node=node.id, data={
+                    "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
+                    "label": node.label(), "preds": list(node.preds)})
+                # Decode and Score run on the engine, which reports them itself.
+                local = [i for i in lower(node) if i.kind not in ("Decode", "Score")]
+                for i, ins in enumerate(local):
+                    self._emit("instruction_started", node=node.id,
+                               data={"kind": ins.kind, "index": i})
                 try:
                     self._execute(node, payload)
                     node.status = "done"
-                    for ins in instructions:
+                    for i, ins in enumerate(local):
                         self._emit("instruction_finished", node=node.id,
-                                   data={"kind": ins.kind})
+                                   data={"kind": ins.kind, "index": i})
                 except Exception as e:  # the program fails; the engine and others go on
                     node.status = "error"
                     self._set_error(e, node.file)
@@ -354,8 +378,9 @@ class ProgramState:
         gate = None
         if self.debug is not None:
             gate = self.debug.may_decode
-            self.debug._wake_engine = self.backend.engine.wake
-        handle = self.backend.submit(self._text, stream=True, gate=gate, **node.detail)
+            self.debug._wake_engine = getattr(self.backend, "wake", None)
+        handle = self.backend.submit(self._text, stream=True, gate=gate, priority=self.priority,
+                                     program=self.id, node=node.id, **node.detail)
         for chunk in handle.chunks():
             out += chunk
             self._append(chunk, g.name)
@@ -374,10 +399,12 @@ class ProgramState:
                 self._meta[sel.name] = {"choices": sel.choices, "resolved": "static"}
                 self[sel.name] = sel.choices[0]
             return
-        scores = self.backend.score(self._text, sel.choices)
+        scores = self.backend.score(self._text, sel.choices, priority=self.priority,
+                                    program=self.id, node=node.id)
         uncond = None
         if sel.method == "unconditional_likelihood_normalized":
-            uncond = self.backend.score(self.backend.tokenizer.bos_token or "\n", sel.choices)
+            uncond = self.backend.score(self.backend.tokenizer.bos_token or "\n", sel.choices,
+                                        priority=self.priority)
         index, meta = choose(sel.method, scores, uncond)
         self._append(sel.choices[index], sel.name)
         if sel.name is not None:
@@ -425,15 +452,20 @@ class ForkGroup:
             s.sync()
         p = self.parent
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        node = Node("Join", p.id, preds, None, {"mode": mode})
+        caller = sys._getframe(1)
+        node = Node("Join", p.id, preds, None, {"mode": mode}, caller.f_code.co_filename,
+                    caller.f_lineno)
         for s in self.states:
             p.nodes.extend(s.nodes)  # the branches' Nodes belong to the parent's graph
         p.nodes.append(node)
         errors = [s._error for s in self.states if s._error is not None]
+        for s in self.states:
+            s._emit("program_finished", data={"error": repr(s._error) if s._error else None})
         if errors:
             node.status = "error"
             p._set_error(errors[0])
             p._error_line = next(s._error_line for s in self.states if s._error is not None)
+            p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
             return
         if mode == "concate_and_append":
             p._submit("".join(s._text[s._fork_point:] for s in self.states))
@@ -442,3 +474,4 @@ class ForkGroup:
             for k in names:
                 p[k] = [s._vars.get(k) for s in self.states]
         node.status = "done"
+        p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
