@@ -43,6 +43,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_debug(args: argparse.Namespace) -> int:
+    from sgl_nb.tui.commands import debug_command
+
+    return debug_command(args.target, args.arg, args.model, args.record, not args.no_timings)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from sgl_nb.tui.commands import replay_command
+
+    return replay_command(args.trace, not args.no_timings)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "programs":
         from sgl_nb.bench_programs import run_programs_bench
@@ -86,6 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--turns", type=int, default=4, help="programs: turns per session")
     b.add_argument("--chat-tokens", type=int, default=24, help="programs: tokens per reply")
     b.set_defaults(func=cmd_bench)
+
+    g = sub.add_parser("debug", help="step through a program in a terminal debugger, live")
+    g.add_argument("target", metavar="FILE.py[:FUNCTION]")
+    g.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a program argument (a Python literal, else a string); repeatable")
+    g.add_argument("--model", default=None)
+    g.add_argument("--record", default=None, metavar="TRACE.jsonl",
+                   help="also write the run's trace to this file (for sgl-nb replay)")
+    g.add_argument("--no-timings", action="store_true", help="hide timings in the state pane")
+    g.set_defaults(func=cmd_debug)
+
+    r = sub.add_parser("replay", help="step forward and backward through an exported trace")
+    r.add_argument("trace", metavar="TRACE.jsonl")
+    r.add_argument("--no-timings", action="store_true", help="hide timings in the state pane")
+    r.set_defaults(func=cmd_replay)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,171 @@
+"""A program running under the debugger, live on the engine: it starts paused (step=True)
+and the app drives its step controller; its events feed a Timeline.
+
+Nothing here waits for the engine: the controller's methods only flip flags, `position`
+reads plain attributes, and events arrive through `pump`, a worker thread that hands them
+to the app in batches."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.ir import Node, lower
+from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.tracing.timeline import Timeline
+from sgl_nb.tui.program_file import ProgramFile
+from sgl_nb.tui.rows import NodeRow, Position, number_rows, started_rows
+from sgl_nb.tui.session import error_line_in
+
+BATCH_S = 1 / 30  # events that arrive within this long reach the app as one message
+
+
+class LiveSession:
+    mode = "live"
+
+    def __init__(self, program: ProgramFile, backend, passes=None):
+        self.backend = backend
+        self._bus = backend.events
+        self._queue = self._bus.subscribe()  # before the run starts: no event is missed
+        self.state = program.function.run(backend=backend, step=True, passes=passes,
+                                           **program.args)
+        self.debug = self.state.debug
+        self.breakpoints: set[Breakpoint] = self.debug.breakpoints
+        self.timeline = Timeline()
+        self._ours = {self.state.id}
+        self._file = str(program.path)
+        self.title = f"{program.name} · {program.path.name}"
+        self._last_tree: str | None = None
+
+    # ---- events ------------------------------------------------------------------------
+
+    def pump(self, post: Callable[[list[Event]], None], stop: threading.Event) -> None:
+        """Run on a worker thread until `stop`: one `post` per batch of events."""
+        while not stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            stop.wait(BATCH_S)  # a burst of tokens becomes one batch, not one message each
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            post(batch)
+
+    def apply(self, events: list[Event]) -> int:
+        """Fold the events of this program (and its fork branches) into the timeline."""
+        n = 0
+        for e in events:
+            if self._is_ours(e):
+                self.timeline.apply(e)
+                n += 1
+        return n
+
+    def _is_ours(self, e: Event) -> bool:
+        if e.program is None:
+            return e.kind == "cache_evict"  # the one cache change no request owns
+        if e.program in self._ours:
+            if e.kind == "fork":
+                self._ours.update(e.data.get("children") or [])
+            return True
+        if e.kind == "program_started" and e.data.get("parent") in self._ours:
+            self._ours.add(e.program)
+            return True
+        return False
+
+    def close(self, release: bool = False) -> None:
+        """Stop listening; with release, let the program run to its end (nothing holds it)."""
+        self._bus.unsubscribe(self._queue)
+        if release:
+            self.debug.breakpoints.clear()
+            self.debug.continue_()
+
+    # ---- what the panes read -----------------------------------------------------------
+
+    def root_program(self) -> int | None:
+        return self.state.id
+
+    def position(self) -> Position:
+        p = self.timeline.programs.get(self.state.id)
+        last = next(reversed(self.timeline.nodes), None)
+        if p is not None and p.status in ("done", "error"):
+            return Position(p.status, last)
+        waiting, current = self.debug.waiting_at, self.debug.current
+        if waiting in ("node", "decode") and current is not None:
+            return Position(waiting, current.id)
+        return Position("running" if self.timeline.events else "start", last)
+
+    def rows(self) -> list[NodeRow]:
+        rows = started_rows(self.timeline)
+        seen = {r.id for r in rows}
+        # Nodes the program has recorded but not run yet: its Python runs ahead of them.
+        rows += [_pending(n) for n in list(self.state.nodes)
+                 if n.status == "pending" and n.id not in seen]
+        return number_rows(rows)
+
+    def source_file(self) -> str | None:
+        return self._file
+
+    def error_line(self) -> int | None:
+        line = self.state.error_line  # a plain attribute; set with the error
+        return line if line is not None else error_line_in(self.timeline, self.state.id)
+
+    def cache_tree(self) -> str | None:
+        try:
+            self._last_tree = self.backend.engine.cache.format_tree(self.backend.tokenizer)
+        except (RuntimeError, AttributeError, KeyError, IndexError):
+            pass  # the engine thread changed the tree while we walked it: keep the last one
+        return self._last_tree
+
+    # ---- controls ----------------------------------------------------------------------
+
+    def _finished(self) -> bool:
+        return self.position().finished
+
+    def next_node(self) -> str:
+        if self._finished():
+            return "the program has finished"
+        self.debug.step()
+        return "running one Node"
+
+    def next_instruction(self) -> str:
+        if self._finished():
+            return "the program has finished"
+        self.debug.step_instruction()
+        return "running one Instruction"
+
+    def continue_(self) -> str:
+        if self._finished():
+            return "the program has finished"
+        self.debug.continue_()
+        return "continuing"
+
+    def pause(self) -> str:
+        if self._finished():
+            return "the program has finished"
+        self.debug.pause()
+        return "pausing at the next Node or token"
+
+    def back_node(self) -> str:
+        return "a live run only goes forward: step backwards in a replay (sgl-nb replay)"
+
+    back_instruction = back_node
+
+    def toggle_breakpoint(self, row: NodeRow) -> str:
+        bp = row.breakpoint()
+        if bp in self.debug.breakpoints:
+            self.debug.clear_breakpoint(bp)
+            return f"breakpoint cleared: {row.label}"
+        self.debug.breakpoint(name=bp.name, kind=bp.kind, line=bp.line)
+        return f"breakpoint set: {row.label}"
+
+
+def _pending(n: Node) -> NodeRow:
+    return NodeRow(id=n.id, program=n.program, kind=n.kind, name=n.name, label=n.label(),
+                   line=n.line, file=n.file, status="pending", preds=list(n.preds),
+                   instructions=[f"{i.kind}[{k}] pending" for k, i in enumerate(lower(n))])
