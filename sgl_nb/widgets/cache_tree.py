@@ -1,0 +1,139 @@
+"""The cache tree: the engine's radix tree as it is now, each edge's text decoded, its hit
+count, locked (in use by a running request) or evictable, and the path of this program's
+text highlighted. Nested <details> collapse, the box scrolls, and past `max_nodes` the rest
+is summarised, so a long tree stays readable."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+from traitlets import Float, Int, List
+
+_STYLE = """<style>
+.sgl-cache{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
+ border:1px solid #ddd;padding:4px}.sgl-cache details{margin-left:14px}
+.sgl-cache summary,.sgl-cache .sgl-leaf{white-space:pre}.sgl-cache .sgl-leaf{margin-left:26px}
+.sgl-edge{background:#f3f4f6}.sgl-onpath>summary .sgl-edge,.sgl-leaf.sgl-onpath .sgl-edge{
+ background:#fde68a;font-weight:bold}.sgl-locked{color:#b91c1c}.sgl-evictable{color:#15803d}
+.sgl-meta{color:#666;font-size:11px}
+</style>"""
+
+
+def path_nodes(root, tokens: list[int]) -> list[int]:
+    """Ids of the tree nodes a token sequence runs through (read-only: no split, no stats)."""
+    out, node, pos = [], root, 0
+    while pos < len(tokens):
+        child = node.children.get(tokens[pos])
+        if child is None:
+            break
+        key = child.key
+        n = 0
+        for a, b in zip(key, tokens[pos:pos + len(key)]):
+            if a != b:
+                break
+            n += 1
+        out.append(child.id)
+        if n < len(key):
+            break
+        node, pos = child, pos + n
+    return out
+
+
+class TreeHTML:
+    """Renders a RadixCache; `decode` turns a key into text (memoised by the caller)."""
+
+    def __init__(self, decode, on_path: set[int], max_nodes: int = 300, edge_chars: int = 48,
+                 open_depth: int = 1):
+        self.decode, self.on_path = decode, on_path
+        self.max_nodes, self.edge_chars, self.open_depth = max_nodes, edge_chars, open_depth
+        self.count = 0
+
+    def render(self, cache) -> str:
+        s = cache.stats()
+        head = (f'<div class="sgl-meta">{s["nodes"]} nodes · {s["cached_tokens"]} tokens cached '
+                f'({s["protected_tokens"]} locked, {s["evictable_tokens"]} evictable) · '
+                f'hit rate {s["hit_rate"]:.1%} · evicted {s["evicted_tokens"]}</div>')
+        body = "".join(self._node(c, 0) for c in _children(cache.root))
+        rest = s["nodes"] - self.count
+        more = f'<div class="sgl-meta">… {rest} more nodes</div>' if rest > 0 else ""
+        return f'{_STYLE}{head}<div class="sgl-cache">{body or "(empty)"}{more}</div>'
+
+    def _node(self, node, depth: int) -> str:
+        if self.count >= self.max_nodes:
+            return ""
+        self.count += 1
+        kids = _children(node)
+        on = node.id in self.on_path
+        label = self._label(node)
+        cls = " sgl-onpath" if on else ""
+        if not kids:
+            return f'<div class="sgl-leaf{cls}" data-node="{node.id}">{label}</div>'
+        opened = " open" if on or depth < self.open_depth else ""
+        inner = "".join(self._node(c, depth + 1) for c in kids)
+        return (f'<details class="{cls.strip()}"{opened} data-node="{node.id}">'
+                f'<summary>{label}</summary>{inner}</details>')
+
+    def _label(self, node) -> str:
+        text = self.decode(node.key)
+        short = text if len(text) <= self.edge_chars else text[: self.edge_chars - 1] + "…"
+        lock = (f'<span class="sgl-locked">locked×{node.lock_ref}</span>' if node.lock_ref
+                else '<span class="sgl-evictable">evictable</span>')
+        return (f'<span class="sgl-edge" title="{html.escape(text)}">{html.escape(repr(short))}'
+                f'</span> <span class="sgl-meta">{len(node.key)} tok · hits {node.hit_count}'
+                f'</span> {lock}')
+
+
+def _children(node) -> list:
+    # The engine thread may add a child while we read: copy first, retry once.
+    for _ in range(3):
+        try:
+            return list(node.children.values())
+        except RuntimeError:
+            continue
+    return []
+
+
+class CacheTreeView(W.VBox):
+    nodes = Int(0).tag(sync=True)
+    cached_tokens = Int(0).tag(sync=True)
+    locked_tokens = Int(0).tag(sync=True)
+    evictable_tokens = Int(0).tag(sync=True)
+    hit_rate = Float(0.0).tag(sync=True)
+    path = List(Int()).tag(sync=True)  # tree node ids on this program's path
+
+    def __init__(self, max_nodes: int = 300, **kwargs):
+        self.max_nodes = max_nodes
+        self._decoded: dict[tuple, str] = {}
+        self.tree = W.HTML("")
+        self.tree.add_class("sgl-cache-view")
+        super().__init__(children=[self.tree], **kwargs)
+
+    def update(self, cache, tokenizer, program_tokens: list[int] | None = None) -> None:
+        """Set every trait from the cache as it is now; call inside hold_sync."""
+        if cache is None:
+            self.tree.value = "<i>this backend has no local radix cache</i>"
+            return
+        self.path = path_nodes(cache.root, program_tokens or [])
+        view = TreeHTML(lambda key: self._decode(tokenizer, key), set(self.path),
+                        self.max_nodes)
+        try:
+            self.tree.value = view.render(cache)
+        except RuntimeError:  # the tree changed under us; the next render catches up
+            return
+        s = cache.stats()
+        self.nodes, self.cached_tokens = s["nodes"], s["cached_tokens"]
+        self.locked_tokens, self.evictable_tokens = s["protected_tokens"], s["evictable_tokens"]
+        self.hit_rate = round(s["hit_rate"], 4)
+
+    def _decode(self, tokenizer, key: tuple) -> str:
+        text = self._decoded.get(key)
+        if text is None:
+            text = tokenizer.decode(list(key)) if tokenizer is not None else str(list(key))
+            if len(self._decoded) > 4096:
+                self._decoded.clear()
+            self._decoded[key] = text
+        return text
+
+    def widgets(self) -> list:
+        return [self, self.tree]

@@ -1,0 +1,207 @@
+"""The widget a `%%sgl` cell shows: its stream view, its stepper and the cache tree, all fed
+from one subscription to the runtime's events, folded into one Timeline.
+
+Create it (it subscribes) before the program starts, `attach(state)` once the program runs;
+its pump thread then renders at most ~30 times a second and stops after the program ends,
+leaving the final state in the traits. `sync()` folds and renders now (headless use, tests).
+"""
+
+from __future__ import annotations
+
+import html
+import linecache
+import threading
+
+import ipywidgets as W
+from traitlets import Int, Unicode
+
+from sgl_nb.runtime.events import Event
+from sgl_nb.tracing.timeline import NodeView, Timeline
+from sgl_nb.widgets.cache_tree import CacheTreeView
+from sgl_nb.widgets.stepper import StepperView, graph_rows
+from sgl_nb.widgets.stream import StreamModel, StreamView, _family
+from sgl_nb.widgets.throttle import EventPump, held
+
+
+class ProgramWidget(W.VBox):
+    program_id = Int(None, allow_none=True).tag(sync=True)
+    status = Unicode("starting").tag(sync=True)
+    error = Unicode("").tag(sync=True)
+
+    def __init__(self, backend, title: str = "program", rate: float = 30.0, **kwargs):
+        self.backend = backend
+        self.timeline = Timeline()
+        self.forks: dict[int, list[int]] = {}
+        self.state = None
+        self.pump: EventPump | None = None
+        self.rate = rate
+        self._lock = threading.RLock()
+        self._last_hold = None
+        self._cached_chars: dict[tuple[int, int], int] = {}
+        self._live: dict = {}  # node id -> the live Node, refreshed on each render
+        bus = getattr(backend, "events", None)
+        self._queue = bus.subscribe() if bus is not None else None
+        self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
+        self.stream = StreamView()
+        self.stepper = StepperView()
+        self.stepper.on_command = self._poke
+        self.cache = CacheTreeView()
+        self.tabs = W.Tab(children=[self.stepper, self.cache])
+        self.tabs.titles = ("Stepper", "Cache tree")
+        super().__init__(children=[self.title, self.stream, self.tabs], **kwargs)
+
+    # ---- wiring ------------------------------------------------------------------------
+
+    def attach(self, state) -> ProgramWidget:
+        """Follow this program (its events may already be queued: nothing is lost)."""
+        self.state = state
+        self.program_id = state.id
+        self.stepper.bind(state.debug)
+        if self._queue is None:  # a backend without an event stream: show the end result
+            threading.Thread(target=self._without_events, daemon=True).start()
+            return self
+        self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
+                              changed=self._hold_changed, rate=self.rate,
+                              on_stop=self._unsubscribe).start()
+        return self
+
+    def _unsubscribe(self) -> None:
+        bus = getattr(self.backend, "events", None)
+        if bus is not None and self._queue is not None:
+            bus.unsubscribe(self._queue)
+
+    def _fold(self, events: list[Event]) -> None:
+        with self._lock:
+            for e in sorted(events, key=lambda e: e.seq):
+                self.timeline.apply(e)
+                if e.kind == "fork" and e.data.get("children"):
+                    self.forks[e.node] = list(e.data["children"])
+
+    def _finished(self) -> bool:
+        p = self.timeline.programs.get(self.program_id)
+        return p is not None and p.status in ("done", "error")
+
+    def _hold_changed(self) -> bool:
+        c = self.state.debug if self.state is not None else None
+        now = (c.waiting_at, getattr(c.current, "id", None), c.paused) if c else None
+        changed, self._last_hold = now != self._last_hold, now
+        return changed
+
+    def _poke(self) -> None:
+        self._last_hold = None  # a button was pressed: the pump renders on its next poll
+
+    def sync(self, timeout: float | None = 60.0) -> None:
+        """Fold everything published so far and render it (headless use, tests)."""
+        if self.pump is not None:
+            self.pump.flush(timeout)
+        else:
+            self.render()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the final render (after the program ended); True when it happened."""
+        return self.pump.join(timeout) if self.pump is not None else True
+
+    # ---- rendering -------------------------------------------------------------------------
+
+    def render(self) -> None:
+        with self._lock:
+            if self.program_id is None or self.program_id not in self.timeline.programs:
+                return
+            tl, pid = self.timeline, self.program_id
+            self._live = {n.id: n for n in list(self.state.nodes)}
+            model = StreamModel(tl, pid, self._node_text, self._prefix_chars, self.forks)
+            finished = self._finished()
+            rows = graph_rows(tl, _family(tl, pid), list(self.state.nodes))
+            text = model.text()
+            widgets = [self, *self.stream.widgets(), *self.stepper.widgets(),
+                       *self.cache.widgets()]
+            with held(widgets):
+                p = tl.programs[pid]
+                self.status = p.status
+                self.error = self._error_text(p.error) if p.error else ""
+                self.stream.update(model, self.status if not self.error else "error")
+                if self.error:
+                    self.stream.header.value += (
+                        f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
+                self.stepper.update(rows, finished)
+                engine = getattr(self.backend, "engine", None)
+                self.cache.update(getattr(engine, "cache", None), self._tokenizer(),
+                                  self._encode(text))
+
+    def _error_text(self, error: str) -> str:
+        line = getattr(self.state, "error_line", None)
+        fn = getattr(self.state, "fn", None)
+        file = getattr(getattr(fn, "func", None), "__code__", None)
+        src = linecache.getline(file.co_filename, line).strip() if file and line else ""
+        where = f" at cell line {line}: {src}" if line else ""
+        return f"{error}{where}"
+
+    def _tokenizer(self):
+        return getattr(self.backend, "tokenizer", None)
+
+    def _encode(self, text: str) -> list[int]:
+        tok = self._tokenizer()
+        return tok.encode(text) if tok is not None and text else []
+
+    def _prefix_chars(self, prompt: str, n_tokens: int) -> int:
+        """Characters spanned by the first n tokens of prompt (where the cached part ends)."""
+        key = (hash(prompt), n_tokens)
+        if key not in self._cached_chars:
+            tok = self._tokenizer()
+            ids = tok.encode(prompt) if tok is not None else []
+            self._cached_chars[key] = (len(tok.decode(ids[:n_tokens])) if n_tokens < len(ids)
+                                       else len(prompt))
+        return self._cached_chars[key]
+
+    def _node_text(self, view: NodeView) -> str | None:
+        """A text Node's text from the live program when its events did not carry it."""
+        state = self.state
+        node = self._live.get(view.id)
+        if node is None:
+            return None
+        if node.kind == "Select":
+            value = state._vars.get(node.name) if node.name else None
+            return value if isinstance(value, str) else None
+        return node.detail.get("text")
+
+    def _without_events(self) -> None:
+        text = self.state.text()
+        with self.stream.hold_sync():
+            self.stream.text = text
+            self.stream.html_view.value = f"<pre>{html.escape(text)}</pre>"
+            self.stream.status = self.status = "done"
+
+
+class LiveCacheTree(CacheTreeView):
+    """`%sgl_cache`: the cache tree, re-rendered (throttled) on every cache event until
+    `stop()` (a newer view stops the older one, so only one pump runs)."""
+
+    _current: LiveCacheTree | None = None
+
+    def __init__(self, backend, rate: float = 10.0, **kwargs):
+        super().__init__(**kwargs)
+        self.backend = backend
+        bus = getattr(backend, "events", None)
+        self._queue = bus.subscribe() if bus is not None else None
+        self._stopped = threading.Event()
+        self.render()
+        if self._queue is not None:
+            if LiveCacheTree._current is not None:
+                LiveCacheTree._current.stop()
+            LiveCacheTree._current = self
+            self.pump = EventPump(self._queue, self._fold, self.render, self._stopped.is_set,
+                                  rate=rate, on_stop=self._unsubscribe).start()
+
+    def _fold(self, events: list[Event]) -> None:
+        pass  # the tree is read from the engine itself; events only say when to re-read
+
+    def render(self) -> None:
+        engine = getattr(self.backend, "engine", None)
+        with held(self.widgets()):
+            self.update(getattr(engine, "cache", None), getattr(self.backend, "tokenizer", None))
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _unsubscribe(self) -> None:
+        self.backend.events.unsubscribe(self._queue)

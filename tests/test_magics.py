@@ -1,0 +1,159 @@
+"""The %%sgl magics through a real IPython shell, on the real model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from sgl_nb.function import SglFunction
+from sgl_nb.state import ProgramState
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
+
+
+@pytest.fixture(scope="module")
+def shell():
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "sgl_nb")
+    return ip
+
+
+def test_cell_binds_the_state_and_the_function(shell):
+    shell.user_ns["subject"] = "The sea"  # a notebook variable, read by the program
+    out = shell.run_cell_magic("sgl", "poem --max-tokens 6 --no-widget",
+                               "s += subject + ' is'\ns += gen('rest', ignore_eos=True)\n")
+    assert out is None  # the cell displays nothing else and returns at once
+    st = shell.user_ns["poem"]
+    assert isinstance(st, ProgramState)
+    assert isinstance(st.fn, SglFunction)
+    assert len(st["rest"]) > 0 and st.text() == "The sea is" + st["rest"]
+    assert st.priority == "interactive"  # %%sgl cells outrank batch work by default
+    again = st.fn.run(max_new_tokens=6)  # the reusable function: same greedy text
+    assert again.text() == st.text()
+    lines = [n.line for n in st.nodes if n.kind != "Return"]
+    assert lines == [2, 3]  # the cell's own lines; the %%sgl line is line 1
+
+
+def test_args_and_variable_expansion(shell):
+    shell.user_ns["animal"] = "cats"
+    shell.run_cell('%%sgl fact --no-widget --arg who={animal} --arg n=3 --arg "tag=x y"\n'
+                   's += f"{n} facts about {who} ({tag}):"\n')
+    st = shell.user_ns["fact"]
+    assert st.text() == "3 facts about cats (x y):"
+    assert st.fn.run(who="dogs").text() == "3 facts about dogs (x y):"
+
+
+def test_define_does_not_run(shell):
+    shell.run_cell_magic("sgl", "greet --define --arg name=Ada", "s += 'Hello ' + name\n")
+    fn = shell.user_ns["greet"]
+    assert isinstance(fn, SglFunction) and fn.fn is fn
+    assert fn.run(name="Bob").text() == "Hello Bob"
+
+
+def test_sampling_options(shell):
+    body = "s += 'Once upon a time'\ns += gen('x', ignore_eos=True)\n"
+    shell.run_cell_magic("sgl", "a --no-widget --max-tokens 5 --temperature 1.0 --seed 7", body)
+    shell.run_cell_magic("sgl", "b --no-widget --max-tokens 5 --temperature 1.0 --seed 7", body)
+    a, b = shell.user_ns["a"], shell.user_ns["b"]
+    assert a.get_meta_info("x")["completion_tokens"] == 5
+    assert a["x"] == b["x"]  # the same seed samples the same tokens
+    shell.run_cell_magic("sgl", "c --no-widget --priority batch", "s += 'x'\n")
+    assert shell.user_ns["c"].priority == "batch"
+
+
+def test_syntax_error_points_at_the_cell_line(shell):
+    with pytest.raises(SyntaxError) as err:
+        shell.run_cell_magic("sgl", "broken", "s += 'a'\ns += (\n")
+    assert err.value.lineno == 3
+    assert "%%sgl broken" in err.value.filename
+    assert "broken" not in shell.user_ns
+
+
+def test_exception_points_at_the_cell_line(shell):
+    shell.run_cell_magic("sgl", "oops", "s += 'x'\nvalue = 1 / 0\ns += 'never'\n")
+    st = shell.user_ns["oops"]
+    assert isinstance(st.error(), ZeroDivisionError)
+    assert st.error_line == 3
+    assert st.widget.wait(60)
+    assert "ZeroDivisionError" in st.widget.error
+    assert "cell line 3: value = 1 / 0" in st.widget.error
+
+
+def test_unknown_option_prints_the_usage(shell, capsys):
+    with pytest.raises(UsageError, match=r"unrecognized arguments: --bogus(.|\n)*usage: "):
+        shell.run_cell_magic("sgl", "x --bogus", "s += 'a'\n")
+    result = shell.run_cell("%%sgl y --priority urgent\ns += 'a'\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    printed = capsys.readouterr()
+    assert "usage: %%sgl [--arg KEY=VALUE]" in printed.out + printed.err
+    with pytest.raises(UsageError, match="key=value"):
+        shell.run_cell_magic("sgl", "x --arg novalue", "s += 'a'\n")
+
+
+def test_help_lists_the_options(shell):
+    doc = shell.find_cell_magic("sgl").__doc__
+    for option in ("--arg", "--step", "--trace", "--priority", "--temperature",
+                   "--max-tokens", "--seed", "--define", "--no-widget"):
+        assert option in doc
+
+
+def test_step_starts_paused(shell):
+    shell.run_cell_magic("sgl", "stepped --step --no-widget",
+                         "s += 'One,'\ns += ' two'\ns += gen('n', max_tokens=2)\n")
+    st = shell.user_ns["stepped"]
+    assert st.debug.wait_until_held(120)
+    assert st.debug.current.kind == "Text" and st.nodes[0].status == "pending"
+    st.debug.continue_()
+    assert len(st["n"]) > 0
+
+
+def test_trace_file_option(shell, tmp_path):
+    from sgl_nb.tracing import load
+    from sgl_nb.tracing.session import current
+
+    path = tmp_path / "cell.jsonl"
+    shell.run_cell_magic("sgl", f"traced --no-widget --trace {path}",
+                         "s += 'Traced'\ns += gen('t', max_tokens=3)\n")
+    st = shell.user_ns["traced"]
+    st.text()
+    _wait_until(lambda: current() is None)  # the cell turns tracing off when it ends
+    tl = load(path)
+    assert st.id in tl.programs and tl.programs[st.id].function == "traced"
+
+
+def test_trace_magic_start_export_stop(shell, tmp_path, capsys):
+    from sgl_nb.tracing import load
+
+    shell.run_line_magic("sgl_trace", "start")
+    shell.run_cell_magic("sgl", "recorded --no-widget", "s += 'Hi'\ns += gen('g', max_tokens=2)\n")
+    st = shell.user_ns["recorded"]
+    st.text()
+    out = tmp_path / "t.jsonl"
+    shell.run_line_magic("sgl_trace", f"export {out}")
+    shell.run_line_magic("sgl_trace", "stop")
+    assert "spans to" in capsys.readouterr().out
+    assert st.id in load(out).programs
+    with pytest.raises(UsageError, match="not on"):
+        shell.run_line_magic("sgl_trace", "stop")
+
+
+def test_model_and_cache_magics(shell, capsys, runtime):
+    shell.run_line_magic("sgl_model", "")
+    assert str(runtime.model_path) in capsys.readouterr().out
+    runtime.generate("The cache tree shows this sentence.", max_tokens=2)
+    shell.run_line_magic("sgl_cache", "--text")
+    printed = capsys.readouterr().out
+    assert printed.startswith("root  nodes=") and "cache tree shows" in printed
+    shell.run_line_magic("sgl_cache", "")  # the live widget (shown as its repr here)
+    assert "LiveCacheTree" in capsys.readouterr().out
+
+
+def _wait_until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.05)
