@@ -1,0 +1,244 @@
+"""`sgl.RuntimeEndpoint`: the same programs on a serving engine (vLLM's OpenAI-compatible
+API, or SGLang's native API). A Node becomes a request; the server's scheduler and prefix
+cache do the rest. Fork branches are concurrent requests. Instructions belong to the
+server, so the debugger steps Nodes only (`instruction_stepping` is False)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
+from sgl_nb.remote.handle import RemoteHandle
+from sgl_nb.remote.http import HttpClient, RemoteError, RemoteFeatureError, Timeouts
+from sgl_nb.remote.openai_api import OpenAIApi
+from sgl_nb.remote.sglang_api import SGLangApi
+from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.grammar import GrammarError
+from sgl_nb.runtime.request import GenerateOutput
+from sgl_nb.runtime.sampling_params import SamplingParams
+
+APIS = {"openai": OpenAIApi, "sglang": SGLangApi}
+_rids = itertools.count(1)
+
+__all__ = ["RemoteError", "RemoteFeatureError", "RuntimeEndpoint"]
+
+
+class RuntimeEndpoint:
+    """A backend that sends each gen/select of a program to a server.
+
+    base_url: e.g. "http://127.0.0.1:8000" (no /v1). api: "openai" (vLLM, SGLang's or
+    `sgl-nb serve`'s /v1/completions) or "sglang" (SGLang's native /generate). model: the
+    served model name (default: the first the server lists). tokenizer_path: a local folder
+    with the model's tokenizer (chat roles and select need it; default: the model folder
+    the server reports, when it exists on this machine). timeout: seconds any one read may
+    wait; connect_timeout: seconds to connect."""
+
+    instruction_stepping = False  # one token at a time happens on the server, out of reach
+
+    def __init__(self, base_url: str, api: str = "openai", model: str | None = None,
+                 api_key: str | None = None, tokenizer_path: str | Path | None = None,
+                 timeout: float = 300.0, connect_timeout: float = 10.0):
+        if api not in APIS:
+            raise ValueError(f"api must be one of {sorted(APIS)}, got {api!r}")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeouts must be positive numbers of seconds")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = HttpClient(base_url, headers, Timeouts(connect_timeout, timeout))
+        self.base_url = self.client.base_url
+        self.api_name = api
+        self.api = APIS[api](self.client, model)
+        self._tokenizer_path = tokenizer_path
+        self.events = EventBus()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RuntimeEndpoint({self.base_url!r}, api={self.api_name!r})"
+
+    # ---- what the language layer reads ----------------------------------------------
+
+    @property
+    def model(self) -> str:
+        with self._lock:
+            return self.api.model()
+
+    @functools.cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self._find_tokenizer()))
+
+    def _find_tokenizer(self) -> Path:
+        if self._tokenizer_path is not None:
+            path = Path(self._tokenizer_path).expanduser()
+            if not path.is_dir():
+                raise FileNotFoundError(f"tokenizer_path {str(path)!r} is not a folder")
+            return path
+        try:
+            candidates = self.api.model_paths()
+        except RemoteError as e:
+            raise RemoteError(e.server, e.request, f"{e.problem} (needed to find the model's "
+                              "tokenizer; or pass tokenizer_path=)") from e
+        for p in candidates:
+            if Path(p).expanduser().is_dir():
+                return Path(p).expanduser()
+        raise FileNotFoundError(
+            f"{self.base_url} serves {candidates or 'an unnamed model'}, which is not a folder "
+            "on this machine: pass RuntimeEndpoint(..., tokenizer_path=<a local folder with "
+            "the model's tokenizer files>) for chat roles and select")
+
+    @functools.cached_property
+    def chat_roles(self) -> ChatRoles:
+        return derive_chat_roles(self.tokenizer)
+
+    def wake(self) -> None:
+        """Nothing is held here: the server runs each request to its end."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the server belongs to whoever started it."""
+
+    def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None:
+        """Catch a malformed pattern at its program line; the server compiles the grammar."""
+        try:
+            if regex is not None:
+                re.compile(regex)
+            if isinstance(json_schema, str):
+                json.loads(json_schema)
+        except (re.error, ValueError) as e:
+            what = f"regex {regex!r}" if regex is not None else f"JSON schema {json_schema!r}"
+            raise GrammarError(f"invalid {what}: {e}") from e
+
+    # ---- gen ----------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
+               priority: int | None = None, program: int | None = None,
+               node: int | None = None, **params) -> RemoteHandle:
+        """Send one generation request and return at once. `gate` (per-token stepping) and
+        `priority` do not reach a server and are ignored."""
+        sp = SamplingParams(**params)
+        rid = next(_rids)
+        return RemoteHandle(rid, lambda h: self._generate(h, prompt, sp, stream, program, node))
+
+    def generate(self, prompt: str | list[int], stream: bool = False, **params
+                 ) -> GenerateOutput | Iterator[str]:
+        """Like Runtime.generate for one prompt: the output, or its text chunks."""
+        handle = self.submit(prompt, stream=stream, **params)
+        return handle.chunks() if stream else handle.result()
+
+    def _generate(self, h: RemoteHandle, prompt, sp: SamplingParams, stream: bool,
+                  program: int | None, node: int | None) -> GenerateOutput:
+        path = "/v1/completions" if self.api_name == "openai" else "/generate"
+        request = f"POST {path} (request {h.rid}{_where(program, node)})"
+        self._emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
+        try:
+            body = self.api.generate_body(prompt, sp, stream)
+            headers = _trace_headers(node)
+            if stream:
+                acc: dict = {}
+                pieces = []
+                for event in self.client.post_sse(path, body, headers, request):
+                    delta = self.api.stream_step(event, acc)
+                    if delta:
+                        pieces.append(delta)
+                        h.push(delta)
+                        self._emit("token", h.rid, program, node,
+                                   {"token": None, "text": delta, "logprob": None})
+                text, ids, meta = "".join(pieces), acc.get("token_ids", []), acc.get("meta", {})
+                if meta.get("finish_reason") is None:
+                    raise RemoteError(self.base_url, request,
+                                      "the stream ended without a finish reason")
+            else:
+                obj = self.client.request_json("POST", path, body, headers, request)
+                text, ids, meta = self.api.parse_answer(obj, request)
+                h.push(text)
+        except BaseException as e:
+            self._emit("instruction_finished", h.rid, program, node,
+                       {"kind": "Decode", "index": 0, "error": repr(e)})
+            raise
+        out = self._output(h, text, ids, meta)
+        self._emit("instruction_finished", h.rid, program, node,
+                   {"kind": "Decode", "index": 0, **_counts(out.meta)})
+        return out
+
+    def _output(self, h: RemoteHandle, text: str, ids: list[int], meta: dict) -> GenerateOutput:
+        meta = {**meta, "server": self.base_url, "api": self.api_name, "request": h.rid,
+                "retractions": 0, "e2e_latency": time.monotonic() - h.created,
+                "ttft": None if h.first_chunk_at is None else h.first_chunk_at - h.created}
+        meta.setdefault("completion_tokens", len(ids) or None)
+        return GenerateOutput(text=text, token_ids=ids, meta=meta)
+
+    # ---- select -------------------------------------------------------------------------
+
+    def score(self, prefix: str | list[int], choices: list[str | list[int]],
+              priority: int | None = None, program: int | None = None,
+              node: int | None = None) -> list[list[float]]:
+        """Logprob of each token of each choice after `prefix`, read from the server's
+        prompt logprobs (prefix and choice tokenized separately, as locally)."""
+        pre = self._ids(prefix)
+        if not pre:
+            raise ValueError("score needs a non-empty prefix")
+        ids = [self._ids(c) for c in choices]
+        for c, i in zip(choices, ids):
+            if not i:
+                raise ValueError(f"empty continuation to score: {c!r}")
+        rid = next(_rids)
+        path = "/v1/completions" if self.api_name == "openai" else "/generate"
+        request = f"POST {path} (select, request {rid}{_where(program, node)})"
+        self._emit("instruction_started", rid, program, node, {"kind": "Score", "index": 0})
+        try:
+            obj = self.client.request_json("POST", path, self.api.score_body(pre, ids),
+                                           _trace_headers(node), request)
+            scores, usage = self.api.parse_score(obj, pre, ids, request)
+        except BaseException as e:
+            self._emit("instruction_finished", rid, program, node,
+                       {"kind": "Score", "index": 0, "error": repr(e)})
+            raise
+        self._emit("instruction_finished", rid, program, node,
+                   {"kind": "Score", "index": 0, **_counts({**usage, "completion_tokens": 0,
+                                                           "finish_reason": "score"})})
+        return scores
+
+    def _ids(self, text: str | list[int]) -> list[int]:
+        if isinstance(text, str):
+            return self.tokenizer.encode(text)
+        if isinstance(text, list | tuple):
+            return list(text)
+        raise TypeError(f"expected a string or token ids, got {type(text).__name__}")
+
+    # ---- events -------------------------------------------------------------------------
+
+    def _emit(self, kind: str, rid: int, program: int | None, node: int | None,
+              data: dict) -> None:
+        self.events.emit(kind, program=program, node=node, request=rid,
+                         data={**data, "request": rid, "server": self.base_url})
+
+
+def _counts(meta: dict) -> dict:
+    prompt, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
+    return {"input_tokens": prompt, "cached_tokens": cached,
+            "new_tokens": None if prompt is None or cached is None else prompt - cached,
+            "output_tokens": meta.get("completion_tokens"), "batch_size": None,
+            "preempted": 0, "finish_reason": meta.get("finish_reason")}
+
+
+def _where(program: int | None, node: int | None) -> str:
+    return "".join(f", {k} {v}" for k, v in (("program", program), ("node", node))
+                   if v is not None)
+
+
+def _trace_headers(node: int | None) -> dict[str, str]:
+    """W3C trace context: a server with its own tracing joins the program's trace."""
+    if node is None:
+        return {}
+    try:
+        from sgl_nb.tracing import traceparent_for
+    except ImportError:  # tracing without context propagation yet
+        return {}
+    tp = traceparent_for(node)
+    return {"traceparent": tp} if tp else {}
