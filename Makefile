@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast lint bench vllm
+.PHONY: install model run test test-fast lint bench vllm tmux
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,11 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-test: model vllm
+# The terminal debugger's end-to-end test runs `sgl-nb replay` in a real terminal (tmux).
+tmux:
+	@command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
+
+test: model vllm tmux
 	$(PY) -m pytest -q -ra
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
