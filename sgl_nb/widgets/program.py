@@ -162,7 +162,16 @@ class ProgramWidget(W.VBox):
         if node.kind == "Select":
             value = state._vars.get(node.name) if node.name else None
             return value if isinstance(value, str) else None
-        return node.detail.get("text")
+        text = node.detail.get("text")
+        first = state.nodes[0] if state.nodes else None
+        if (node is first and node.kind == "RoleBegin" and text is not None
+                and node.detail.get("role") != "system"):
+            # A chat that opens without a system turn gets the template's default system
+            # prompt before this role's prefix (ProgramState._role_marker); the node's own
+            # text holds the prefix only. Unneeded once node_finished carries the text.
+            roles = getattr(self.backend, "chat_roles", None)
+            text = (roles.default_system if roles is not None else "") + text
+        return text
 
     def _without_events(self) -> None:
         text = self.state.text()

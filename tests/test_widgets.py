@@ -1,0 +1,228 @@
+"""The notebook widgets after real programs on the real model: the stream view, the stepper
+(driven by its own buttons' click()), the cache tree; and the throttle that keeps them at
+~30 updates a second."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import sgl_nb as sgl
+from sgl_nb.runtime.events import Event, EventBus
+from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
+from sgl_nb.widgets.stepper import parse_breakpoint
+
+slow = pytest.mark.slow
+
+
+@sgl.function
+def qa(s, q):
+    s += sgl.user(q)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=8, ignore_eos=True))
+
+
+@sgl.function
+def pick_and_fork(s):
+    s += "Pick a colour for the logo: "
+    s += sgl.select("colour", choices=["red", "blue"])
+    s += ". Two slogans:"
+    forks = s.fork(2)
+    forks += lambda i: f"\nSlogan {i + 1}:"
+    forks += sgl.gen("slogan", max_tokens=4, ignore_eos=True)
+    forks.join()
+
+
+@sgl.function
+def story(s):
+    s += "Once upon a time"
+    s += ", in a small town,"
+    s += sgl.gen("a", max_tokens=4, ignore_eos=True)
+    s += " Then"
+    s += sgl.gen("b", max_tokens=3, ignore_eos=True)
+
+
+@sgl.function
+def verdict(s):
+    s += "Is the sky blue? Reply in JSON.\n"
+    s += sgl.gen("json", max_tokens=16, regex=r'\{"answer": "(yes|no)"\}')
+
+
+def watch(runtime, fn, **kwargs):
+    """What %%sgl does: the widget subscribes first, then the program starts."""
+    w = ProgramWidget(runtime, title=fn.__name__)
+    st = fn.run(stream=True, debug=True, **kwargs)
+    w.attach(st)
+    return w, st
+
+
+@slow
+def test_stream_view_after_a_program(default_backend):
+    w, st = watch(default_backend, qa, q="Name a fruit.")
+    assert w.wait(120), "the widget never made its final render"
+    view = w.stream
+    assert view.text == st.text() and st.text().endswith(st["answer"] + "<|im_end|>\n")
+    assert w.status == view.status == "done"
+    assert view.generated_tokens == 8 and view.prompt_tokens > 0 and view.tok_per_s > 0
+    html = view.html_view.value
+    assert 'data-var="answer"' in html and '<span class="sgl-role">user</span>' in html
+    assert html.count('<span class="sgl-generated" title=') == 8
+    assert 'title="p=0.' in html or 'title="p=1.' in html  # the probability on hover
+    assert "tok/s" in view.header.value
+    state = json.loads(json.dumps(view.get_state()))  # the final state lives in the traits
+    assert state["text"] == st.text() and state["generated_tokens"] == 8
+
+
+@slow
+def test_cached_prompt_is_marked(default_backend):
+    first, st1 = watch(default_backend, qa, q="Name a colour of the rainbow.")
+    assert first.wait(120)
+    second, st2 = watch(default_backend, qa, q="Name a colour of the rainbow.")
+    assert second.wait(120)
+    assert second.stream.cached_tokens > 0
+    assert 'class="sgl-cached"' in second.stream.html_view.value
+    assert st2.text() == st1.text()
+
+
+@slow
+def test_grammar_forced_tokens(default_backend):
+    w, st = watch(default_backend, verdict)
+    assert w.wait(120)
+    assert st["json"] in ('{"answer": "yes"}', '{"answer": "no"}')
+    assert w.stream.forced_tokens > 0
+    assert 'class="sgl-forced"' in w.stream.html_view.value
+    assert "forced by the grammar" in w.stream.html_view.value
+
+
+@slow
+def test_select_and_fork_in_the_stream(default_backend):
+    w, st = watch(default_backend, pick_and_fork)
+    assert w.wait(120)
+    html = w.stream.html_view.value
+    assert st["colour"] in ("red", "blue") and 'data-var="colour"' in html
+    assert "branch 0" in html and "branch 1" in html
+    assert html.count('data-var="slogan"') == 2
+    for i, slogan in enumerate(st["slogan"]):
+        assert f"Slogan {i + 1}:" in html and len(slogan) > 0
+    assert w.stream.generated_tokens == 8  # two branches of 4 (a select scores, samples none)
+    assert f'title="chosen by select">{st["colour"]}<' in html
+    listed = [node_id for _label, node_id in w.stepper.node_choice.options]
+    assert sorted(listed) == sorted(n.id for n in st.nodes if n.kind != "Return")
+
+
+@slow
+def test_stepper_buttons(default_backend):
+    w, st = watch(default_backend, story, step=True, passes=())
+    stepper, debug = w.stepper, st.debug
+
+    def settle():
+        assert debug.wait_until_held(120), "the program never paused"
+        w.sync()
+
+    settle()
+    nodes = [n for n in st.nodes if n.kind != "Return"]
+    assert stepper.waiting_at == "node" and stepper.current_node == nodes[0].id
+    assert stepper.current_instruction == "Extend (next)"
+    assert f'sgl-node sgl-current" data-node="{nodes[0].id}"' in stepper.graph.value
+
+    stepper.step_node.click()
+    settle()
+    assert stepper.current_node == nodes[1].id and nodes[0].status == "done"
+    stepper.step_node.click()
+    settle()
+    gen_a = nodes[2]
+    assert stepper.current_node == gen_a.id and gen_a.kind == "Gen"
+
+    stepper.step_instruction.click()  # the prefill: the first token, then it holds
+    settle()
+    assert stepper.waiting_at == "decode" and stepper.current_instruction == "Decode (token 2)"
+    stepper.step_instruction.click()
+    settle()
+    assert stepper.current_instruction == "Decode (token 3)"
+    assert w.stream.generated_tokens == 2
+
+    # A breakpoint on Gen b from the node list, one more by spec; then Continue.
+    gen_b = nodes[-1]
+    stepper.node_choice.value = gen_b.id
+    stepper.toggle_bp.click()
+    assert Breakpoint("b", "Gen", gen_b.line) in debug.breakpoints
+    stepper.bp_spec.value = "kind=Bogus line=x"
+    stepper.add_bp.click()
+    assert "line= takes a number" in stepper.message
+    stepper.continue_button.click()
+    settle()
+    assert stepper.current_node == gen_b.id and stepper.waiting_at == "node"
+    assert any(bp.startswith("name=b kind=Gen") for bp in stepper.breakpoints)
+    assert f'<span class="sgl-bp">●</span> #{gen_b.id}' in stepper.graph.value
+
+    stepper.pause_button.click()
+    assert debug.paused
+    stepper.continue_button.click()
+    assert w.wait(120)
+    assert st.error() is None and w.status == "done"
+    assert stepper.step_node.disabled  # a finished program has nothing to step
+
+
+def test_parse_breakpoint():
+    assert parse_breakpoint("answer") == Breakpoint(name="answer")
+    assert parse_breakpoint("kind=Gen line=3") == Breakpoint(kind="Gen", line=3)
+    for bad in ("", "colour=red", "line=three"):
+        with pytest.raises(ValueError):
+            parse_breakpoint(bad)
+
+
+@slow
+def test_cache_tree_view(default_backend, runtime):
+    w, st = watch(default_backend, qa, q="What is a radix tree?")
+    assert w.wait(120)
+    view = w.cache
+    assert view.nodes > 0 and view.cached_tokens > 0 and len(view.path) > 0
+    tree = view.tree.value
+    assert "radix tree" in tree and "evictable" in tree and "hits" in tree
+    assert 'class="sgl-onpath"' in tree  # this program's path is highlighted
+    small = CacheTreeView(max_nodes=1)
+    small.update(runtime.engine.cache, runtime.tokenizer)
+    if small.nodes > 1:
+        assert "more nodes" in small.tree.value
+
+
+@slow
+def test_cache_tree_shows_locked_nodes_while_a_request_runs(default_backend):
+    w, st = watch(default_backend, story, step=True, passes=())
+    st.debug.breakpoint(name="a")
+    st.debug.continue_()
+    assert st.debug.wait_until_held(120)
+    st.debug.step_instruction()  # prefill the Gen: its request now holds its prefix
+    assert st.debug.wait_until_held(120)
+    w.sync()
+    assert w.cache.locked_tokens > 0 and "locked×" in w.cache.tree.value
+    st.debug.continue_()
+    assert w.wait(120)
+
+
+def test_throttle_limits_the_rate():
+    now = [100.0]
+    t = Throttle(rate=30, clock=lambda: now[0])
+    assert t.due()
+    t.mark()
+    now[0] += 0.01
+    assert not t.due() and 0.02 < t.wait_s() < 0.03
+    now[0] += 0.03
+    assert t.due()
+    with pytest.raises(ValueError, match="rate"):
+        Throttle(rate=0)
+
+
+def test_pump_coalesces_events_and_renders_the_final_state():
+    bus = EventBus()
+    q = bus.subscribe()
+    seen, renders = [], []
+    done = lambda: any(e.kind == "program_finished" for e in seen)  # noqa: E731
+    pump = EventPump(q, seen.extend, lambda: renders.append(len(seen)), done, rate=30).start()
+    for i in range(2000):
+        bus.emit("token", program=1, node=1, data={"token": i, "text": "x"})
+    bus.publish(Event("program_finished", program=1))
+    assert pump.join(60)
+    assert len(seen) == 2001 and renders[-1] == 2001  # lossless, and the last render saw all
+    assert len(renders) < 2001  # many events per render
