@@ -281,6 +281,7 @@ class Engine:
             if self.events.active:
                 self.events.emit("token", request=req.rid, program=req.program, node=req.node,
                                  data={"token": s.token, "logprob": s.logprob,
+                                       "step": self.scheduler.step_no,
                                        "text": self.tokenizer.decode([s.token]),
                                        "forced": req.grammar is not None
                                        and req.grammar.forced})

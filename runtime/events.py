@@ -35,7 +35,8 @@ EVENT_KINDS = (
 #                     decode batch it ran in), preempted (times suspended or retracted),
 #                     finish_reason.
 #   token             token (id), text (its characters, may be ""), logprob, forced (True
-#                     when the grammar allowed only this token); program/node/request set
+#                     when the grammar allowed only this token), step (the scheduler's step
+#                     counter: batches scheduled so far); program/node/request set
 #   cache_hit         cached_tokens, prompt_tokens           (request, program, node)
 #   cache_insert      tokens (newly added to the radix tree) (request, program, node)
 #   cache_evict       tokens (freed)

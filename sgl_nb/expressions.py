@@ -17,8 +17,32 @@ SELECT_METHODS = (
 )
 
 
+class Concatenable:
+    """`"Q: " + sgl.gen("a") + "\n"`: adding expressions (or text) makes one Concat, which
+    the state adds part by part, as SGLang's frontend does."""
+
+    def __add__(self, other) -> Concat:
+        return Concat([*_parts(self), *_parts(other)])
+
+    def __radd__(self, other) -> Concat:
+        return Concat([*_parts(other), *_parts(self)])
+
+
 @dataclass
-class Gen:
+class Concat(Concatenable):
+    parts: list
+
+
+def _parts(x) -> list:
+    if isinstance(x, Concat):
+        return list(x.parts)
+    if not isinstance(x, str | Concatenable):
+        raise TypeError(f"cannot add {type(x).__name__} to a program expression: {x!r}")
+    return [x]
+
+
+@dataclass
+class Gen(Concatenable):
     name: str | None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -60,20 +84,20 @@ class Gen:
 
 
 @dataclass
-class Select:
+class Select(Concatenable):
     name: str | None
     choices: list[str]
     method: str = "token_length_normalized"
 
 
 @dataclass
-class Role:
+class Role(Concatenable):
     role: str  # system | user | assistant
     begin: bool  # a RoleBegin marker, or a RoleEnd marker
 
 
 @dataclass
-class RoleBlock:
+class RoleBlock(Concatenable):
     """`sgl.user("text")`: a whole role turn (begin, content, end) as one expression."""
 
     role: str

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sgl_nb.expressions import Gen, Role, RoleBlock, Select
+from sgl_nb.expressions import Concat, Gen, Role, RoleBlock, Select
 from sgl_nb.runtime.ir import Node, dot, listing, lower
 from sgl_nb.runtime.passes import is_static_select
 from sgl_nb.runtime.step_controller import StepController
@@ -109,6 +109,8 @@ class ProgramState:
     def _to_nodes(self, expr):
         if isinstance(expr, str):
             return [("Text", None, {"text": expr}, expr)]
+        if isinstance(expr, Concat):
+            return [n for part in expr.parts for n in self._to_nodes(part)]
         if isinstance(expr, _ScopeMark):
             return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
         if isinstance(expr, Gen):

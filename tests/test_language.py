@@ -232,3 +232,18 @@ def test_graph_lists_nodes_and_instructions():
                  "Return"):
         assert kind in g
     assert st.dot().count("->") == len(st.nodes) - 1
+
+
+def test_expressions_concatenate_like_sglang(default_backend):
+    @sgl.function
+    def qa(s, q):
+        s += "Q: " + q + "\nA:" + sgl.gen("a", max_tokens=4, temperature=0) + "\n"
+        s += sgl.user("Name a fruit: " + sgl.gen("f", max_tokens=3, temperature=0))
+
+    st = qa.run(q="What is 1 + 1?")
+    kinds = [n.kind for n in st.nodes]
+    assert kinds[:3] == ["Text", "Gen", "Text"] and "RoleBegin" in kinds
+    assert st.text().startswith("Q: What is 1 + 1?\nA:" + st["a"] + "\n")
+    assert st["f"] in st.text()
+    with pytest.raises(TypeError, match="cannot add int"):
+        _ = sgl.gen("x") + 3
