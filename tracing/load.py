@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -55,8 +56,11 @@ def span_events(s: SpanRecord) -> list[Event]:
                           a[codec.SEQ]))
     elif kind in _OPEN_CLOSE:
         open_kind, close_kind, start_data, end_data = _OPEN_CLOSE[kind](a)
+        open_ids = ids
+        if kind == "program":  # a branch's program_started names its parent's Fork node
+            ids, open_ids = (ids[0], None, None), (ids[0], a.get("sgl.program.fork_node"), None)
         if codec.SEQ in a:
-            out.append(_event(open_kind, ids, start_data, s.start, a[codec.SEQ]))
+            out.append(_event(open_kind, open_ids, start_data, s.start, a[codec.SEQ]))
         if codec.END_SEQ in a:
             out.append(_event(close_kind, ids, end_data, s.end, a[codec.END_SEQ]))
     for name, ts, ea in s.events:
@@ -69,7 +73,8 @@ def span_events(s: SpanRecord) -> list[Event]:
 
 
 def _program(a: dict):
-    start = codec.from_attrs(a, "sgl.program.", skip=("id", "error", "implicit"))
+    start = codec.from_attrs(a, "sgl.program.", skip=("id", "error", "implicit",
+                                                                "fork_node"))
     return "program_started", "program_finished", start, {"error": a.get("sgl.program.error")}
 
 
@@ -96,9 +101,11 @@ def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:
     program, node, _ = ids
     cols = [a.get(f"sgl.tokens.{k}") or [] for k in ("id", "text", "logprob", "forced",
                                                        "seq", "ts")]
+    extra = a.get("sgl.tokens.extra") or ["{}"] * len(cols[0])
     out = []
-    for tok, text, logprob, forced, seq, dt in zip(*cols):
+    for tok, text, logprob, forced, seq, dt, more in zip(*cols, extra):
         data = {"token": None if tok < 0 else tok, "text": text,
-                "logprob": None if math.isnan(logprob) else logprob, "forced": forced}
+                "logprob": None if math.isnan(logprob) else logprob, "forced": forced,
+                **json.loads(more)}
         out.append(Event("token", program, node, None, data, ts=start + dt, seq=seq))
     return out

@@ -7,6 +7,7 @@ needs to rebuild the Events is on the spans (see codec.py and load.py)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +19,7 @@ from sgl_nb.runtime.events import Event
 from sgl_nb.tracing import codec
 from sgl_nb.tracing.genai import instruction_usage, node_llm_attrs, node_span_name
 
+_TOKEN_KEYS = ("token", "text", "logprob", "forced")
 _MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
 
 
@@ -29,7 +31,7 @@ class _Open:
     def __init__(self, span, kind: str | None = None, start_ts: int = 0, program=None):
         self.span, self.kind, self.start_ts, self.program = span, kind, start_ts, program
         self.usage: list[dict] = []  # instruction_finished data of the node's Decode/Score
-        self.tokens: list[tuple] = []  # (id, text, logprob, forced, seq, ts)
+        self.tokens: list[tuple] = []  # (id, text, logprob, forced, seq, ts, extra)
 
 
 class SpanRecorder:
@@ -43,8 +45,8 @@ class SpanRecorder:
         self._pending: dict[int, Event] = {}  # program_started, span not opened yet
         self._programs: dict[int, _Open] = {}
         self._nodes: dict[int, _Open] = {}
-        self._instructions: dict[tuple[int, int], _Open] = {}
-        self._by_request: dict[int, tuple[int, int]] = {}
+        self._instructions: dict[tuple, _Open] = {}  # (node, index, request)
+        self._by_request: dict[int, tuple] = {}
         self._ended: OrderedDict[tuple[str, int], SpanContext] = OrderedDict()
         self._fork_ctx: dict[int, tuple[int, SpanContext]] = {}  # child -> (parent, ctx)
         self._children: dict[int, list[int]] = {}
@@ -67,7 +69,8 @@ class SpanRecorder:
         if o is None:
             return None
         c = o.span.get_span_context()
-        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+        # W3C Trace Context level 1: of the flags, only "sampled".
+        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags) & 1:02x}"
 
     def close(self) -> None:
         """End every span still open (tracing is being turned off)."""
@@ -133,6 +136,8 @@ class SpanRecorder:
                  **codec.to_attrs({**d, "parent": parent}, "sgl.program.")}
         if started is not None:
             attrs[codec.SEQ] = started.seq
+            if started.node is not None:  # a fork branch starts at its parent's Fork node
+                attrs["sgl.program.fork_node"] = started.node
         else:
             attrs["sgl.program.implicit"] = True  # no program_started event was seen
         ts = started.ts if started is not None else time.monotonic_ns()
@@ -225,12 +230,15 @@ class SpanRecorder:
                 span.set_attribute(k, v)
         if o.tokens:
             self._set_tokens(o)
+        if e.data.get("text") is not None:  # the node's own output, when reported
+            span.set_attribute("output.value", str(e.data["text"]))
+            span.set_attribute("sgl.output", str(e.data["text"]))
         self._end(self._nodes, e.node, e.ts, e.seq)
 
     def _set_tokens(self, o: _Open) -> None:
         """Tokens, compactly, as parallel arrays on the node span (the default level);
         a replay turns them back into token Events."""
-        ids, texts, logprobs, forced, seqs, ts = zip(*o.tokens)
+        ids, texts, logprobs, forced, seqs, ts, extra = zip(*o.tokens)
         span = o.span
         span.set_attribute("sgl.tokens.id", [-1 if t is None else t for t in ids])
         span.set_attribute("sgl.tokens.text", list(texts))
@@ -239,8 +247,12 @@ class SpanRecorder:
         span.set_attribute("sgl.tokens.forced", list(forced))
         span.set_attribute("sgl.tokens.seq", list(seqs))
         span.set_attribute("sgl.tokens.ts", [t - o.start_ts for t in ts])
-        text = "".join(texts)
+        if any(extra):  # fields beyond the usual four, one JSON object per token
+            span.set_attribute("sgl.tokens.extra",
+                               [json.dumps(x or {}, default=str) for x in extra])
+        text = "".join(texts)  # a stop token's text included, as the engine sampled it
         span.set_attribute("output.value", text)
+        span.set_attribute("output.mime_type", "text/plain")
         span.set_attribute("sgl.output", text)
 
     # ---- instructions ------------------------------------------------------------------
@@ -255,16 +267,18 @@ class SpanRecorder:
                  **codec.to_attrs(e.data, "sgl.instruction.")}
         attrs.setdefault("sgl.instruction.index", index)
         span = self._start(str(e.data.get("kind")), e.ts, node.span.get_span_context(), attrs)
-        self._instructions[(e.node, index)] = _Open(span, e.data.get("kind"), e.ts, e.program)
+        # Keyed by request too: a Select scores each choice as its own request.
+        key = (e.node, index, e.request)
+        self._instructions[key] = _Open(span, e.data.get("kind"), e.ts, e.program)
         if e.request is not None:
-            self._by_request[e.request] = (e.node, index)
+            self._by_request[e.request] = key
 
-    def _instruction_key(self, e: Event) -> tuple[int, int] | None:
-        key = (e.node, e.data.get("index", 0))
+    def _instruction_key(self, e: Event) -> tuple | None:
+        key = (e.node, e.data.get("index", 0), e.request)
         if key in self._instructions:
             return key
-        if e.request is not None:
-            return self._by_request.get(e.request)
+        if e.request is not None and e.request in self._by_request:
+            return self._by_request[e.request]
         return next((k for k in reversed(self._instructions) if k[0] == e.node), None)
 
     def _on_instruction_finished(self, e: Event) -> None:
@@ -297,8 +311,9 @@ class SpanRecorder:
             self._span_event(e, node.program, nid)
             return
         d = e.data
+        extra = {k: v for k, v in d.items() if k not in _TOKEN_KEYS} or None
         node.tokens.append((d.get("token"), d.get("text") or "", d.get("logprob"),
-                            bool(d.get("forced", False)), e.seq, e.ts))
+                            bool(d.get("forced", False)), e.seq, e.ts, extra))
 
     def _host(self, e: Event, program: int | None, node: int | None) -> _Open | None:
         """The span an event belongs on: its request's instruction, its node, its program,
