@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast lint bench vllm tmux
+.PHONY: install model run test test-fast lint bench vllm tmux phoenix
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,23 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# Arize Phoenix in its own venv: the real OTLP receiver of the tracing tests and of
+# `sgl-nb bench tracing`, kept apart from ours (it brings a large dependency set of its own).
+PHOENIX_VENV ?= .venv-phoenix
+PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
+
+$(PHOENIX_STAMP):
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/pip install -q arize-phoenix==20.26.1 arize-phoenix-client==3.5.0
+	touch $(PHOENIX_STAMP)
+
+phoenix: $(PHOENIX_STAMP)
+
 # The terminal debugger's end-to-end test runs `sgl-nb replay` in a real terminal (tmux).
 tmux:
 	@command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
 
-test: model vllm tmux
+test: model vllm tmux phoenix
 	$(PY) -m pytest -q -ra
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
