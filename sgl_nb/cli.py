@@ -70,6 +70,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from sgl_nb.bench_remote import run_remote_bench
 
         return run_remote_bench(args)
+    if args.what == "tracing":
+        from sgl_nb.bench_tracing import run_tracing_bench
+
+        return run_tracing_bench(args)
     if args.what == "programs":
         from sgl_nb.bench_programs import run_programs_bench
 
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
-    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler"])
+    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler", "tracing"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--time-slice", type=int, default=8, help="scheduler: decode steps")
     b.add_argument("--programs", type=int, default=32, help="scheduler: throughput programs")
     b.add_argument("--program-tokens", type=int, default=64, help="scheduler: tokens each")
+    b.add_argument("--rounds", type=int, default=3, help="tracing: rounds of each mode")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "

@@ -1,0 +1,116 @@
+"""Start and stop a local Arize Phoenix (`phoenix serve`) from its own venv: the real OTLP
+receiver that the tracing tests and `sgl-nb bench tracing` export to."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = REPO / ".venv-phoenix"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PhoenixServer:
+    """`with PhoenixServer() as px:` runs Phoenix on 127.0.0.1 (free ports, a working
+    folder of its own) until the block ends; px.traces_url is its OTLP/HTTP endpoint."""
+
+    def __init__(self, venv: str | os.PathLike = DEFAULT_VENV):
+        self.venv = Path(venv)
+        self.exe = self.venv / "bin" / "phoenix"
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.exe.exists()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def traces_url(self) -> str:
+        return f"{self.url}/v1/traces"
+
+    def start(self, timeout: float = 180.0) -> PhoenixServer:
+        if not self.available:
+            raise FileNotFoundError(f"no Phoenix at {self.exe}: run `make phoenix`")
+        self._dir = tempfile.TemporaryDirectory(prefix="sgl-nb-phoenix-")
+        self.port = _free_port()
+        env = {**os.environ, "PHOENIX_WORKING_DIR": self._dir.name, "PHOENIX_HOST": "127.0.0.1",
+               "PHOENIX_PORT": str(self.port), "PHOENIX_GRPC_PORT": str(_free_port()),
+               "PHOENIX_TELEMETRY_ENABLED": "false"}
+        log = open(Path(self._dir.name) / "phoenix.log", "w")  # noqa: SIM115 - Popen keeps it
+        self.proc = subprocess.Popen([str(self.exe), "serve"], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait(timeout)
+        return self
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"phoenix serve exited ({self.proc.returncode}):\n"
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"phoenix serve did not answer in {timeout:g} s")
+
+    def log_tail(self, n: int = 30) -> str:
+        if self._dir is None:
+            return ""
+        lines = (Path(self._dir.name) / "phoenix.log").read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def spans(self, project: str, limit: int = 1000) -> list[dict]:
+        """The spans Phoenix stored for `project`, read with the Phoenix client (it lives
+        in Phoenix's venv, so it runs there)."""
+        code = ("import json, sys; from phoenix.client import Client; "
+                "c = Client(base_url=sys.argv[1]); "
+                "print(json.dumps(c.spans.get_spans(project_identifier=sys.argv[2], "
+                "limit=int(sys.argv[3])), default=str))")
+        out = subprocess.run([str(self.venv / "bin" / "python"), "-c", code, self.url,
+                              project, str(limit)], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            if "not found" in out.stderr.lower() or "404" in out.stderr:
+                return []  # the project exists once its first span has been ingested
+            raise RuntimeError(f"phoenix client failed:\n{out.stderr[-2000:]}")
+        return json.loads(out.stdout)
+
+    def __enter__(self) -> PhoenixServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
