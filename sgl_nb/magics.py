@@ -8,6 +8,7 @@ notebook")."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -101,6 +102,7 @@ class SglMagics(Magics):
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
                        **defaults)
         state.fn, state.widget = fn, widget
+        state.wait = functools.partial(_wait, state)
         if widget is not None:
             widget.attach(state)
         if args.trace:
@@ -181,6 +183,14 @@ class SglMagics(Magics):
 
             print(f"wrote {len(read_spans(args.file))} spans to {args.file}")
         return None
+
+
+def _wait(state):
+    """NAME.wait(): block until the program has ended (its body returned and everything it
+    queued ran); returns the state. Reads such as NAME["x"] wait for that variable only."""
+    for _ in state.text_iter():
+        pass
+    return state
 
 
 def _describe(rt) -> str:
