@@ -117,7 +117,7 @@ class RuntimeEndpoint:
     # ---- gen ----------------------------------------------------------------------------
 
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
-               priority: int | None = None, program: int | None = None,
+               priority: int | str | None = None, program: int | None = None,
                node: int | None = None, **params) -> RemoteHandle:
         """Send one generation request and return at once. `gate` (per-token stepping) and
         `priority` do not reach a server and are ignored."""
@@ -125,8 +125,8 @@ class RuntimeEndpoint:
         rid = next(_rids)
         return RemoteHandle(rid, lambda h: self._generate(h, prompt, sp, stream, program, node))
 
-    def generate(self, prompt: str | list[int], stream: bool = False, **params
-                 ) -> GenerateOutput | Iterator[str]:
+    def generate(self, prompt: str | list[int], stream: bool = False,
+                 priority: int | str | None = None, **params) -> GenerateOutput | Iterator[str]:
         """Like Runtime.generate for one prompt: the output, or its text chunks."""
         handle = self.submit(prompt, stream=stream, **params)
         return handle.chunks() if stream else handle.result()
@@ -176,7 +176,7 @@ class RuntimeEndpoint:
     # ---- select -------------------------------------------------------------------------
 
     def score(self, prefix: str | list[int], choices: list[str | list[int]],
-              priority: int | None = None, program: int | None = None,
+              priority: int | str | None = None, program: int | None = None,
               node: int | None = None) -> list[list[float]]:
         """Logprob of each token of each choice after `prefix`, read from the server's
         prompt logprobs (prefix and choice tokenized separately, as locally)."""

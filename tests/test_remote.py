@@ -1,0 +1,204 @@
+"""RuntimeEndpoint against a real server: our own `sgl-nb serve` (started here on the
+session's engine), through both APIs: api="openai" (what vLLM serves) and api="sglang"
+(SGLang's native /generate). The same programs give the same results as in-kernel.
+The program checks are shared with tests/test_remote_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import sgl_nb as sgl
+from sgl_nb.serve import start_in_thread
+
+pytestmark = pytest.mark.slow
+
+
+# ---- programs and the checks shared with the vLLM tests ---------------------------------
+
+@sgl.function
+def plain(s, topic):
+    s += f"Here is a short fact about {topic}:"
+    s += sgl.gen("fact", max_tokens=16)
+
+
+@sgl.function
+def chat(s, question):
+    s += sgl.system("You are terse.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=16))
+
+
+@sgl.function
+def few_shot(s, question):
+    s += "Question: Is a whale a mammal?\nAnswer: yes\n\nQuestion: Can penguins fly?\n"
+    s += f"Answer: no\n\nQuestion: {question}\nAnswer:"
+    s += sgl.select("answer", [" yes", " no"])
+
+
+@sgl.function
+def forked(s):
+    s += "List two colors.\n"
+    forks = s.fork(2)
+    forks += lambda i: f"Color {i + 1}:"
+    forks += sgl.gen("color", max_tokens=6, stop="\n")
+    forks.join()
+    s += "Done."
+
+
+@sgl.function
+def structured(s):
+    s += "The year the first moon landing happened: "
+    s += sgl.gen("year", regex=r"19[0-9]{2}", max_tokens=8)
+    s += "\nA person as JSON: "
+    s += sgl.gen("person", max_tokens=48, json_schema={
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "age": {"type": "integer", "maximum": 120}},
+        "required": ["name", "age"]})
+
+
+@sgl.function
+def stopped(s):
+    s += "Count: 1, 2, 3,"
+    s += sgl.gen("next", max_tokens=16, stop=",")
+
+
+def check_greedy_gen_equals_local(ep, local) -> None:
+    for prog, kw in ((plain, {"topic": "the moon"}), (chat, {"question": "Capital of Peru?"}),
+                     (stopped, {})):
+        want = prog.run(backend=local, **kw)
+        got = prog.run(backend=ep, **kw)
+        assert got.error() is None, got.error()
+        assert got.text() == want.text()
+        assert got.messages() == want.messages()
+
+
+def check_select_picks_the_same(ep, local) -> None:
+    for q in ("Is the sun hot?", "Do fish live in water?", "Is ice hot?"):
+        want, got = few_shot.run(backend=local, question=q), few_shot.run(backend=ep, question=q)
+        assert got.error() is None, got.error()
+        assert got["answer"] == want["answer"]
+        a = got.get_meta_info("answer")["normalized_prompt_logprobs"]
+        b = want.get_meta_info("answer")["normalized_prompt_logprobs"]
+        assert a == pytest.approx(b, abs=2e-3)  # same normalisation, fp32 on both sides
+
+
+def check_fork_join(ep, local) -> None:
+    want, got = forked.run(backend=local), forked.run(backend=ep)
+    assert got.error() is None, got.error()
+    assert got["color"] == want["color"] and len(got["color"]) == 2
+    assert got.text() == want.text()
+
+
+def check_regex_and_json(ep) -> None:
+    st = structured.run(backend=ep)
+    assert st.error() is None, st.error()
+    assert re.fullmatch(r"19[0-9]{2}", st["year"])
+    person = json.loads(st["person"])
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+
+
+def check_streaming(ep) -> None:
+    st = plain.run(backend=ep, topic="rivers", stream=True)
+    pieces = list(st.text_iter("fact"))
+    assert len(pieces) > 1 and "".join(pieces) == st["fact"]
+
+
+# ---- against `sgl-nb serve` --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(runtime):
+    srv = start_in_thread(runtime)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module", params=["openai", "sglang"])
+def ep(request, server):
+    return sgl.RuntimeEndpoint(server.url, api=request.param)
+
+
+def test_greedy_gen_equals_local(ep, runtime):
+    check_greedy_gen_equals_local(ep, runtime)
+
+
+def test_select_picks_the_same(ep, runtime):
+    check_select_picks_the_same(ep, runtime)
+
+
+def test_fork_join(ep, runtime):
+    check_fork_join(ep, runtime)
+
+
+def test_regex_and_json(ep):
+    check_regex_and_json(ep)
+
+
+def test_streaming(ep):
+    check_streaming(ep)
+
+
+def test_tokenizer_comes_from_the_server_reported_folder(ep, runtime):
+    assert ep.tokenizer.name_or_path == str(runtime.model_path)
+    assert ep.chat_roles == runtime.chat_roles
+
+
+def test_events_report_each_request(ep):
+    q = ep.events.subscribe()
+    try:
+        st = few_shot.run(backend=ep, question="Is snow white?")
+        st2 = plain.run(backend=ep, topic="tea", stream=True)
+        assert st.error() is None and st2.error() is None and st2.text()
+    finally:
+        ep.events.unsubscribe(q)
+    events = []
+    while not q.empty():
+        events.append(q.get())
+    # The program's own Extends come through the same bus, without a request id.
+    started = {e.request: e for e in events if e.kind == "instruction_started" and e.request}
+    finished = {e.request: e for e in events if e.kind == "instruction_finished" and e.request}
+    assert started.keys() == finished.keys() and len(started) == 2
+    score = next(e for e in finished.values() if e.data["kind"] == "Score")
+    decode = next(e for e in finished.values() if e.data["kind"] == "Decode")
+    assert score.program == st.id and decode.program == st2.id
+    assert score.node == next(n.id for n in st.nodes if n.kind == "Select")
+    assert score.data["input_tokens"] > 0 and decode.data["output_tokens"] == 16
+    assert decode.data["finish_reason"] == "length" and decode.data["server"] == ep.base_url
+    tokens = [e for e in events if e.kind == "token" and e.request == decode.request]
+    assert "".join(e.data["text"] for e in tokens) == st2["fact"]
+
+
+@sgl.function
+def two_gens(s):
+    s += "Once upon a time"
+    s += sgl.gen("a", max_tokens=6, ignore_eos=True)
+    s += " Then"
+    s += sgl.gen("b", max_tokens=4, ignore_eos=True)
+
+
+def test_node_stepping_works_remotely(ep, runtime):
+    assert ep.instruction_stepping is False  # the views say tokens step on the server
+    st = two_gens.run(backend=ep, step=True, passes=())
+    assert st.debug.wait_until_held(timeout=60) and st.debug.current.kind == "Text"
+    st.debug.step()
+    assert st.debug.wait_until_held(timeout=60)
+    gen = st.debug.current
+    assert gen.kind == "Gen" and "a" not in st._vars  # held before the request is sent
+    st.debug.step_instruction()  # remotely a whole Node: the server owns the tokens
+    assert st.debug.wait_until_held(timeout=120)
+    assert gen.status == "done" and st.debug.current.detail["text"] == " Then"
+    other = two_gens.run(backend=ep)  # another program runs while this one is held
+    assert other.error() is None and "b" not in st._vars
+    st.debug.continue_()
+    assert st["b"] and st.error() is None
+    assert st.text() == other.text() == two_gens.run(backend=runtime).text()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="api must be one of"):
+        sgl.RuntimeEndpoint("http://127.0.0.1:1", api="tgi")
+    with pytest.raises(ValueError, match="base_url"):
+        sgl.RuntimeEndpoint("localhost:8000")
