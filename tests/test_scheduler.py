@@ -219,3 +219,40 @@ def test_program_priority_reaches_engine_and_metrics(default_backend):
     assert after["forks"] == before["forks"] + 1 and after["joins"] == before["joins"] + 1
     assert after["generated_tokens"] > before["generated_tokens"]
     assert after["tokens_per_second"] > 0
+
+
+def test_stepping_and_events_under_preemption(model_path):
+    """A stepped batch program is preempted by interactive work: its events say so (with
+    the reason), stepping by Instruction still gives one token per step, and its greedy
+    output is unchanged."""
+
+    @sgl.function
+    def story(s):
+        s += "Tell me a long story about a lighthouse keeper."
+        s += sgl.gen("story", max_tokens=64, ignore_eos=True)
+
+    with Runtime(model_path, kv_pool_tokens=4096, time_slice=2) as rt:
+        reference = story.run(backend=rt)["story"]
+        q = rt.events.subscribe()
+        st = story.run(backend=rt, step=True, priority="batch", passes=())
+        assert st.debug.wait_until_held(timeout=120)
+        st.debug.continue_()
+        for _ in range(3):  # interactive work arrives while the story decodes
+            rt.generate("Say hi.", max_tokens=6, ignore_eos=True, priority="interactive")
+        st.debug.pause()
+        assert st.debug.wait_until_held(timeout=120) and st.debug.waiting_at == "decode"
+        log = _drain(q)
+        st.debug.step_instruction()
+        assert st.debug.wait_until_held(timeout=120)
+        step = _drain(q)
+        assert len([e for e in step if e.kind == "token" and e.program == st.id]) == 1
+        st.debug.continue_()
+        assert st["story"] == reference
+        log += step + _drain(q)
+    mine = [e for e in log if e.program == st.id]
+    preempted = [e for e in mine if e.kind == "preempted"]
+    assert preempted and "interactive" in preempted[0].data["reason"]
+    resumed = [e for e in mine if e.kind == "resumed" and e.data.get("reason") == "scheduler"]
+    assert len(resumed) == len(preempted)
+    assert {e.node for e in preempted} == {n.id for n in st.nodes if n.kind == "Gen"}
+    assert st.get_meta_info("story")["preemptions"] == len(preempted)
