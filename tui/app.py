@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -66,6 +67,7 @@ class DebuggerApp(App):
         self.session = session
         self.show_timings = show_timings
         self.message = ""  # the last control's answer, shown in the status line
+        self.status_text = ""  # the status line as plain text (tests read it)
         self._stop = threading.Event()
         self._shown: tuple | None = None  # what the panes show, to skip needless redraws
         self._tree_events = -1
@@ -124,8 +126,9 @@ class DebuggerApp(App):
         rows = s.rows()
         current = next((r for r in rows if r.id == position.node), None)
         where = describe(position, current)
-        self.query_one("#status", Static).update(
-            f"{s.mode.upper()}  {where}" + (f"  ·  {self.message}" if self.message else ""))
+        self.status_text = f"{s.mode.upper()}  {where}" + (
+            f"  ·  {self.message}" if self.message else "")
+        self.query_one("#status", Static).update(Text(self.status_text))  # not markup
         bp_lines = {r.line for r in rows if r.line and any(bp.hits(r) for bp in s.breakpoints)}
         error_line = s.error_line() if position.where == "error" or _failed(s) else None
         self.query_one(SourcePane).show(s.source_file(), current.line if current else None,

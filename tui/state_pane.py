@@ -45,9 +45,9 @@ class StatePane(VerticalScroll):
         c = tl.cache
         tokens = sum(len(n.tokens) for n in tl.nodes.values())
         out = [f"tokens   {tokens} generated",
-               f"cache    {c['cached_tokens']}/{c['prompt_tokens']} prompt tokens cached, "
-               f"{c['hits']} hits",
-               f"         +{c['inserted']} inserted, -{c['evicted']} evicted"]
+               f"cached   {c['cached_tokens']}/{c['prompt_tokens']} prompt tokens "
+               f"({c['hits']} hits)",
+               f"radix    +{c['inserted']} inserted, -{c['evicted']} evicted"]
         if self.show_timings and p is not None and p.start_ns is not None:
             end = p.end_ns or (tl.events[-1].ts if tl.events else p.start_ns)
             out.append(f"time     program {(end - p.start_ns) / 1e9:.3f} s")
