@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
@@ -64,9 +65,20 @@ class RuntimeEndpoint:
     # ---- what the language layer reads ----------------------------------------------
 
     @property
-    def model(self) -> str:
-        with self._lock:
-            return self.api.model()
+    def model(self) -> str | None:
+        """The served model's name (given, or asked once); None while the server cannot be
+        asked: a label for traces, so it never raises (requests report the failure)."""
+        try:
+            with self._lock:
+                return self.api.model()
+        except RemoteError:
+            return None
+
+    @property
+    def model_path(self) -> Path | None:
+        """The served model's name as a path (its last part names the model in traces)."""
+        name = self.model
+        return Path(name) if name else None
 
     @functools.cached_property
     def tokenizer(self):
@@ -137,7 +149,8 @@ class RuntimeEndpoint:
         request = f"POST {path} (request {h.rid}{_where(program, node)})"
         self._emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
         try:
-            body = self.api.generate_body(prompt, sp, stream)
+            with _naming(request):  # the model name may be asked for first
+                body = self.api.generate_body(prompt, sp, stream)
             headers = _trace_headers(node)
             if stream:
                 acc: dict = {}
@@ -192,8 +205,9 @@ class RuntimeEndpoint:
         request = f"POST {path} (select, request {rid}{_where(program, node)})"
         self._emit("instruction_started", rid, program, node, {"kind": "Score", "index": 0})
         try:
-            obj = self.client.request_json("POST", path, self.api.score_body(pre, ids),
-                                           _trace_headers(node), request)
+            with _naming(request):
+                body = self.api.score_body(pre, ids)
+            obj = self.client.request_json("POST", path, body, _trace_headers(node), request)
             scores, usage = self.api.parse_score(obj, pre, ids, request)
         except BaseException as e:
             self._emit("instruction_finished", rid, program, node,
@@ -217,6 +231,15 @@ class RuntimeEndpoint:
               data: dict) -> None:
         self.events.emit(kind, program=program, node=node, request=rid,
                          data={**data, "request": rid, "server": self.base_url})
+
+
+@contextmanager
+def _naming(request: str):
+    """A failure on the way to a request (asking the model name) names that request too."""
+    try:
+        yield
+    except RemoteError as e:
+        raise type(e)(e.server, f"{request}, at {e.request}", e.problem, e.status) from e
 
 
 def _counts(meta: dict) -> dict:

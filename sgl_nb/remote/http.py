@@ -99,6 +99,13 @@ class HttpClient:
         before [DONE] raises RemoteError (the caller decides whether it was complete)."""
         request = request or f"POST {path}"
         conn, resp = self._send("POST", path, body, headers, request)
+        kind = resp.getheader("Content-Type") or ""
+        if not kind.startswith("text/event-stream"):
+            head = resp.read(200)
+            conn.close()
+            raise RemoteError(self.base_url, request,
+                              f"expected an event stream, got {kind or 'no content type'}: "
+                              f"{head!r}")
         try:
             yield from _events(resp, self.base_url, request)
         finally:
