@@ -22,6 +22,7 @@ class Node:
     file: str | None = None  # where the program said it (a cell or a .py file) ...
     line: int | None = None  # ... and on which line
     status: str = "pending"  # pending -> running -> done | error | skipped
+    stack: tuple[str, ...] = ()  # the program's call stack when it was added (outermost first)
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def __post_init__(self) -> None:

@@ -91,6 +91,7 @@ class SglFunction:
             state._emit("program_started", data={
                 "function": self.func.__name__, "priority": priority, "parent": None,
                 "model": state._model_name()})
+            state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
             try:
                 self.func(state, **args)
             except BaseException as e:  # noqa: BLE001 - kept on the state, with its line
@@ -110,11 +111,25 @@ class SglFunction:
         """Run the program; returns its state. Returns at once with stream=True (use
         text_iter) or step=True (starts paused: drive it with state.debug). `passes`: the
         compiler passes to apply (default all; () for none). `priority`: "interactive",
-        "normal" or "batch" (the scheduler serves higher levels first)."""
+        "normal" or "batch" (the scheduler serves higher levels first).
+
+        Inside a running program, `f(s, ...)` with the program's own state first runs f on
+        that state as a nested call (recursion included) and returns the state."""
+        if args and isinstance(args[0], ProgramState):
+            return self._call_nested(args[0], args[1:], kwargs)
         call, defaults = self._split(args, kwargs)
         fut = self._start(call, backend, debug=debug, step=step, passes=passes,
                           priority=priority, **defaults)
         return fut.state if stream or step else fut.result()
+
+    def _call_nested(self, state: ProgramState, args: tuple, kwargs: dict) -> ProgramState:
+        call, _ = self._split(args, kwargs)  # run options (temperature, ...) are the caller's
+        state.call_stack.append({"function": self.func.__name__, "args": call})
+        try:
+            self.func(state, **call)
+        finally:
+            state.call_stack.pop()
+        return state
 
     def __call__(self, *args, **kwargs) -> ProgramState:
         return self.run(*args, **kwargs)

@@ -60,6 +60,8 @@ class ProgramState:
         self._pending = 0
         self._stream: list[tuple[str | None, str]] = []  # (variable, text) as it is produced
         self._finished = False  # set when the program body has returned and the queue drained
+        # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
+        self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, name=f"sgl-state-{self.id}", daemon=True).start()
 
@@ -76,7 +78,8 @@ class ProgramState:
                 if kind == "Text" and self._fuse_text(detail["text"]):
                     continue
                 node = Node(kind, self.id, [self.nodes[-1].id] if self.nodes else [], name,
-                            detail, file, line)
+                            detail, file, line,
+                            stack=tuple(f["function"] for f in self.call_stack))
                 self.nodes.append(node)
                 self._flush_text()
                 if kind == "Text" and "fuse_text" in self.passes:
@@ -319,7 +322,8 @@ class ProgramState:
                 node.status = "running"
                 self._emit("node_started", node=node.id, data={
                     "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
-                    "label": node.label(), "preds": list(node.preds)})
+                    "label": node.label(), "preds": list(node.preds),
+                    "stack": list(node.stack)})
                 # Decode and Score run on the engine, which reports them itself.
                 local = [i for i in lower(node) if i.kind not in ("Decode", "Score")]
                 for i, ins in enumerate(local):

@@ -127,3 +127,28 @@ def test_invalid_json_schema_names_the_schema():
 
     st = bad.run()
     assert isinstance(st.error(), ValueError) and "not a schema" in str(st.error())
+
+
+def test_nested_calls_on_the_same_state_with_a_call_stack():
+    @sgl.function
+    def expand(s, point, depth):
+        s += f"\n{'  ' * depth}- {point}:"
+        s += sgl.gen(f"detail_{depth}", max_tokens=5, stop="\n", temperature=0)
+        if depth < 2:
+            expand(s, point=f"part of {point}", depth=depth + 1)  # nested, itself included
+
+    @sgl.function
+    def outline(s, topic):
+        s += f"An outline about {topic}."
+        expand(s, point=topic, depth=0)
+        s += "\nEnd."
+
+    st = outline.run(topic="bridges")
+    assert st.error() is None
+    assert [k for k in st._vars if k.startswith("detail_")] == ["detail_0", "detail_1",
+                                                               "detail_2"]
+    gens = [n for n in st.nodes if n.kind == "Gen"]
+    assert [n.stack for n in gens] == [("outline", "expand"), ("outline", "expand", "expand"),
+                                       ("outline", "expand", "expand", "expand")]
+    assert st.text().endswith("\nEnd.") and "    - part of part of bridges:" in st.text()
+    assert st.call_stack == [{"function": "outline", "args": {"topic": "bridges"}}]
