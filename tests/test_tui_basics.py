@@ -33,7 +33,7 @@ def test_parse_args_literals_and_strings():
 def test_load_program_picks_the_function_and_checks_arguments():
     prog = load_program(f"{PROGRAM}:story", ["topic=a forest"])
     assert prog.name == "story" and prog.args == {"topic": "a forest"}
-    with pytest.raises(ValueError, match="3 @sgl.function programs.*broken, long_story, story"):
+    with pytest.raises(ValueError, match="4 @sgl.function programs.*broken, chat, long_st"):
         load_program(str(PROGRAM))
     with pytest.raises(ValueError, match="no @sgl.function named 'nope'"):
         load_program(f"{PROGRAM}:nope")

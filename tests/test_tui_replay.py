@@ -30,7 +30,7 @@ SIZE = (120, 40)
 def traces(runtime, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("traces")
     out = {}
-    for name in ("story", "broken"):
+    for name in ("story", "broken", "chat"):
         program = load_program(f"{PROGRAM}:{name}")
         runtime.engine.cache.reset()  # the trace's cache hits must not depend on other tests
         out[name] = folder / f"{name}.jsonl"
@@ -75,6 +75,31 @@ def test_replay_steps_backwards(traces):
 
 def pane(app, name: str) -> str:
     return app.query_one(f"#{name}").plain
+
+
+def test_replay_of_roles_a_select_and_a_fork(traces):
+    async def run() -> None:
+        app = replay_app(traces["chat"])
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await pilot.press("c")
+            assert app.status_text.startswith("REPLAY  finished")
+            rows = app.session.rows()
+            assert [r.kind for r in rows[:7]] == ["RoleBegin", "Text", "RoleEnd", "RoleBegin",
+                                                  "Select", "RoleEnd", "Fork"]
+            assert sorted(r.kind for r in rows[7:11]) == ["Gen", "Gen", "Text", "Text"]
+            assert {r.depth for r in rows[7:11]} == {1} and rows[11].kind == "Join"
+            graph = pane(app, "graph").splitlines()
+            assert all(line.startswith("    #") for line in graph[7:11])  # branches indented
+            joined = {r.number for r in rows if r.kind == "Gen"}
+            assert graph[11].endswith("← " + ",".join(f"#{n}" for n in sorted(joined))) or \
+                graph[11].endswith("← " + ",".join(f"#{n}" for n in sorted(joined)[::-1]))
+            state = pane(app, "state")
+            assert "colour = " in state and "user: " in state and "assistant: " in state
+            assert "(branch 1/2)" in state and "(branch 2/2)" in state
+            assert pane(app, "tokens").count("⟨#") == 2
+
+    asyncio.run(run())
 
 
 def test_snapshot_replay_start(traces, snap_compare):

@@ -89,14 +89,23 @@ def _programs(tl: Timeline, root: int | None) -> list[int]:
 def _variables(tl: Timeline, root: int | None) -> list[str]:
     out = []
     for pid in _programs(tl, root):
-        where = "" if pid == root else f" (branch of program {tl.programs[pid].parent})"
+        where = "" if pid == root else f" (branch {_branch(tl, pid)})"
         for nid in tl.programs[pid].nodes:
             n = tl.nodes[nid]
+            if not n.name or n.kind not in ("Gen", "Select"):
+                continue
             value = _node_text(n)
-            if n.name and n.kind in ("Gen", "Select") and value is not None:
-                done = "" if n.status == "done" else " …"
-                out.append(f"{n.name} = {value!r}{done}{where}")
+            shown = "?" if value is None else repr(value)  # a choice the events did not carry
+            done = "" if n.status == "done" else " …"
+            out.append(f"{n.name} = {shown}{done}{where}")
     return out
+
+
+def _branch(tl: Timeline, pid: int) -> str:
+    """A fork branch's place among its siblings ("1/2"): program ids are process-wide."""
+    p = tl.programs[pid]
+    siblings = tl.programs[p.parent].children if p.parent in tl.programs else []
+    return f"{siblings.index(pid) + 1}/{len(siblings)}" if pid in siblings else "?"
 
 
 def _messages(tl: Timeline, root: int | None) -> list[str]:
@@ -111,7 +120,8 @@ def _messages(tl: Timeline, root: int | None) -> list[str]:
             out.append(f"{role}: {''.join(parts)!r}")
             role = None
         elif role is not None:
-            parts.append(_node_text(n) or "")
+            text = _node_text(n)
+            parts.append(text if text is not None else f"<{n.label or n.kind}>")
     if role is not None:
         out.append(f"{role}: {''.join(parts)!r} …")
     return out

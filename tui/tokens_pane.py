@@ -27,6 +27,8 @@ class TokensPane(VerticalScroll):
         for n in tl.nodes.values():
             current = n.id == position.node
             if n.tokens:
+                if text and not text.plain.endswith("\n"):
+                    text.append("\n")  # each Gen on a line of its own
                 text.append(f"⟨#{numbers.get(n.id, '?')} {n.name or n.kind}⟩",
                             style="bold cyan" if current else "cyan")
                 for k, tok in enumerate(n.tokens):

@@ -22,3 +22,15 @@ def broken(s):
     s += "The answer is"
     s += sgl.gen("answer", max_tokens=2, ignore_eos=True)
     raise ValueError("no number in " + s["answer"])
+
+
+@sgl.function
+def chat(s):
+    with s.user():
+        s += "Pick a colour."
+    with s.assistant():
+        s += sgl.select("colour", choices=["red", "blue"])
+    forks = s.fork(2)
+    forks += lambda i: f" Idea {i}:"
+    forks += sgl.gen("idea", max_tokens=3, ignore_eos=True)
+    forks.join()
