@@ -42,7 +42,10 @@ class VllmServer:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details",
-               "--max-model-len", "4096", *extra_args]
+               "--max-model-len", "4096",
+               # The CPU default of 128-token KV blocks would share no prefix shorter than
+               # that (few-shot prompts here are ~100 tokens); 32 is the smallest it prefers.
+               "--block-size", "32", *extra_args]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
