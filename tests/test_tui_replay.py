@@ -32,6 +32,7 @@ def traces(runtime, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name in ("story", "broken", "chat"):
         program = load_program(f"{PROGRAM}:{name}")
+        _wait_idle(runtime)  # alone in its batches: the same figures every run
         runtime.engine.cache.reset()  # the trace's cache hits must not depend on other tests
         out[name] = folder / f"{name}.jsonl"
         sgl.enable_tracing(file=out[name], runtime=runtime)
@@ -40,6 +41,13 @@ def traces(runtime, tmp_path_factory) -> dict[str, Path]:
         finally:
             sgl.disable_tracing()
     return out
+
+
+def _wait_idle(runtime, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while runtime.engine.scheduler.has_work():  # another test's program still running
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.1)
 
 
 def replay_app(path: Path) -> DebuggerApp:
