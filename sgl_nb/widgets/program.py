@@ -117,7 +117,9 @@ class ProgramWidget(W.VBox):
                        *self.cache.widgets()]
             with held(widgets):
                 p = tl.programs[pid]
-                self.status = p.status
+                debug = self.state.debug
+                is_held = debug is not None and debug.waiting_at is not None and not finished
+                self.status = f"held at a {debug.waiting_at}" if is_held else p.status
                 self.error = self._error_text(p.error) if p.error else ""
                 self.stream.update(model, self.status if not self.error else "error")
                 if self.error:

@@ -99,14 +99,17 @@ class StepperView(W.VBox):
         self.controller: StepController | None = None
         self._rows: dict[int, Row] = {}
         self.on_command = None  # called after each button, so the owner re-renders soon
-        self.step_node = W.Button(description="Step node", icon="step-forward")
-        self.step_instruction = W.Button(description="Step instruction", icon="forward")
-        self.continue_button = W.Button(description="Continue", icon="play")
-        self.pause_button = W.Button(description="Pause", icon="pause")
-        self.node_choice = W.Dropdown(options=[], description="Node")
-        self.toggle_bp = W.Button(description="Toggle breakpoint", icon="circle")
-        self.bp_spec = W.Text(placeholder="answer | kind=Gen | line=3")
-        self.add_bp = W.Button(description="Add breakpoint")
+        auto = {"layout": W.Layout(width="auto")}
+        self.step_node = W.Button(description="Step node", icon="step-forward", **auto)
+        self.step_instruction = W.Button(description="Step instruction", icon="forward", **auto)
+        self.continue_button = W.Button(description="Continue", icon="play", **auto)
+        self.pause_button = W.Button(description="Pause", icon="pause", **auto)
+        self.node_choice = W.Dropdown(options=[], description="Node",
+                                      layout=W.Layout(width="420px"))
+        self.toggle_bp = W.Button(description="Toggle breakpoint", icon="circle", **auto)
+        self.bp_spec = W.Text(placeholder="answer | kind=Gen | line=3",
+                              description="Break on", layout=W.Layout(width="420px"))
+        self.add_bp = W.Button(description="Add breakpoint", **auto)
         self.graph = W.HTML("")
         self.graph.add_class("sgl-stepper-graph")
         self.status_html = W.HTML("")
@@ -186,7 +189,12 @@ class StepperView(W.VBox):
         self.breakpoints = sorted(describe(b) for b in bps)
         options = [(f"#{r.id} {r.label}", r.id) for r in rows]
         if [o[1] for o in self.node_choice.options] != [o[1] for o in options]:
+            chosen = self.node_choice.value
             self.node_choice.options = options
+            ids = [o[1] for o in options]
+            # Keep the user's choice; else offer the current Node (what one breaks on next).
+            self.node_choice.value = (chosen if chosen in ids else current if current in ids
+                                      else ids[0] if ids else None)
         self.graph.value = _STYLE + self._graph_html(rows, current, bps)
         state = ("finished" if finished else f"held at a {held}" if held
                  else "paused" if c is not None and c.paused else "running")
