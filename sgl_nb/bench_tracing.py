@@ -52,7 +52,10 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
 
     questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
     print("loading the engine ...", flush=True)
+    import sgl_nb as sgl
+
     rt = Runtime(args.model)
+    sgl.set_default_backend(rt)  # the programs run on the runtime being traced
     program = _program()
     program.run_batch([{"question": q} for q in questions[:4]])  # warm up
     px = PhoenixServer()

@@ -16,6 +16,23 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-phoenix"
 
 
+_READ_SPANS = """
+import json, sys, time
+from phoenix.client import Client
+url, project, expect, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+client, deadline, spans = Client(base_url=url), time.monotonic() + timeout, []
+while True:
+    try:
+        spans = client.spans.get_spans(project_identifier=project, limit=max(1000, expect))
+    except Exception:  # the project appears with its first ingested span
+        spans = []
+    if len(spans) >= expect or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps(spans, default=str))
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,18 +111,14 @@ class PhoenixServer:
             self._dir.cleanup()
             self._dir = None
 
-    def spans(self, project: str, limit: int = 1000) -> list[dict]:
+    def spans(self, project: str, expect: int = 1, timeout: float = 120.0) -> list[dict]:
         """The spans Phoenix stored for `project`, read with the Phoenix client (it lives
-        in Phoenix's venv, so it runs there)."""
-        code = ("import json, sys; from phoenix.client import Client; "
-                "c = Client(base_url=sys.argv[1]); "
-                "print(json.dumps(c.spans.get_spans(project_identifier=sys.argv[2], "
-                "limit=int(sys.argv[3])), default=str))")
-        out = subprocess.run([str(self.venv / "bin" / "python"), "-c", code, self.url,
-                              project, str(limit)], capture_output=True, text=True, timeout=120)
+        in Phoenix's venv, so it runs there), polling until `expect` of them are in
+        (Phoenix ingests in the background) or `timeout` passes."""
+        out = subprocess.run([str(self.venv / "bin" / "python"), "-c", _READ_SPANS, self.url,
+                              project, str(expect), str(timeout)],
+                             capture_output=True, text=True, timeout=timeout + 120)
         if out.returncode != 0:
-            if "not found" in out.stderr.lower() or "404" in out.stderr:
-                return []  # the project exists once its first span has been ingested
             raise RuntimeError(f"phoenix client failed:\n{out.stderr[-2000:]}")
         return json.loads(out.stdout)
 

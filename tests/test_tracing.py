@@ -343,3 +343,30 @@ def test_not_an_sgl_trace_is_a_clear_error(tmp_path):
     junk.write_text(_line([]) + "not json\n")
     with pytest.raises(ValueError, match=r"junk.jsonl:2: not an OTLP/JSON line"):
         load(junk)
+
+
+@sgl.function
+def few_shot(s, question):
+    s += "Question: Is a whale a mammal?\nAnswer: yes\n\nQuestion: " + question + "\nAnswer:"
+    s += sgl.select("answer", [" yes", " no"])
+
+
+@pytest.mark.slow
+def test_events_of_no_program_are_kept_for_replay(default_backend, tmp_path):
+    """run_batch's shared-prefix prefill is a request of no program: its cache events
+    become spans of their own, and the replayed cache totals match the live ones."""
+    path = tmp_path / "batch.jsonl"
+    q = default_backend.events.subscribe()
+    sgl.enable_tracing(file=path, runtime=default_backend)
+    try:
+        states = few_shot.run_batch([{"question": "Is ice cold?"}, {"question": "Is fire wet?"}])
+    finally:
+        sgl.disable_tracing()
+        default_backend.events.unsubscribe(q)
+    assert all(st.error() is None for st in states)
+    live = Timeline(e for e in _drain(q) if e.program is not None or e.kind.startswith("cache"))
+    replay = load(path)
+    assert replay.cache == live.cache and live.cache["prompt_tokens"] > 0
+    assert [e.seq for e in replay.cache_events] == [e.seq for e in live.cache_events]
+    loose = [s for s in read_spans(path) if s.attributes.get("sgl.span") == "event"]
+    assert loose and all(s.parent_span_id is None for s in loose)

@@ -4,7 +4,6 @@ installed by `make phoenix`) and read back with the Phoenix client."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -38,15 +37,6 @@ def answer(s, q):
     s += sgl.select("sure", choices=[" yes", " no"])
 
 
-def _wait_for(px: PhoenixServer, n: int, timeout: float = 120.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = px.spans(PROJECT)
-        if len(got) >= n or time.monotonic() > deadline:
-            return got
-        time.sleep(1.0)
-
-
 def test_phoenix_receives_the_span_tree(phoenix, default_backend):
     mem = InMemorySpanExporter()
     sgl.enable_tracing(endpoint=phoenix.traces_url, exporter=mem, runtime=default_backend,
@@ -57,7 +47,7 @@ def test_phoenix_receives_the_span_tree(phoenix, default_backend):
         sgl.disable_tracing()
     assert st.error() is None
     sent = {f"{s.context.span_id:016x}": s for s in mem.get_finished_spans()}
-    got = {s["context"]["span_id"]: s for s in _wait_for(phoenix, len(sent))}
+    got = {s["context"]["span_id"]: s for s in phoenix.spans(PROJECT, expect=len(sent))}
     assert got.keys() == sent.keys()
     for sid, s in sent.items():
         p = got[sid]

@@ -316,25 +316,19 @@ class SpanRecorder:
                             bool(d.get("forced", False)), e.seq, e.ts, extra))
 
     def _host(self, e: Event, program: int | None, node: int | None) -> _Open | None:
-        """The span an event belongs on: its request's instruction, its node, its program,
-        or (for a cache eviction, which belongs to no request) the latest live span."""
+        """The span an event belongs on: its request's instruction, its node, or its
+        program. None for what belongs to no program (an eviction, a bare rt.generate
+        request, the shared-prefix prefill of run_batch)."""
         key = self._by_request.get(e.request) if e.request is not None else None
         if key is not None and key in self._instructions:
             return self._instructions[key]
         if node is not None and node in self._nodes:
             return self._nodes[node]
-        if program is not None:
-            return self._program(program)
-        for table in (self._instructions, self._nodes, self._programs):
-            if table:
-                return table[next(reversed(table))]
-        return None
+        return self._program(program)
 
     def _span_event(self, e: Event, program: int | None = None, node: int | None = None):
         program = e.program if program is None else program
         node = e.node if node is None else node
-        if e.program is None and e.node is None and e.request is None and e.kind == "token":
-            return
         attrs = {codec.SEQ: e.seq, **codec.id_attrs(program, node, e.request),
                  **codec.to_attrs(e.data, codec.DATA)}
         host = self._host(e, program, node)
@@ -346,8 +340,8 @@ class SpanRecorder:
             host.span.set_status(Status(StatusCode.ERROR, str(e.data.get("error"))))
 
     def _event_span(self, e: Event, program: int | None, attrs: dict) -> None:
-        """An event with no live span to sit on (its program already ended, or none ran
-        yet): a zero-length span of its own, so that nothing is lost."""
+        """An event with no live span to sit on (its program already ended, or it has
+        none): a zero-length span of its own, so that a replay loses nothing."""
         parent = self._ctx("program", program)
         span = self._start(e.kind, e.ts, parent, {codec.SPAN_TYPE: "event",
                                                   codec.EVENT_KIND: e.kind, **attrs})
