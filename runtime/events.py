@@ -24,9 +24,11 @@ EVENT_KINDS = (
 # kind, ts (time.monotonic_ns), seq (publication order); program / node / request ids where
 # they apply. `data` keys:
 #   program_started   function, priority, model, parent (program id of a fork parent or None)
-#   program_finished  error (repr or None)
-#   node_started      kind, name, line, file, label, preds (node ids)
-#   node_finished     status (done | error | skipped)
+#   program_finished  error (repr or None), line (the program line of the error, or None)
+#   node_started      kind, name, line, file, label, preds (node ids), stack (call stack:
+#                     function names, outermost first)
+#   node_finished     status (done | error | skipped), text (what the node added to the
+#                     program's text), value (repr of the variable it bound, if any)
 #   instruction_started / instruction_finished
 #                     kind (Extend | Decode | Score | Fork | Join | Return), index (0-based
 #                     within the node); Decode and Score run on the engine and also carry

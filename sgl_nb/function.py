@@ -98,8 +98,9 @@ class SglFunction:
                 state._finish(e, file)
             else:
                 state._finish()
-            state._emit("program_finished", data={"error": repr(state._error)
-                                                  if state._error else None})
+            state._emit("program_finished", data={
+                "error": repr(state._error) if state._error else None,
+                "line": state.error_line})
 
         thread = threading.Thread(target=body, name=f"sgl-{self.func.__name__}", daemon=True)
         thread.start()

@@ -329,6 +329,7 @@ class ProgramState:
                 for i, ins in enumerate(local):
                     self._emit("instruction_started", node=node.id,
                                data={"kind": ins.kind, "index": i})
+                start = len(self._text)
                 try:
                     self._execute(node, payload)
                     node.status = "done"
@@ -341,7 +342,10 @@ class ProgramState:
                     self._error_line = node.line
                     self._emit("error", node=node.id, data={"error": repr(e),
                                                             "line": node.line})
-                self._emit("node_finished", node=node.id, data={"status": node.status})
+                done = {"status": node.status, "text": self._text[start:]}
+                if node.name is not None and node.name in self._vars:
+                    done["value"] = repr(self._vars[node.name])
+                self._emit("node_finished", node=node.id, data=done)
                 if self.debug is not None:
                     self.debug.after_node(node)
             with self._cond:
@@ -466,7 +470,8 @@ class ForkGroup:
         p.nodes.append(node)
         errors = [s._error for s in self.states if s._error is not None]
         for s in self.states:
-            s._emit("program_finished", data={"error": repr(s._error) if s._error else None})
+            s._emit("program_finished", data={"error": repr(s._error) if s._error else None,
+                                              "line": s._error_line})
         if errors:
             node.status = "error"
             p._set_error(errors[0])
