@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast lint bench vllm tmux phoenix
+.PHONY: install model run demo test test-fast lint bench vllm tmux phoenix browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,19 @@ install: $(STAMP)
 model: install
 	$(VENV)/bin/sgl-nb model
 
+# JupyterLab on the quickstart notebook, on this machine only (127.0.0.1), with a fresh
+# token; the kernel is this venv's python. LAB_PORT=... picks another port.
+LAB_PORT ?= 8888
 run: model
+	@token=$$($(PY) -c "import secrets; print(secrets.token_hex(16))"); \
+	echo "JupyterLab: http://127.0.0.1:$(LAB_PORT)/lab/tree/quickstart.ipynb?token=$$token"; \
+	exec $(VENV)/bin/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 \
+		--ServerApp.port=$(LAB_PORT) --ServerApp.port_retries=0 \
+		--IdentityProvider.token=$$token --ServerApp.root_dir=notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root,)
+
+# The terminal demo: a streamed chat answer, then the radix cache statistics.
+demo: model
 	$(VENV)/bin/sgl-nb demo
 
 # vLLM's CPU build in its own venv, for the remote-backend tests and `sgl-nb bench remote`.
@@ -59,7 +71,12 @@ phoenix: $(PHOENIX_STAMP)
 tmux:
 	@command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
 
-test: model vllm tmux phoenix
+# The browser test drives Debian's chromium through playwright (no browser download).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: model vllm tmux phoenix browser
 	$(PY) -m pytest -q -ra
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
