@@ -77,6 +77,7 @@ class GuardedExporter(SpanExporter):
     def __init__(self, inner: SpanExporter, retry_s: float = 10.0):
         self.inner, self.retry_s = inner, retry_s
         self.failures = 0  # batches lost
+        self.cpu_ns = 0  # CPU time spent exporting (encoding, writing, sending)
         self.warned = False
         self._down_until = 0.0
 
@@ -89,6 +90,7 @@ class GuardedExporter(SpanExporter):
             self.failures += 1
             return SpanExportResult.FAILURE
         _quiet.on = True
+        t0 = time.thread_time_ns()
         try:
             result = self.inner.export(spans)
             error = None if result == SpanExportResult.SUCCESS else "the export failed"
@@ -96,6 +98,7 @@ class GuardedExporter(SpanExporter):
             result, error = SpanExportResult.FAILURE, f"{type(e).__name__}: {e}"
         finally:
             _quiet.on = False
+            self.cpu_ns += time.thread_time_ns() - t0
         if error is not None:
             self._fail(error, len(spans))
         return result

@@ -39,6 +39,8 @@ class SpanRecorder:
         if level not in ("node", "token"):
             raise ValueError(f"tracing level must be 'node' or 'token', got {level!r}")
         self.tracer, self.level, self.model = tracer, level, model
+        self.measure = False  # set by `sgl-nb bench tracing`: add up the CPU time spent here
+        self.cpu_ns = 0
         # Event ts is time.monotonic_ns(); spans want epoch ns: one offset, taken now.
         self.offset = time.time_ns() - time.monotonic_ns()
         self._lock = threading.Lock()
@@ -56,12 +58,15 @@ class SpanRecorder:
     # ---- the callback ------------------------------------------------------------------
 
     def __call__(self, e: Event) -> None:
+        t0 = time.thread_time_ns() if self.measure else 0
         handler = getattr(self, f"_on_{e.kind}", None)
         with self._lock:
             if handler is not None:
                 handler(e)
             else:
                 self._span_event(e)
+            if self.measure:
+                self.cpu_ns += time.thread_time_ns() - t0
 
     def traceparent(self, node_id: int) -> str | None:
         with self._lock:
