@@ -95,8 +95,11 @@ class SglMagics(Magics):
             from sgl_nb.widgets import ProgramWidget
 
             widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
+        ended = None
         if args.trace:
             _start_tracing(args.trace)
+            # Subscribed after the tracer: each event reaches the tracer first.
+            ended = _ProgramEnds(backend.events)
         defaults = {k: v for k, v in (("temperature", args.temperature),
                                       ("max_new_tokens", args.max_tokens)) if v is not None}
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
@@ -105,8 +108,8 @@ class SglMagics(Magics):
         state.wait = functools.partial(_wait, state)
         if widget is not None:
             widget.attach(state)
-        if args.trace:
-            threading.Thread(target=_trace_until_done, args=(state,),
+        if ended is not None:
+            threading.Thread(target=ended.then_stop_tracing, args=(state.id,),
                              name="sgl-trace-cell", daemon=True).start()
         return state, widget
 
@@ -225,12 +228,25 @@ def _flush_tracing() -> None:
         session.flush()
 
 
-def _trace_until_done(state) -> None:
-    """`%%sgl --trace FILE`: tracing stays on until this program has ended."""
-    for _ in state.text_iter():
-        pass
-    state.error()  # waits until everything the program queued has run
-    _stop_tracing()
+class _ProgramEnds:
+    """`%%sgl --trace FILE`: tracing stays on until this program's program_finished event
+    has been published (so its span closes normally), then goes off."""
+
+    def __init__(self, bus):
+        self.bus, self.ended, self.cond = bus, set(), threading.Condition()
+        bus.subscribe(self._on_event)  # a callback: it must return at once, and does
+
+    def _on_event(self, event) -> None:
+        if event.kind == "program_finished":
+            with self.cond:
+                self.ended.add(event.program)
+                self.cond.notify_all()
+
+    def then_stop_tracing(self, program: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: program in self.ended)
+        self.bus.unsubscribe(self._on_event)
+        _stop_tracing()
 
 
 def load_ipython_extension(ipython) -> None:

@@ -203,8 +203,10 @@ def test_cache_tree_shows_locked_nodes_while_a_request_runs(default_backend):
     assert st.debug.wait_until_held(120)
     st.debug.step_instruction()  # prefill the Gen: its request now holds its prefix
     assert st.debug.wait_until_held(120)
+    other = qa.run(q="Another program, run while this one is held.")
     w.sync()
     assert w.cache.locked_tokens > 0 and "locked×" in w.cache.tree.value
+    assert other.id not in w.timeline.programs  # the widget folds its own program's events
     st.debug.continue_()
     assert w.wait(120)
 

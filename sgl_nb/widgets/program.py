@@ -39,6 +39,7 @@ class ProgramWidget(W.VBox):
         self._last_hold = None
         self._cached_chars: dict[tuple[int, int], int] = {}
         self._live: dict = {}  # node id -> the live Node, refreshed on each render
+        self._family: set[int] = set()  # this program and its fork branches
         bus = getattr(backend, "events", None)
         self._queue = bus.subscribe() if bus is not None else None
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
@@ -56,6 +57,7 @@ class ProgramWidget(W.VBox):
         """Follow this program (its events may already be queued: nothing is lost)."""
         self.state = state
         self.program_id = state.id
+        self._family = {state.id}  # grows with the fork events
         self.stepper.bind(state.debug)
         if self._queue is None:  # a backend without an event stream: show the end result
             threading.Thread(target=self._without_events, daemon=True).start()
@@ -70,12 +72,21 @@ class ProgramWidget(W.VBox):
         if bus is not None and self._queue is not None:
             bus.unsubscribe(self._queue)
 
-    def _fold(self, events: list[Event]) -> None:
+    def _fold(self, events: list[Event]) -> bool:
+        """Fold this program's events (and its fork branches'); others only say whether the
+        cache tree changed. Returns whether anything shown may have changed."""
+        changed = False
         with self._lock:
             for e in sorted(events, key=lambda e: e.seq):
+                if e.program not in self._family:
+                    changed |= e.kind.startswith("cache_")
+                    continue
                 self.timeline.apply(e)
+                changed = True
                 if e.kind == "fork" and e.data.get("children"):
                     self.forks[e.node] = list(e.data["children"])
+                    self._family.update(e.data["children"])
+        return changed
 
     def _finished(self) -> bool:
         p = self.timeline.programs.get(self.program_id)

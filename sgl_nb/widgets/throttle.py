@@ -66,7 +66,7 @@ class EventPump:
     event stream moved (a held step controller). It stops once `finished()` is true and the
     queue is empty, after one last render; `stop()` ends it early."""
 
-    def __init__(self, q: queue.SimpleQueue, fold: Callable[[list[Event]], None],
+    def __init__(self, q: queue.SimpleQueue, fold: Callable[[list[Event]], bool | None],
                  render: Callable[[], None], finished: Callable[[], bool],
                  changed: Callable[[], bool] = lambda: False, rate: float = 30.0,
                  poll: float = 0.2, on_stop: Callable[[], None] | None = None):
@@ -133,8 +133,8 @@ class EventPump:
                 events = [e for e in batch if not isinstance(e, _Flush)]
                 if events:
                     self.events_seen += len(events)
-                    self.fold(events)
-                    dirty = True
+                    # fold may say (False) that none of these concern the view.
+                    dirty |= self.fold(events) is not False
                 if not batch and self.changed():
                     dirty = True
                 if self.finished() and self.q.empty():
