@@ -116,7 +116,7 @@ class StreamModel:
         return max(hits, default=0)
 
     def _pieces(self, n: NodeView, start: int) -> list[Piece]:
-        if n.kind == "Gen" or (n.tokens and n.kind != "Select"):
+        if n.tokens and n.kind != "Select":
             pieces, pos = [], start
             for t in n.tokens:
                 p = math.exp(t.logprob) if t.logprob is not None else None
@@ -131,6 +131,8 @@ class StreamModel:
             return []
         if n.kind == "Select":
             return [Piece(start, text, "generated", "chosen by select")]
+        if n.kind == "Gen":  # its text without token events (a backend that sends none)
+            return [Piece(start, text, "generated")]
         origin = "template" if n.kind in ("RoleBegin", "RoleEnd") else "prompt"
         return [Piece(start, text, origin)]
 
