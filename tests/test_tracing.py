@@ -179,10 +179,10 @@ def test_regex_gen_span_carries_its_output(traced):
     st = traced.states[2]
     assert re.fullmatch(YEAR, st["y"])
     gen = next(s for s in _of(traced.spans, "node") if s.name == "Gen y")
+    assert gen.attributes["sgl.output"] == gen.attributes["output.value"] == st["y"]
     # The tokens as sampled: the stop token (end of turn) that closed the regex, if any,
-    # is among them; the variable holds the match only.
-    assert gen.attributes["sgl.output"].startswith(st["y"])
-    assert "".join(gen.attributes["sgl.tokens.text"]) == gen.attributes["sgl.output"]
+    # is among them; the node's text is the match only.
+    assert "".join(gen.attributes["sgl.tokens.text"]).startswith(st["y"])
 
 
 @pytest.mark.slow
@@ -247,8 +247,8 @@ def test_load_rebuilds_the_live_timeline(traced):
         assert replay.program_text(pid) == live.program_text(pid)
     for nid, n in live.nodes.items():
         r = replay.nodes[nid]
-        assert (r.kind, r.name, r.line, r.status, r.preds) == \
-            (n.kind, n.name, n.line, n.status, n.preds)
+        assert (r.kind, r.name, r.line, r.status, r.preds, r.text, r.value, r.stack) == \
+            (n.kind, n.name, n.line, n.status, n.preds, n.text, n.value, n.stack)
         assert [(t.token, t.text, t.seq) for t in r.tokens] == \
             [(t.token, t.text, t.seq) for t in n.tokens]
         assert [(i.kind, i.status, _norm(i.attrs)) for i in r.instructions] == \

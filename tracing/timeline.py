@@ -53,7 +53,9 @@ class NodeView:
     instructions: list[InstructionView] = field(default_factory=list)
     tokens: list[TokenView] = field(default_factory=list)
     error: str | None = None
-    text: str | None = None  # the node's text when the runtime reported it
+    text: str | None = None  # what the node added to the program's text (node_finished)
+    value: str | None = None  # repr of the variable it bound, if any (node_finished)
+    stack: list[str] = field(default_factory=list)  # the call stack it was added under
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Timeline:
         n.kind, n.name, n.label = d.get("kind"), d.get("name"), d.get("label")
         n.line, n.file, n.preds = d.get("line"), d.get("file"), list(d.get("preds") or [])
         n.text = d.get("text", n.text)
+        n.stack = list(d.get("stack") or [])
         n.status, n.start_ns = "running", e.ts
 
     def _on_node_finished(self, e: Event) -> None:
@@ -165,6 +168,7 @@ class Timeline:
             return
         n.status = e.data.get("status", "done")
         n.text = e.data.get("text", n.text)
+        n.value = e.data.get("value", n.value)
         n.end_ns = e.ts
 
     def _instruction(self, e: Event) -> InstructionView | None:
