@@ -276,8 +276,8 @@ def test_load_orders_by_recorded_seq_not_line_order(traced, tmp_path):
 
 @pytest.mark.slow
 def test_token_level_adds_one_span_event_per_token(default_backend, tmp_path):
-    mem = InMemorySpanExporter()
-    sgl.enable_tracing(exporter=mem, level="token", runtime=default_backend)
+    mem, path = InMemorySpanExporter(), tmp_path / "tokens.jsonl"
+    sgl.enable_tracing(file=path, exporter=mem, level="token", runtime=default_backend)
     try:
         st = qa.run(q="Two plus two?")
     finally:
@@ -286,6 +286,8 @@ def test_token_level_adds_one_span_event_per_token(default_backend, tmp_path):
     tokens = [e for e in decode.events if e.name == "token"]
     assert len(tokens) == 6
     assert "".join(e.attributes["sgl.data.text"] for e in tokens) == st["a"]
+    gen = next(n for n in load(path).nodes.values() if n.name == "a")  # replays the same
+    assert [t.seq for t in gen.tokens] == [e.attributes["sgl.seq"] for e in tokens]
 
 
 @pytest.mark.slow

@@ -23,6 +23,17 @@ _TOKEN_KEYS = ("token", "text", "logprob", "forced")
 _MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
 
 
+class _Bounded(OrderedDict):
+    """A dict that forgets its oldest entries past _MAX_ENDED: what is kept per program or
+    node after it ended (for parents and links) must not grow without end in a long-lived
+    kernel."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if len(self) > _MAX_ENDED:
+            self.popitem(last=False)
+
+
 class _Open:
     """A live span and what it gathers until it ends."""
 
@@ -49,11 +60,11 @@ class SpanRecorder:
         self._nodes: dict[int, _Open] = {}
         self._instructions: dict[tuple, _Open] = {}  # (node, index, request)
         self._by_request: dict[int, tuple] = {}
-        self._ended: OrderedDict[tuple[str, int], SpanContext] = OrderedDict()
-        self._fork_ctx: dict[int, tuple[int, SpanContext]] = {}  # child -> (parent, ctx)
-        self._children: dict[int, list[int]] = {}
-        self._last_node: dict[int, SpanContext] = {}  # program -> its latest node span
-        self._models: dict[int, str] = {}
+        self._ended: dict[tuple[str, int], SpanContext] = _Bounded()
+        self._fork_ctx: dict[int, tuple[int, SpanContext]] = _Bounded()  # child -> parent
+        self._children: dict[int, list[int]] = {}  # emptied as programs end
+        self._last_node: dict[int, SpanContext] = _Bounded()  # program -> latest node span
+        self._models: dict[int, str] = _Bounded()
 
     # ---- the callback ------------------------------------------------------------------
 
@@ -109,8 +120,6 @@ class SpanRecorder:
         kind = "program" if table is self._programs else "node" if table is self._nodes else ""
         if kind:
             self._ended[(kind, key)] = o.span.get_span_context()
-            if len(self._ended) > _MAX_ENDED:
-                self._ended.popitem(last=False)
         o.span.end(end_time=self._epoch(ts))
         return o
 
