@@ -8,7 +8,6 @@ notebook")."""
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import tempfile
@@ -95,21 +94,21 @@ class SglMagics(Magics):
             from sgl_nb.widgets import ProgramWidget
 
             widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
-        ended = None
         if args.trace:
             _start_tracing(args.trace)
-            # Subscribed after the tracer: each event reaches the tracer first.
-            ended = _ProgramEnds(backend.events)
+        # Subscribed after the tracer, so each event reaches the tracer first.
+        end = _ProgramEnd(getattr(backend, "events", None))
         defaults = {k: v for k, v in (("temperature", args.temperature),
                                       ("max_new_tokens", args.max_tokens)) if v is not None}
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
                        **defaults)
         state.fn, state.widget = fn, widget
-        state.wait = functools.partial(_wait, state)
+        end.watch(state)
+        state.wait = end.wait
         if widget is not None:
             widget.attach(state)
-        if ended is not None:
-            threading.Thread(target=ended.then_stop_tracing, args=(state.id,),
+        if args.trace:
+            threading.Thread(target=_stop_tracing_after, args=(end,),
                              name="sgl-trace-cell", daemon=True).start()
         return state, widget
 
@@ -188,14 +187,6 @@ class SglMagics(Magics):
         return None
 
 
-def _wait(state):
-    """NAME.wait(): block until the program has ended (its body returned and everything it
-    queued ran); returns the state. Reads such as NAME["x"] wait for that variable only."""
-    for _ in state.text_iter():
-        pass
-    return state
-
-
 def _describe(rt) -> str:
     path = getattr(rt, "model_path", None) or getattr(rt, "model", None)
     engine = getattr(rt, "engine", None)
@@ -228,25 +219,54 @@ def _flush_tracing() -> None:
         session.flush()
 
 
-class _ProgramEnds:
-    """`%%sgl --trace FILE`: tracing stays on until this program's program_finished event
-    has been published (so its span closes normally), then goes off."""
+class _ProgramEnd:
+    """When a %%sgl program has ended: its program_finished event has been published (and
+    has reached the tracer, subscribed before). Backs NAME.wait() and `--trace FILE`."""
 
     def __init__(self, bus):
-        self.bus, self.ended, self.cond = bus, set(), threading.Condition()
-        bus.subscribe(self._on_event)  # a callback: it must return at once, and does
+        self.bus, self.state = bus, None
+        self.ended: set[int] = set()  # programs seen ending until ours is known
+        self.cond = threading.Condition()
+        if bus is not None:
+            bus.subscribe(self._on_event)  # a callback: it must return at once, and does
+
+    def watch(self, state) -> None:
+        with self.cond:
+            self.state = state
+            done = state.id in self.ended
+        if done:
+            self._unsubscribe()
 
     def _on_event(self, event) -> None:
-        if event.kind == "program_finished":
-            with self.cond:
-                self.ended.add(event.program)
-                self.cond.notify_all()
-
-    def then_stop_tracing(self, program: int) -> None:
+        if event.kind != "program_finished":
+            return
         with self.cond:
-            self.cond.wait_for(lambda: program in self.ended)
-        self.bus.unsubscribe(self._on_event)
-        _stop_tracing()
+            self.ended.add(event.program)
+            self.cond.notify_all()
+            ours = self.state is not None and event.program == self.state.id
+        if ours:
+            self._unsubscribe()
+
+    def _unsubscribe(self) -> None:
+        if self.bus is not None:
+            self.bus.unsubscribe(self._on_event)
+
+    def wait(self, timeout: float | None = None):
+        """NAME.wait(): block until the program has ended (its body returned, everything it
+        queued ran, its end published); returns the state. NAME["x"] waits for x only."""
+        if self.bus is None:  # no event stream: the end of its text is the end
+            for _ in self.state.text_iter():
+                pass
+            return self.state
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.state.id in self.ended, timeout):
+                raise TimeoutError(f"program {self.state.id} still running after {timeout} s")
+        return self.state
+
+
+def _stop_tracing_after(end: _ProgramEnd) -> None:
+    end.wait()
+    _stop_tracing()
 
 
 def load_ipython_extension(ipython) -> None:

@@ -29,6 +29,7 @@ def test_cell_binds_the_state_and_the_function(shell):
     assert out is None  # the cell displays nothing else and returns at once
     st = shell.user_ns["poem"]
     assert isinstance(st, ProgramState)
+    assert st.wait() is st  # the whole program has ended
     assert isinstance(st.fn, SglFunction)
     assert len(st["rest"]) > 0 and st.text() == "The sea is" + st["rest"]
     assert st.priority == "interactive"  # %%sgl cells outrank batch work by default
@@ -42,7 +43,7 @@ def test_args_and_variable_expansion(shell):
     shell.user_ns["animal"] = "cats"
     shell.run_cell('%%sgl fact --no-widget --arg who={animal} --arg n=3 --arg "tag=x y"\n'
                    's += f"{n} facts about {who} ({tag}):"\n')
-    st = shell.user_ns["fact"]
+    st = shell.user_ns["fact"].wait()
     assert st.text() == "3 facts about cats (x y):"
     assert st.fn.run(who="dogs").text() == "3 facts about dogs (x y):"
 
@@ -58,7 +59,7 @@ def test_sampling_options(shell):
     body = "s += 'Once upon a time'\ns += gen('x', ignore_eos=True)\n"
     shell.run_cell_magic("sgl", "a --no-widget --max-tokens 5 --temperature 1.0 --seed 7", body)
     shell.run_cell_magic("sgl", "b --no-widget --max-tokens 5 --temperature 1.0 --seed 7", body)
-    a, b = shell.user_ns["a"], shell.user_ns["b"]
+    a, b = shell.user_ns["a"].wait(), shell.user_ns["b"].wait()
     assert a.get_meta_info("x")["completion_tokens"] == 5
     assert a["x"] == b["x"]  # the same seed samples the same tokens
     shell.run_cell_magic("sgl", "c --no-widget --priority batch", "s += 'x'\n")
@@ -75,7 +76,7 @@ def test_syntax_error_points_at_the_cell_line(shell):
 
 def test_exception_points_at_the_cell_line(shell):
     shell.run_cell_magic("sgl", "oops", "s += 'x'\nvalue = 1 / 0\ns += 'never'\n")
-    st = shell.user_ns["oops"]
+    st = shell.user_ns["oops"].wait()
     assert isinstance(st.error(), ZeroDivisionError)
     assert st.error_line == 3
     assert st.widget.wait(60)
@@ -118,8 +119,7 @@ def test_trace_file_option(shell, tmp_path):
     path = tmp_path / "cell.jsonl"
     shell.run_cell_magic("sgl", f"traced --no-widget --trace {path}",
                          "s += 'Traced'\ns += gen('t', max_tokens=3)\n")
-    st = shell.user_ns["traced"]
-    st.text()
+    st = shell.user_ns["traced"].wait()
     _wait_until(lambda: current() is None)  # the cell turns tracing off when it ends
     tl = load(path)
     assert st.id in tl.programs and tl.programs[st.id].function == "traced"
@@ -130,8 +130,7 @@ def test_trace_magic_start_export_stop(shell, tmp_path, capsys):
 
     shell.run_line_magic("sgl_trace", "start")
     shell.run_cell_magic("sgl", "recorded --no-widget", "s += 'Hi'\ns += gen('g', max_tokens=2)\n")
-    st = shell.user_ns["recorded"]
-    st.text()
+    st = shell.user_ns["recorded"].wait()
     out = tmp_path / "t.jsonl"
     shell.run_line_magic("sgl_trace", f"export {out}")
     shell.run_line_magic("sgl_trace", "stop")
