@@ -313,7 +313,8 @@ class Engine:
 
     def _emit_instruction(self, kind: str, req: Request) -> None:
         """A request is one Decode (a gen) or Score (a select) instruction of its node."""
-        data = {"kind": "Score" if req.logprob_start is not None else "Decode", "index": 0}
+        data = {"kind": "Score" if req.logprob_start is not None else "Decode",
+                "index": req.index}
         if kind == "instruction_finished":
             data.update(
                 input_tokens=len(req.prompt_ids), cached_tokens=max(req.prompt_cached_tokens, 0),

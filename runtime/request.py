@@ -58,6 +58,7 @@ class Request:
     priority: int = 1
     program: int | None = None
     node: int | None = None
+    index: int = 0  # which Instruction of its node it is (a Select scores each choice apart)
     preemptions: int = 0  # times suspended (KV kept) for higher-priority work
     slice_used: int = 0  # decode steps since it last started or resumed
     waiting_since: int = 0  # scheduler step at which it last began to wait (queued/suspended)

@@ -32,15 +32,23 @@ def few_shot_prefix() -> str:
     return "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in SHOTS)
 
 
-def run_ours(args: argparse.Namespace, rt) -> dict:
+def few_shot_program():
+    """The few-shot workload's program (also what `bench tracing` runs)."""
     import sgl_nb as sgl
-
-    sgl.set_default_backend(rt)
 
     @sgl.function
     def few_shot(s, question):
         s += few_shot_prefix() + f"Question: {question}\nAnswer:"
         s += sgl.select("answer", [" yes", " no"])
+
+    return few_shot
+
+
+def run_ours(args: argparse.Namespace, rt) -> dict:
+    import sgl_nb as sgl
+
+    sgl.set_default_backend(rt)
+    few_shot = few_shot_program()
 
     @sgl.function
     def fork_judge(s, topic):

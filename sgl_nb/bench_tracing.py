@@ -12,21 +12,10 @@ import statistics
 import tempfile
 import time
 
-from sgl_nb.bench_programs import QUESTIONS, few_shot_prefix
+from sgl_nb.bench_programs import QUESTIONS, few_shot_program
 from sgl_nb.phoenix_server import PhoenixServer
 
 TARGET_FILE_COST = 0.05  # file tracing may cost at most 5% of throughput
-
-
-def _program():
-    import sgl_nb as sgl
-
-    @sgl.function
-    def few_shot(s, question):
-        s += few_shot_prefix() + f"Question: {question}\nAnswer:"
-        s += sgl.select("answer", [" yes", " no"])
-
-    return few_shot
 
 
 def _round(program, questions: list[str], rt, mode: str, dest: dict) -> dict:
@@ -66,7 +55,7 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
     print("loading the engine ...", flush=True)
     rt = sgl.Runtime(args.model)
     sgl.set_default_backend(rt)  # the programs run on the runtime being traced
-    program = _program()
+    program = few_shot_program()
     program.run_batch([{"question": q} for q in questions[:4]])  # warm up
     px = PhoenixServer()
     modes, note = ["off", "file"], ""

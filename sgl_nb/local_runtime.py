@@ -152,12 +152,13 @@ class Runtime:
         if not pre:
             raise ValueError("score needs a non-empty prefix")
         reqs = []
-        for c in continuations:
+        for i, c in enumerate(continuations):
             ids = self._token_ids(c)
             if not ids:
                 raise ValueError(f"empty continuation to score: {c!r}")
             req = self.engine.make_score_request(pre + ids, len(pre))
             req.priority, req.program, req.node = parse_priority(priority), program, node
+            req.index = i
             reqs.append(req)
         handles = [self.engine.submit(r) for r in reqs]
         return [h.result().input_logprobs for h in handles]

@@ -256,3 +256,14 @@ def test_stepping_and_events_under_preemption(model_path):
     assert len(resumed) == len(preempted)
     assert {e.node for e in preempted} == {n.id for n in st.nodes if n.kind == "Gen"}
     assert st.get_meta_info("story")["preemptions"] == len(preempted)
+
+    # The views' fold of the events shows the program suspended, with the reason.
+    from sgl_nb.tracing.timeline import Timeline
+
+    tl = Timeline()
+    for e in sorted(log, key=lambda e: e.seq):
+        tl.apply(e)
+        if e is preempted[0]:
+            view = tl.programs[st.id]
+            assert view.status == "suspended" and view.reason.startswith("preempted: ")
+    assert tl.programs[st.id].status == "done"

@@ -65,6 +65,7 @@ class ProgramView:
     parent: int | None = None
     priority: int | None = None
     status: str = "running"  # running | suspended | done | error
+    reason: str | None = None  # why it is suspended (preempted, retracted, held by a stepper)
     error: str | None = None
     nodes: list[int] = field(default_factory=list)
     children: list[int] = field(default_factory=list)
@@ -223,24 +224,27 @@ class Timeline:
 
     def _on_preempted(self, e: Event) -> None:
         self._mark(e)
-        self._set_program_status(e.program, "suspended")
+        self._set_program_status(e.program, "suspended",
+                                 f"preempted: {e.data.get('reason') or 'higher-priority work'}")
 
     def _on_retracted(self, e: Event) -> None:
         self._mark(e)
-        self._set_program_status(e.program, "suspended")
+        self._set_program_status(e.program, "suspended",
+                                 f"retracted: {e.data.get('reason') or 'KV pool full'}")
 
     def _on_paused(self, e: Event) -> None:
-        self._set_program_status(e.program, "suspended")
+        self._set_program_status(e.program, "suspended",
+                                 f"held by the step controller at a {e.data.get('at')}")
 
     def _on_resumed(self, e: Event) -> None:
         if e.data.get("reason") == "scheduler" or e.request is not None:
             self._mark(e)
         self._set_program_status(e.program, "running")
 
-    def _set_program_status(self, pid: int | None, status: str) -> None:
+    def _set_program_status(self, pid: int | None, status: str, reason: str | None = None):
         p = self.programs.get(pid) if pid is not None else None
         if p is not None and p.status not in ("done", "error"):
-            p.status = status
+            p.status, p.reason = status, reason
 
     def _on_fork(self, e: Event) -> None:
         p = self._program(e.program)

@@ -28,7 +28,8 @@ class StatePane(VerticalScroll):
         t = Text()
         p = tl.programs.get(root) if root is not None else None
         t.append(f"{p.function if p and p.function else 'program'}", style="bold")
-        t.append(f"  {p.status if p else 'starting'}\n", style=_status_style(p and p.status))
+        t.append(f"  {p.status if p else 'starting'}", style=_status_style(p and p.status))
+        t.append(f" ({p.reason})\n" if p is not None and p.reason else "\n")
         t.append(f"  {where}\n")
         _section(t, "Variables", _variables(tl, root))
         _section(t, "Messages", _messages(tl, root))
