@@ -202,3 +202,22 @@ def test_bad_arguments_are_named():
         sgl.RuntimeEndpoint("http://127.0.0.1:1", api="tgi")
     with pytest.raises(ValueError, match="base_url"):
         sgl.RuntimeEndpoint("localhost:8000")
+
+
+def test_remote_calls_are_spans_with_genai_attributes(ep):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    spans = InMemorySpanExporter()
+    sgl.enable_tracing(runtime=ep, exporter=spans)
+    try:
+        st = few_shot.run(backend=ep, question="Is rain wet?")
+        st2 = plain.run(backend=ep, topic="ink")
+        assert st.error() is None and st2.error() is None
+    finally:
+        sgl.disable_tracing()
+    attrs = [dict(s.attributes) for s in spans.get_finished_spans()]
+    chat = [a for a in attrs if a.get("gen_ai.usage.output_tokens") == 16]
+    assert chat and chat[0]["gen_ai.usage.input_tokens"] > 0
+    assert chat[0]["gen_ai.response.finish_reasons"] == ("length",)
+    assert any(a.get("gen_ai.usage.input_tokens", 0) > 0 and "gen_ai.operation.name" in a
+               and a.get("gen_ai.usage.output_tokens") == 0 for a in attrs)  # the select
