@@ -108,6 +108,7 @@ class SglMagics(Magics):
         if widget is not None:
             widget.attach(state)
         if args.trace:
+            end.trace_written = threading.Event()
             threading.Thread(target=_stop_tracing_after, args=(end,),
                              name="sgl-trace-cell", daemon=True).start()
         return state, widget
@@ -225,6 +226,7 @@ class _ProgramEnd:
 
     def __init__(self, bus):
         self.bus, self.state = bus, None
+        self.trace_written: threading.Event | None = None  # set once --trace FILE is closed
         self.ended: set[int] = set()  # programs seen ending until ours is known
         self.cond = threading.Condition()
         if bus is not None:
@@ -253,20 +255,28 @@ class _ProgramEnd:
 
     def wait(self, timeout: float | None = None):
         """NAME.wait(): block until the program has ended (its body returned, everything it
-        queued ran, its end published); returns the state. NAME["x"] waits for x only."""
+        queued ran, its end published; with --trace FILE, the file written); returns the
+        state. NAME["x"] waits for x only."""
         if self.bus is None:  # no event stream: the end of its text is the end
             for _ in self.state.text_iter():
                 pass
             return self.state
         with self.cond:
-            if not self.cond.wait_for(lambda: self.state.id in self.ended, timeout):
-                raise TimeoutError(f"program {self.state.id} still running after {timeout} s")
+            ended = self.cond.wait_for(lambda: self.state.id in self.ended, timeout)
+        if ended and self.trace_written is not None:
+            ended = self.trace_written.wait(timeout)
+        if not ended:
+            raise TimeoutError(f"program {self.state.id} still running after {timeout} s")
         return self.state
 
 
 def _stop_tracing_after(end: _ProgramEnd) -> None:
-    end.wait()
-    _stop_tracing()
+    with end.cond:
+        end.cond.wait_for(lambda: end.state is not None and end.state.id in end.ended)
+    try:
+        _stop_tracing()  # closes the open spans and writes the file
+    finally:
+        end.trace_written.set()
 
 
 def load_ipython_extension(ipython) -> None:
