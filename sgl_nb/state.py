@@ -196,8 +196,12 @@ class ProgramState:
         self._emit("node_finished", node=node.id, data={"status": node.status})
 
     def _model_name(self) -> str | None:
-        path = getattr(self.backend, "model_path", None)
-        return getattr(path, "name", None) or getattr(self.backend, "model", None)
+        """For the events and spans only: never lets a backend's attribute error out."""
+        try:
+            path = getattr(self.backend, "model_path", None)
+            return getattr(path, "name", None) or getattr(self.backend, "model", None)
+        except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
+            return None
 
     # ---- reading results ---------------------------------------------------------------
 
