@@ -148,8 +148,11 @@ def _run(page, url: str, expect) -> None:
         1, timeout=TIMEOUT_MS)
     page.screenshot(path=str(ARTIFACTS / "1-opened.png"))
 
+    # Make the notebook the current widget (the Run menu acts on it), then run everything.
+    cells.nth(0).locator(".jp-InputPrompt").click()
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    expect(cells.nth(0).locator(".jp-InputPrompt")).to_contain_text("[1]")
 
     # The program's output, printed by the kernel, and the same text in the stream widget.
     printed = cells.nth(2).locator(".jp-OutputArea-output", has_text="GENERATED<<")
