@@ -76,10 +76,20 @@ def test_stream_view_after_a_program(default_backend):
     markup = view.html_view.value
     assert 'data-var="answer"' in markup and '<span class="sgl-role">user</span>' in markup
     assert markup.count('<span class="sgl-generated" title=') == 8
-    assert 'title="p=0.' in markup or 'title="p=1.' in markup  # the probability on hover
     assert "tok/s" in view.header.value
     state = json.loads(json.dumps(view.get_state()))  # the final state lives in the traits
     assert state["text"] == st.text() and state["generated_tokens"] == 8
+
+
+@slow
+def test_token_probability_on_hover(default_backend):
+    """Token events carry each token's logprob (runtime/events.py): its probability shows
+    as the token's HTML title."""
+    w, st = watch(default_backend, qa, q="Name a tree.")
+    assert w.wait(120)
+    titles = re.findall(r'<span class="sgl-generated" title="p=([0-9.]+) token \d+">',
+                        w.stream.html_view.value)
+    assert len(titles) == 8 and all(0.0 < float(p) <= 1.0 for p in titles)
 
 
 @slow
