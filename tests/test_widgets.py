@@ -81,6 +81,33 @@ def test_stream_view_after_a_program(default_backend):
     assert state["text"] == st.text() and state["generated_tokens"] == 8
 
 
+@sgl.function
+def fruits(s):
+    s += "Three fruits, one per line:\n1."
+    s += sgl.gen("first", max_tokens=12, stop="\n")
+    s += "\n2."
+    s += sgl.gen("second", max_tokens=12, stop="\n")
+
+
+@slow
+def test_stop_string_is_cut_and_the_path_found(default_backend, runtime):
+    w, st = watch(default_backend, fruits)
+    assert w.wait(120)
+    assert w.stream.text == st.text()  # the tokens of a matched stop string are not shown
+    assert "\n" not in st["first"] and "\n" not in st["second"]
+    # The cache path follows the engine's own tokens down to the second gen's leaf.
+    cache = runtime.engine.cache
+    by_id = {n.id: n for n in cache.nodes()}
+    path = [by_id[i] for i in w.cache.path]
+    assert path and all(b.parent is a for a, b in zip(path, path[1:]))
+    assert path[-1].is_leaf()
+    cached = runtime.tokenizer.decode([t for node in path for t in node.key])
+    # The tree holds every token but the last sampled one (its KV is never computed).
+    second = next(n for n in w.timeline.nodes.values() if n.name == "second")
+    kept = "".join(t.text for t in second.tokens[:-1])
+    assert st.text().startswith(cached) and cached.endswith("2." + kept)
+
+
 @slow
 def test_token_probability_on_hover(default_backend):
     """Token events carry each token's logprob (runtime/events.py): its probability shows

@@ -139,7 +139,7 @@ class ProgramWidget(W.VBox):
                 self.stepper.update(rows, finished)
                 engine = getattr(self.backend, "engine", None)
                 self.cache.update(getattr(engine, "cache", None), self._tokenizer(),
-                                  self._encode(text))
+                                  self._path_tokens(model, text))
 
     def _error_text(self, error: str) -> str:
         line = getattr(self.state, "error_line", None)
@@ -152,9 +152,17 @@ class ProgramWidget(W.VBox):
     def _tokenizer(self):
         return getattr(self.backend, "tokenizer", None)
 
-    def _encode(self, text: str) -> list[int]:
+    def _path_tokens(self, model: StreamModel, text: str) -> list[int]:
+        """The token ids of this program's path in the radix tree: its last Gen's prompt as
+        the engine tokenized it plus the ids it generated (re-tokenizing the whole text
+        could split differently), else the text so far."""
         tok = self._tokenizer()
-        return tok.encode(text) if tok is not None and text else []
+        if tok is None:
+            return []
+        prompt, generated = model.last_request()
+        if generated:
+            return tok.encode(prompt) + generated
+        return tok.encode(text) if text else []
 
     def _prefix_chars(self, prompt: str, n_tokens: int) -> int:
         """Characters spanned by the first n tokens of prompt (where the cached part ends)."""

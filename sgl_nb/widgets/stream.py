@@ -117,15 +117,7 @@ class StreamModel:
 
     def _pieces(self, n: NodeView, start: int) -> list[Piece]:
         if n.tokens and n.kind != "Select":
-            pieces, pos = [], start
-            for t in n.tokens:
-                p = math.exp(t.logprob) if t.logprob is not None else None
-                title = (f"p={p:.3f}" if p is not None else "p=?") + f" token {t.token}"
-                if t.forced:
-                    title += " (forced by the grammar)"
-                pieces.append(Piece(pos, t.text, "forced" if t.forced else "generated", title))
-                pos += len(t.text)
-            return pieces
+            return self._token_pieces(n, start)
         text = n.text if n.text is not None else self.node_text(n)
         if not text:
             return []
@@ -135,6 +127,42 @@ class StreamModel:
             return [Piece(start, text, "generated")]
         origin = "template" if n.kind in ("RoleBegin", "RoleEnd") else "prompt"
         return [Piece(start, text, origin)]
+
+    def _token_pieces(self, n: NodeView, start: int) -> list[Piece]:
+        """One piece per generated token. Once the Node has finished, its text is what the
+        program kept: a matched stop string is cut, so the tokens are clipped to it."""
+        pieces, pos = [], start
+        for t in n.tokens:
+            p = math.exp(t.logprob) if t.logprob is not None else None
+            title = (f"p={p:.3f}" if p is not None else "p=?") + f" token {t.token}"
+            if t.forced:
+                title += " (forced by the grammar)"
+            pieces.append(Piece(pos, t.text, "forced" if t.forced else "generated", title))
+            pos += len(t.text)
+        if n.text is None:
+            return pieces
+        joined = "".join(pc.text for pc in pieces)
+        if not joined.startswith(n.text):  # tokens that decode apart differently: the text
+            return [Piece(start, n.text, "generated")] if n.text else []
+        out, left = [], len(n.text)
+        for pc in pieces:
+            if left <= 0:
+                break
+            out.append(Piece(pc.start, pc.text[:left], pc.origin, pc.title))
+            left -= len(pc.text)
+        return out
+
+    def last_request(self) -> tuple[str, list[int]]:
+        """The prompt text of the program's last Gen and the token ids it generated: the
+        engine's own token sequence (for the cache tree's path), or ("", [])."""
+        p = self.tl.programs.get(self.program)
+        text, last = "", ("", [])
+        for nid in p.nodes if p else []:
+            n = self.tl.nodes[nid]
+            if n.kind == "Gen":
+                last = (text, [t.token for t in n.tokens if t.token is not None])
+            text += "".join(pc.text for pc in self._pieces(n, len(text)))
+        return last
 
     def _split_cached(self, pieces: list[Piece], requests: list[tuple[int, int]],
                       text: str) -> list[Piece]:
