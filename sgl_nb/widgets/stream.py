@@ -55,14 +55,21 @@ class StreamModel:
                  forks: dict[int, list[int]] | None = None):
         self.tl, self.program = tl, program
         self.forks = forks  # fork Node id -> its branches' program ids, kept by the caller
+        self._built: tuple[str, str] | None = None
         self.node_text, self.cached_chars = node_text, cached_chars
 
     def html(self) -> str:
-        body, _ = self._program_html(self.program, "")
+        body, _ = self._whole()
         return f'{_STYLE}{_LEGEND}<div class="sgl-stream">{body}</div>'
 
     def text(self) -> str:
-        return self._program_html(self.program, "")[1]
+        return self._whole()[1]
+
+    def _whole(self) -> tuple[str, str]:
+        # A model lives for one render: build the program's HTML and text once.
+        if self._built is None:
+            self._built = self._program_html(self.program, "")
+        return self._built
 
     def _program_html(self, pid: int, prefix: str) -> tuple[str, str]:
         """(HTML, text) of program `pid`, whose text starts after `prefix` (a fork branch
