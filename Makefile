@@ -75,7 +75,7 @@ tmux:
 	@command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
 
 # The browser test drives Debian's chromium through playwright (no browser download).
-browser:
+browser: tmux  # after tmux: two apt-gets at once (make -j) would fight over dpkg's lock
 	@test -x /usr/bin/chromium || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
