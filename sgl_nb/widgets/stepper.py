@@ -45,16 +45,16 @@ class Row:
 
 
 def graph_rows(tl: Timeline, programs: list[int], live_nodes: list) -> list[Row]:
-    """The Nodes of these programs in the order they started, then the ones still queued."""
+    """The Nodes of these programs (fork branches included) in the order they started,
+    then the ones still queued."""
     rows, seen = [], set()
-    for pid in programs:
-        p = tl.programs.get(pid)
-        for nid in p.nodes if p else []:
-            n = tl.nodes[nid]
-            ins = [f"{i.kind} [{i.status}]" for i in n.instructions]
-            rows.append(Row(n.id, n.kind, n.name, n.label or n.kind or "?", n.line, n.status,
-                            list(n.preds), ins, len(n.tokens)))
-            seen.add(nid)
+    started = [tl.nodes[nid] for pid in programs if pid in tl.programs
+               for nid in tl.programs[pid].nodes]
+    for n in sorted(started, key=lambda n: (n.start_ns or 0, n.id)):
+        ins = [f"{i.kind} [{i.status}]" for i in n.instructions]
+        rows.append(Row(n.id, n.kind, n.name, n.label or n.kind or "?", n.line, n.status,
+                        list(n.preds), ins, len(n.tokens)))
+        seen.add(n.id)
     for node in live_nodes:
         if node.id not in seen and node.kind != "Return":
             rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
@@ -229,7 +229,7 @@ class StepperView(W.VBox):
             preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
             out.append(
                 f'<div class="sgl-node{cur}" data-node="{r.id}">{mark} #{r.id:<4} '
-                f'{html.escape(r.label):<40} {line:<8} '
+                f'{html.escape(f"{r.label:<40}")} {line:<8} '
                 f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>')
             for i, ins in enumerate(r.instructions):
                 icur = " sgl-current" if cur and i == self._ins_index(r) else ""
