@@ -274,7 +274,8 @@ class Engine:
         for i, r in enumerate(reqs):
             if r.grammar is not None:
                 r.grammar.mask(rows_logits[i])
-        sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs])
+        sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs],
+                         all_logprobs=self.events.active)
         self.generated_tokens += len(reqs)
         for req, s in zip(reqs, sampled):
             req.append(s, self.eos_ids, self.tokenizer)

@@ -38,9 +38,11 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    all_logprobs: bool = False,
 ) -> list[Sampled]:
     """logits: [B, vocab] float32. Greedy rows take the argmax; the others draw with their
-    own generator, so a seeded request draws the same tokens whatever batch it is in."""
+    own generator, so a seeded request draws the same tokens whatever batch it is in.
+    all_logprobs: every row's logprob, asked or not (someone listens to token events)."""
     greedy = logits.argmax(-1).tolist()
     tokens: list[int] = []
     for b, p in enumerate(params):
@@ -50,7 +52,7 @@ def sample(
         probs = filter_logits(logits[b], p).softmax(-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generators[b])))
     out = [Sampled(t) for t in tokens]
-    wanted = [b for b, p in enumerate(params) if p.logprobs or p.top_logprobs]
+    wanted = [b for b, p in enumerate(params) if all_logprobs or p.logprobs or p.top_logprobs]
     if wanted:
         logp = torch.log_softmax(logits[wanted], -1)
         for row, b in enumerate(wanted):

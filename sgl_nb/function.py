@@ -35,7 +35,7 @@ def get_default_backend():
         return _default_backend
 
 
-_RUN_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p")
+_RUN_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
 
 class ProgramFuture:
@@ -91,6 +91,7 @@ class SglFunction:
             state._emit("program_started", data={
                 "function": self.func.__name__, "priority": priority, "parent": None,
                 "model": state._model_name()})
+            state._body_thread = threading.current_thread()
             state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
             try:
                 self.func(state, **args)

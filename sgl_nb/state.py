@@ -62,6 +62,7 @@ class ProgramState:
         self._finished = False  # set when the program body has returned and the queue drained
         # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
+        self._body_thread: threading.Thread | None = None  # the thread running the program
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, name=f"sgl-state-{self.id}", daemon=True).start()
 
@@ -206,13 +207,40 @@ class ProgramState:
     # ---- reading results ---------------------------------------------------------------
 
     def sync(self) -> None:
-        """Wait until everything queued so far has run."""
+        """Wait until everything queued so far has run; from outside the program (a
+        notebook cell reading a streamed run), until the program has finished."""
         self._flush_text()
+        if self._outside():
+            self._wait_outside(lambda: False)
+            return
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
 
+    def _outside(self) -> bool:
+        """Called from a thread that is not the program's own body? (Its body may not have
+        queued the Nodes yet, so "nothing pending" does not mean "done".)"""
+        return self._body_thread is not None and threading.current_thread() is not \
+            self._body_thread
+
+    def _held(self) -> bool:
+        return self.debug is not None and self.debug.waiting_at is not None
+
+    def _wait_outside(self, ready) -> None:
+        """Until ready(), the program ends, or a step controller holds it (what exists then
+        is all there is until someone steps: waiting longer would hang a notebook cell)."""
+        with self._cond:
+            while not (ready() or self._finished or self._held()):
+                self._cond.wait(0.05)
+
     def __getitem__(self, name: str):
         self._flush_text()
+        if self._outside():
+            self._wait_outside(lambda: name in self._vars)
+            if name in self._vars:
+                return self._vars[name]
+            if not self._finished:
+                raise ProgramError(f"variable {name!r} is not produced yet: the program is "
+                                   "held by its step controller; step or continue it first")
         with self._cond:
             self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
             if name in self._vars:
@@ -376,6 +404,7 @@ class ProgramState:
 
     def _role_marker(self, node: Node, mark: Role) -> None:
         roles = self.backend.chat_roles
+        start = len(self._text)
         if mark.begin:
             if not self._messages and mark.role != "system" and self._text == "":
                 self._append(roles.default_system)
@@ -385,7 +414,7 @@ class ProgramState:
             content = self._text[self._role_start:]
             self._messages.append({"role": mark.role, "content": content})
             self._append(roles.suffix[mark.role])
-        node.detail["text"] = roles.prefix[mark.role] if mark.begin else roles.suffix[mark.role]
+        node.detail["text"] = self._text[start:]  # the default system prompt included
 
     def _gen(self, node: Node, g: Gen) -> None:
         out = ""
