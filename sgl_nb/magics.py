@@ -61,6 +61,9 @@ class SglMagics(Magics):
     @argument("--seed", type=int, help="default sampling seed of every gen")
     @argument("--define", action="store_true", help="define the function, do not run it")
     @argument("--no-widget", action="store_true", help="run without showing the widget")
+    @argument("--backend", metavar="NAME_OR_URL",
+              help="run on this backend: a notebook variable holding a Runtime or "
+              "RuntimeEndpoint, or a server URL (OpenAI-compatible API, e.g. vLLM)")
     @cell_magic
     def sgl(self, line: str, cell: str):
         """Run the cell as an SGL program: `s` and gen, select, system, user, assistant,
@@ -87,8 +90,25 @@ class SglMagics(Magics):
             display(widget)
         return None
 
+    def _backend(self, spec: str | None):
+        """The backend a cell runs on: the default, a variable, or a server URL."""
+        if spec is None:
+            return get_default_backend()
+        if spec.startswith(("http://", "https://")):
+            from sgl_nb.runtime_endpoint import RuntimeEndpoint
+
+            endpoints = self.__dict__.setdefault("_endpoints", {})
+            if spec not in endpoints:
+                endpoints[spec] = RuntimeEndpoint(spec)
+            return endpoints[spec]
+        backend = self.shell.user_ns.get(spec)
+        if backend is None or not hasattr(backend, "submit"):
+            raise UsageError(f"--backend {spec}: not a Runtime or RuntimeEndpoint in the "
+                             "notebook, nor an http(s):// URL")
+        return backend
+
     def _run(self, fn, args):
-        backend = get_default_backend()
+        backend = self._backend(args.backend)
         widget = None
         if not args.no_widget:
             from sgl_nb.widgets import ProgramWidget
@@ -101,7 +121,7 @@ class SglMagics(Magics):
         defaults = {k: v for k, v in (("temperature", args.temperature),
                                       ("max_new_tokens", args.max_tokens)) if v is not None}
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
-                       **defaults)
+                       backend=backend, **defaults)
         state.fn, state.widget = fn, widget
         end.watch(state)
         state.wait = end.wait

@@ -148,3 +148,25 @@ def test_model_and_cache_magics(shell, capsys, runtime):
     shell.run_line_magic("sgl_cache", "")  # the live widget (shown as its repr here)
     assert "LiveCacheTree" in capsys.readouterr().out
 
+
+
+def test_backend_option_runs_the_cell_on_a_server(shell, runtime):
+    from sgl_nb.serve import start_in_thread
+
+    server = start_in_thread(runtime)
+    try:
+        body = "s += 'The capital of France is'\ns += gen('city', max_tokens=4)\n"
+        shell.run_cell_magic("sgl", f"remote --backend {server.url} --no-widget", body)
+        remote = shell.user_ns["remote"]
+        assert remote.wait() is remote and remote.error() is None
+        assert type(remote.backend).__name__ == "RuntimeEndpoint"
+        shell.user_ns["my_rt"] = runtime  # a variable holding a backend works too
+        shell.run_cell_magic("sgl", "local --backend my_rt --no-widget", body)
+        local = shell.user_ns["local"]
+        assert local.wait() is local and local.backend is runtime
+        assert remote["city"] == local["city"]  # greedy, same weights
+        with pytest.raises(UsageError, match="--backend nothing"):
+            shell.run_cell_magic("sgl", "x --backend nothing --no-widget", body)
+    finally:
+        server.shutdown()
+        server.server_close()
