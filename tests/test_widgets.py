@@ -273,3 +273,28 @@ def test_pump_coalesces_events_and_renders_the_final_state():
     assert pump.join(60)
     assert len(seen) == 2001 and renders[-1] == 2001  # lossless, and the last render saw all
     assert len(renders) < 2001  # many events per render
+
+
+@slow
+def test_stepper_on_a_remote_backend_steps_by_node_only(runtime):
+    from sgl_nb.runtime_endpoint import RuntimeEndpoint
+    from sgl_nb.serve import start_in_thread
+
+    server = start_in_thread(runtime)
+    try:
+        ep = RuntimeEndpoint(server.url)
+        w = ProgramWidget(ep, title="remote story")
+        st = story.run(stream=True, step=True, backend=ep, passes=())
+        w.attach(st)
+        assert st.debug.wait_until_held(120)
+        w.sync()
+        assert w.stepper.step_instruction.disabled and not w.stepper.step_node.disabled
+        assert "Node only" in w.stepper.message
+        before = st.debug.current
+        w.stepper.step_node.click()
+        assert st.debug.wait_until_held(120) and st.debug.current is not before
+        st.debug.continue_()
+        assert st.text().startswith("Once") and st.error() is None
+    finally:
+        server.shutdown()
+        server.server_close()

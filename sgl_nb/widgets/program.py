@@ -58,7 +58,8 @@ class ProgramWidget(W.VBox):
         self.state = state
         self.program_id = state.id
         self._family = {state.id}  # grows with the fork events
-        self.stepper.bind(state.debug)
+        self.stepper.bind(state.debug,
+                          node_only=not getattr(state.backend, "instruction_stepping", True))
         if self._queue is None:  # a backend without an event stream: show the end result
             threading.Thread(target=self._without_events, daemon=True).start()
             return self

@@ -28,6 +28,8 @@ _STYLE = """<style>
 .sgl-st-error{color:#b91c1c}.sgl-st-skipped{color:#888}
 </style>"""
 
+NODE_ONLY = "stepping by Node only: Instructions run on the server"
+
 
 @dataclass
 class Row:
@@ -97,6 +99,7 @@ class StepperView(W.VBox):
 
     def __init__(self, **kwargs):
         self.controller: StepController | None = None
+        self._node_only = False
         self._rows: dict[int, Row] = {}
         self.on_command = None  # called after each button, so the owner re-renders soon
         auto = {"layout": W.Layout(width="auto")}
@@ -125,10 +128,15 @@ class StepperView(W.VBox):
         ], **kwargs)
         self.bind(None)
 
-    def bind(self, controller: StepController | None) -> None:
-        self.controller = controller
+    def bind(self, controller: StepController | None, node_only: bool = False) -> None:
+        """node_only: a remote backend, whose Instructions run on the server."""
+        self.controller, self._node_only = controller, node_only
         for b in [*self.buttons, self.toggle_bp, self.add_bp]:
             b.disabled = controller is None
+        if node_only:
+            self.step_instruction.disabled = True
+            self.step_instruction.tooltip = NODE_ONLY
+            self.message = NODE_ONLY
 
     # ---- the controls --------------------------------------------------------------------
 
@@ -200,6 +208,7 @@ class StepperView(W.VBox):
                  else "paused" if c is not None and c.paused else "running")
         for b in self.buttons:
             b.disabled = c is None or finished
+        self.step_instruction.disabled |= self._node_only
         self.status_html.value = (
             f"<b>{state}</b> · current: {html.escape(self._label(current))}"
             f"{' · ' + html.escape(self.current_instruction) if self.current_instruction else ''}"
