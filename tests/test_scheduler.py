@@ -248,7 +248,9 @@ def test_stepping_and_events_under_preemption(model_path):
         assert len([e for e in step if e.kind == "token" and e.program == st.id]) == 1
         st.debug.continue_()
         assert st["story"] == reference
-        log += step + _drain(q)
+        log += step
+        while not any(e.kind == "program_finished" and e.program == st.id for e in log):
+            log.append(q.get(timeout=60))  # the program's last event follows its result
     mine = [e for e in log if e.program == st.id]
     preempted = [e for e in mine if e.kind == "preempted"]
     assert preempted and "interactive" in preempted[0].data["reason"]
