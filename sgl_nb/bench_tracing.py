@@ -58,26 +58,31 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
     program = few_shot_program()
     program.run_batch([{"question": q} for q in questions[:4]])  # warm up
     px = PhoenixServer()
-    modes, note = ["off", "file"], ""
+    # The receiver runs in its own process and keeps working (ingesting) after each export:
+    # the file rounds are measured before it starts, the receiver rounds against "off"
+    # rounds taken while it is up. Modes alternate, so drift hits both alike.
+    phases, note = [("off", "file")], ""
     if px.available:
-        print("starting Phoenix (the receiver) ...", flush=True)
-        px.start()
-        modes.append("receiver")
+        phases.append(("off, receiver up", "receiver"))
     else:
         note = (f"receiver: not measured, Phoenix is not installed at {px.exe} (run `make "
                 "phoenix`); an OTLP receiver inside this process would share its CPU and "
                 "is not a fair stand-in")
     tmp = tempfile.mkdtemp(prefix="sgl-nb-bench-tracing-")
     dest = {"file": os.path.join(tmp, "trace.jsonl"), "endpoint": px.traces_url}
-    rounds: dict[str, list[dict]] = {m: [] for m in modes}
+    rounds: dict[str, list[dict]] = {m: [] for phase in phases for m in phase}
     try:
-        for r in range(args.rounds):
-            for mode in modes:
-                got = _round(program, questions, rt, mode, dest)
-                rounds[mode].append(got)
-                print(f"  round {r + 1} {mode:<9} {got['qps']:6.2f} questions/s, "
-                      f"{got['per_cpu']:6.2f} per CPU second, tracing's own CPU "
-                      f"{got['tracing_cpu']:6.2%}", flush=True)
+        for phase in phases:
+            if "receiver" in phase:
+                print("starting Phoenix (the receiver) ...", flush=True)
+                px.start()
+            for r in range(args.rounds):
+                for mode in phase:
+                    got = _round(program, questions, rt, mode.split(",")[0], dest)
+                    rounds[mode].append(got)
+                    print(f"  round {r + 1} {mode:<17} {got['qps']:6.2f} questions/s, "
+                          f"{got['per_cpu']:6.2f} per CPU second, tracing's own CPU "
+                          f"{got['tracing_cpu']:6.2%}", flush=True)
     finally:
         px.stop()
         rt.shutdown()
@@ -85,6 +90,10 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
     best = {m: {"qps": max(r["qps"] for r in rs), "per_cpu": max(r["per_cpu"] for r in rs),
                 "tracing_cpu": statistics.median(r["tracing_cpu"] for r in rs)}
             for m, rs in rounds.items()}
+    for base, mode in phases:
+        best[mode]["paired"] = statistics.median(
+            t["qps"] / o["qps"] for t, o in zip(rounds[mode], rounds[base]))
+        best[mode]["base"] = base
     _print_table(args, best, size, note)
     if args.json:
         with open(args.json, "w") as f:
@@ -93,26 +102,25 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
 
 
 def _print_table(args, best: dict[str, dict], size: int, note: str) -> None:
-    names = {"off": "tracing off", "file": "OTLP/JSON file",
-             "receiver": "OTLP/HTTP to Phoenix"}
     print(f"\nfew-shot: 5-shot prefix, {args.questions} questions, select; best of "
-          f"{args.rounds} rounds (tracing's own CPU: the median)")
-    print(f"{'tracing':<24}{'questions/s':>12}{'vs off':>9}{'q/CPU s':>10}{'vs off':>9}"
+          f"{args.rounds} rounds; 'paired': median over rounds of traced / the off round "
+          "next to it; tracing's own CPU: the median")
+    print(f"{'tracing':<20}{'questions/s':>12}{'best vs off':>12}{'paired':>9}{'q/CPU s':>10}"
           f"{'tracing CPU':>13}")
-    off = best["off"]
     for mode, b in best.items():
-        print(f"{names[mode]:<24}{b['qps']:>12.2f}{b['qps'] / off['qps']:>8.3f}x"
-              f"{b['per_cpu']:>10.2f}{b['per_cpu'] / off['per_cpu']:>8.3f}x"
-              f"{b['tracing_cpu']:>13.2%}")
-    # On a shared machine throughput swings by tens of percent from round to round, more
-    # than tracing costs; the CPU time tracing itself spends (the event callback on the
-    # engine's and programs' threads, encoding and writing in the export thread) is what
-    # it takes from a CPU-bound run, measured directly.
-    cost = best["file"]["tracing_cpu"]
+        base = best[b.get("base", mode)]
+        paired = f"{b['paired']:>8.3f}x" if "paired" in b else f"{'':>9}"
+        print(f"{mode:<20}{b['qps']:>12.2f}{b['qps'] / base['qps']:>11.3f}x{paired}"
+              f"{b['per_cpu']:>10.2f}{b['tracing_cpu']:>13.2%}")
+    # On a shared machine throughput swings by tens of percent from round to round; the
+    # paired median and the CPU time tracing itself spends (the event callback on the
+    # engine's and programs' threads, encoding and writing in the export thread) are the
+    # steadier measures, and both must be within the target.
+    f = best["file"]
+    cost = max(f["tracing_cpu"], 1 - f["paired"])
     verdict = "met" if cost <= TARGET_FILE_COST else "NOT met"
     print(f"target: file tracing costs <= {TARGET_FILE_COST:.0%} of throughput: {verdict} "
-          f"(tracing's own CPU {cost:.2%} of the run's; wall-clock ratio "
-          f"{best['file']['qps'] / off['qps']:.3f}x); trace file {size / 1e3:.0f} kB "
-          f"over {args.rounds} rounds")
+          f"(paired ratio {f['paired']:.3f}x, tracing's own CPU {f['tracing_cpu']:.2%}); "
+          f"trace file {size / 1e3:.0f} kB over {args.rounds} rounds")
     if note:
         print(note)
