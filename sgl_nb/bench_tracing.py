@@ -76,6 +76,7 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
             if "receiver" in phase:
                 print("starting Phoenix (the receiver) ...", flush=True)
                 px.start()
+                dest["endpoint"] = px.traces_url  # its port is known once it runs
             for r in range(args.rounds):
                 for mode in phase:
                     got = _round(program, questions, rt, mode.split(",")[0], dest)
