@@ -185,7 +185,9 @@ class Scheduler:
                 break
             chosen.append((req, n))
             budget -= n
-        for req in self._queue_order():
+        # Ranking the queue reads the radix tree per request: skip it when nothing can join.
+        queue = self._queue_order() if budget > 0 and self._room_for_more(len(chosen)) else []
+        for req in queue:
             if budget <= 0 or not self._room_for_more(len(chosen)):
                 break
             if top is not None and self.level(req) > top:
