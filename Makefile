@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Convert the default model once into $${SGL_NB_CACHE:-~/.cache/sgl_nb} (progress printed).
+# Convert the default model once into $${SGL_NB_CACHE:-~/.cache/sgl_nb} and build the CPU
+# decode kernel there (kernels/cpu_decode.cpp, about a minute; progress printed).
 model: install
 	$(VENV)/bin/sgl-nb model
 

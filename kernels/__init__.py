@@ -4,9 +4,10 @@ KV layout: one buffer per layer for K and one for V, [num_slots, num_kv_heads, h
 slot 0 is reserved as padding. Page size 1: a request's KV is the list of its slot ids in
 position order (kv_indices[kv_indptr[b]:kv_indptr[b + 1]]).
 
-SGL_NB_ATTENTION=torch|triton forces one implementation (triton on CPU tensors needs
-TRITON_INTERPRET=1). Triton is imported only when a Triton path is taken, so this package
-imports without it.
+On CPU, prefill attention takes cpu_decode.cpp's kernel where it is built (the fused decode
+step has its own copy of the same). SGL_NB_ATTENTION=torch|triton forces one implementation
+(triton on CPU tensors needs TRITON_INTERPRET=1). Triton is imported only when a Triton path
+is taken, so this package imports without it.
 
 The Triton modules are named *_triton: a submodule named like a function of this package
 (e.g. `decode_attention`) would replace that function as a package attribute on import.
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from . import reference
+from . import cpu_decode, reference
 
 __all__ = ["decode_attention", "extend_attention", "plan_decode", "store_kv"]
 
@@ -112,6 +113,18 @@ def extend_attention(
     """
     if _use_triton(q):
         from .extend_attention_triton import extend_attention as impl
+    elif _use_cpu_kernel(q, k_buffer):
+        # cpu_decode.cpp's attention: a token's result does not depend on how its prompt was
+        # split into prefill chunks or batched (SDPA's does, in the last bits).
+        out = cpu_decode.load().extend_attention(
+            q.float() * scale, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+        return out.to(q.dtype)
     else:
         impl = reference.extend_attention
     return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len)
+
+
+def _use_cpu_kernel(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:
+    forced = os.environ.get("SGL_NB_ATTENTION", "").strip().lower() == "torch"
+    return (not forced and not q.is_cuda and q.shape[-1] % 8 == 0
+            and k_buffer.dtype in (torch.float32, torch.bfloat16) and cpu_decode.available())

@@ -141,11 +141,14 @@ class Engine:
         self.generated_tokens = 0
         self.started = time.monotonic()
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
-        # On CPU, decode is bound by memory bandwidth and, on a thread other than the main
-        # one, a second OpenMP thread made it slower (measured on 2 cores: 81 vs 55 ms per
-        # step at batch 1); prefill is compute-bound and gains from every core.
+        # On CPU the torch decode path (~35 small ops per layer, each its own OpenMP region)
+        # ran slower on two threads than on one from a thread other than the main one (81
+        # vs 55 ms per step at batch 1); the fused step (kernels/cpu_decode.cpp, ~5 parallel
+        # regions per layer) gains from every core (int4: 24 -> 13 ms). Prefill always does.
         self.extend_threads = torch.get_num_threads()
-        self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", "1"))
+        fused = off_main_thread(self.model.fused_decode_ready)
+        default = self.extend_threads if fused else 1
+        self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", default))
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
 

@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from sgl_nb.kernels import decode_attention, extend_attention, plan_decode, store_kv
+from sgl_nb.kernels import cpu_decode, decode_attention, extend_attention, plan_decode, store_kv
 from sgl_nb.runtime.forward_batch import ForwardBatch
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.linear import (
     DenseLinear,
+    Int4Linear,
+    Int8Linear,
     Linear,
     LogitsHead,
     check_quantization,
@@ -67,10 +69,12 @@ class Layer:
     down: Linear
 
 
-# The LM head in int8/int4 modes: always int8 (an int4 head, measured before LogitsHead's
-# refinement, cost 14 points of greedy agreement with fp32 on the evaluation text), its best
-# candidates then recomputed from 16-bit rows (linear.LogitsHead).
-LM_HEAD_QUANTIZATION = "int8"
+def lm_head_quantization(quantization: str, shape: torch.Size) -> str:
+    """The LM head's quantization in int8/int4 modes: the mode's own where the kernel takes
+    the shape, else int8. Its best candidates are recomputed from 16-bit rows
+    (linear.LogitsHead), so the head only ranks them; an int4 head without that refinement
+    cost 14 points of greedy agreement with fp32."""
+    return quantization if shape_error(*shape, quantization) is None else "int8"
 
 
 def quantize_weights(
@@ -81,7 +85,8 @@ def quantize_weights(
     for name, weight, _ in linear_weights(c, weights):
         if shape_error(*weight.shape, quantization) is None:
             out[name] = quantize(weight, quantization)
-    out["lm_head"] = quantize(lm_head_weight(c, weights), LM_HEAD_QUANTIZATION)
+    head = lm_head_weight(c, weights)
+    out["lm_head"] = quantize(head, lm_head_quantization(quantization, head.shape))
     return out
 
 
@@ -168,7 +173,8 @@ class Model:
         if quantization is not None:
             q = None if quantized is None else quantized.get("lm_head")
             head_linear, why = make_linear(
-                head, None, dtype, self.device, LM_HEAD_QUANTIZATION, q, dense=head16
+                head, None, dtype, self.device, lm_head_quantization(quantization, head.shape), q,
+                dense=head16,
             )
             if why is not None:
                 self.fallbacks["lm_head"] = why
@@ -187,6 +193,8 @@ class Model:
             for i in range(c.num_layers)
         ]
         self.inv_freq = c.inv_freq().to(self.device)
+        self._fused = None  # the fused CPU decode step, built on the first decode
+
 
     @classmethod
     def load(
@@ -221,6 +229,14 @@ class Model:
         # modes); rms_norm hands the matmuls their 16-bit input.
         h = self.embed[batch.input_ids].float()
         cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
+        fused = self._fused_decode() if batch.is_decode else None
+        if fused is not None:
+            T = h.shape[0]
+            h = fused.forward(
+                h, cos.float().view(T, -1), sin.float().view(T, -1), batch.kv_indptr,
+                batch.kv_indices, batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
+            )
+            return self._logits(h[batch.logits_at])
         plan = None
         if batch.is_decode:
             c = self.config
@@ -241,6 +257,22 @@ class Model:
         if batch.score_rows is None:
             return last
         return last, self._logits(h[batch.score_rows])
+
+    def fused_decode_ready(self) -> bool:
+        """Whether decode steps take the fused CPU path (building it if needed)."""
+        return self._fused_decode() is not None
+
+    def _fused_decode(self):
+        """kernels/cpu_decode.cpp's decode step over this model's layers, or None where the
+        torch path runs (CUDA, float16, head_dim not a multiple of 8, SGL_NB_CPU_DECODE=0,
+        no compiler)."""
+        if self._fused is None:
+            self._fused = False
+            usable = (self.device.type == "cpu" and self.config.head_dim % 8 == 0
+                      and self.dtype in (torch.float32, torch.bfloat16))
+            if usable and cpu_decode.available():
+                self._fused = _fused_layers(cpu_decode.load(), self)
+        return self._fused or None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
@@ -266,3 +298,28 @@ class Model:
                 batch.max_kv_len,
             )
         return layer.o_proj(o.reshape(T, self.q_size))
+
+
+def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
+    """(kind, tensors) as cpu_decode.cpp's LinearSpec takes them: the bias last, empty
+    tensors for what is absent."""
+    none = torch.empty(0)
+    bias = none if layer.bias is None else layer.bias
+    if isinstance(layer, Int8Linear):
+        return 1, [layer.qweight, layer.scale, bias]
+    if isinstance(layer, Int4Linear):
+        small = layer.small or (none, none, none)
+        return 2, [layer.packed, layer.scale_zeros, *small, bias]
+    return 0, [layer.weight, bias]
+
+
+def _fused_layers(module, model: Model):
+    c = model.config
+    norms, specs = [], []
+    for layer in model.layers:
+        norms += [layer.input_norm, layer.post_norm]
+        specs += [_linear_spec(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    kinds, tensors = (list(x) for x in zip(*specs))
+    return module.DecodeLayers(
+        norms, kinds, tensors, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    )

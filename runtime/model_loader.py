@@ -117,7 +117,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
 
 
 # Bump when the quantized format (runtime/quantize.py) changes: old files are then ignored.
-QUANTIZED_FORMAT = 2
+QUANTIZED_FORMAT = 3  # 3: the int4 mode's LM head is int4
 
 
 def quantized_cache_path(folder: Path, quantization: str) -> Path:

@@ -11,11 +11,17 @@ DEMO_QUESTION = "What is a radix tree, and why does it help an LLM server? Answe
 
 
 def cmd_model(args: argparse.Namespace) -> int:
+    from sgl_nb.kernels import cpu_decode
     from sgl_nb.runtime.model_loader import resolve_model_path
 
     t0 = time.monotonic()
     path = resolve_model_path(args.path)
     print(f"model ready: {path} ({time.monotonic() - t0:.1f} s)")
+    if cpu_decode.enabled():  # built here once rather than inside the first Runtime
+        t0 = time.monotonic()
+        ok = cpu_decode.load() is not None
+        print(f"CPU decode kernel {'ready' if ok else 'unavailable (torch path)'} "
+              f"({time.monotonic() - t0:.1f} s)")
     return 0
 
 
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sgl-nb", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    m = sub.add_parser("model", help="convert the default model (or PATH) once into the cache")
+    m = sub.add_parser("model", help="convert the default model (or PATH) once into the cache, "
+                       "and build the CPU decode kernel")
     m.add_argument("path", nargs="?", default=None, help="a checkpoint folder or .gguf file")
     m.set_defaults(func=cmd_model)
 

@@ -293,7 +293,9 @@ def _small_decode_args():
 
 
 def test_dispatch_cpu_goes_to_reference(monkeypatch):
+    """Without the C++ CPU kernel (tests/test_cpu_decode.py covers it when it is built)."""
     monkeypatch.delenv("SGL_NB_ATTENTION", raising=False)
+    monkeypatch.setenv("SGL_NB_CPU_DECODE", "0")
     calls = _spy(monkeypatch, reference, "decode_attention")
     _spy(monkeypatch, reference, "extend_attention", calls)
     _spy(monkeypatch, reference, "store_kv", calls)

@@ -1,0 +1,729 @@
+// The decoder layers of one CPU decode step (one new token per request), in one call.
+//
+// Why: at batch 1 the weight matmuls of the default model take 6-17 ms per step, while the
+// ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch. Here
+// the matmuls stay ATen calls (the same fp32/bf16/int8/int4 kernels the torch path uses)
+// and everything between them (RMSNorm, RoPE, the KV store, paged attention, SiLU, the
+// residual adds) is a plain loop over a few thousand numbers.
+//
+// The arithmetic follows runtime/model.py: an fp32 residual stream; RMSNorm in fp32 whose
+// result is rounded to the activation dtype T before the weight multiply; RoPE tables
+// rounded to T by the caller; attention scores, softmax and the weighted sum in fp32.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ---- int4 and int8 weight-only matmuls for decode-sized batches ----------------------------
+//
+// int4 weights in groups of 32 inputs: w = (q - 8) * scale + zero, q in 0..15, scale and
+// zero in bf16 (the values torch's int4 kernel computes with; the group minimum
+// zero - 8 scale is computed in fp32, as rounding it to bf16 costs accuracy in groups with an
+// outlier). Our own layout: per row, 16 bytes per group, byte i holding input i in its low
+// nibble and input i + 16 in its high one, so that two masks give the group's 32 values in
+// order; scale and zero [N, G] beside it.
+//
+// int8 weights are torch's [N, K] with a bf16 scale per output row.
+//
+// As llama.cpp does on CPUs without wider integer dot products, each row of x is quantized
+// per group of 32 to int8 (xq * dx, dx = max|x| / 127), so that one group of one output is
+// a u8 x s8 dot product (maddubs): y = sum_g scale_g dx_g (q . xq)_g + (zero_g - 8 scale_g)
+// sum_g(x). Rows are taken four at a time and every
+// output depends on its own row only, so a request decodes to the same bits in any batch.
+// Prefill keeps torch's kernel (a real GEMM); which kernel serves a layer never depends on
+// the number of rows, or a request's tokens would depend on what it was batched with.
+constexpr int64_t kRowBlock = 4;
+constexpr int64_t kGroup = 32;
+
+inline float bf16_bits_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Per row and group: xq int8 [rows, k], dx, and the sum of the rounded x (dx * sum xq)
+// [rows, k / 32]. The rounded sum, not the exact one: int4's q is 0..15, not centred, and
+// its rounding errors then cancel against the zero-point term's (as in llama.cpp's Q8_1);
+// with the exact sum the error measured 3x larger.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx,
+                   float* xsum) {
+  for (int64_t i = 0; i < rows * (k / kGroup); ++i) {
+    const float* v = x + i * kGroup;
+    float amax = 0.f;
+    for (int64_t e = 0; e < kGroup; ++e) amax = std::max(amax, std::fabs(v[e]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t qsum = 0;
+    for (int64_t e = 0; e < kGroup; ++e) {
+      const auto q = static_cast<int8_t>(std::nearbyint(v[e] * inv));
+      xq[i * kGroup + e] = q;
+      qsum += q;
+    }
+    dx[i] = d;
+    xsum[i] = d * static_cast<float>(qsum);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NB rows against one weight row: out[r] = sum_g scale_g dx_rg (q . xq_r)_g.
+template <int NB>
+inline void int4_row(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx,
+                     int64_t k, float* out) {
+  const int64_t groups = k / kGroup;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NB];
+  for (int r = 0; r < NB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask),
+                                       _mm_and_si128(b, mask));
+    const float s = bf16_bits_to_float(scale[g]);
+    for (int r = 0; r < NB; ++r) {
+      const __m256i x = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * dx[r * groups + g]),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < NB; ++r) out[r] = hsum(acc[r]);
+}
+
+inline __m256 load8_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// sum_g xsum_g * (zero_g - 8 scale_g): the part of an int4 output that does not depend on q.
+inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
+                      int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 low =
+        _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8_bf16(scale + g), load8_bf16(zero + g));
+    acc = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float z = hsum(acc);
+  for (; g < groups; ++g) {
+    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
+  }
+  return z;
+}
+
+// NB rows against one int8 weight row: out[r] = sum_g dx_rg (w . xq_r)_g. maddubs takes one
+// unsigned operand: |w| times x carrying w's sign (w is never -128).
+template <int NB>
+inline void int8_row(const int8_t* w, const int8_t* xq, const float* dx, int64_t k,
+                     float* out) {
+  const int64_t groups = k / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NB];
+  for (int r = 0; r < NB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup));
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);
+    for (int r = 0; r < NB; ++r) {
+      const __m256i x = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
+      const __m256i dot =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, wv)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[r * groups + g]),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < NB; ++r) out[r] = hsum(acc[r]);
+}
+#else
+inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
+                      int64_t groups) {
+  float z = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
+  }
+  return z;
+}
+
+template <int NB>
+inline void int8_row(const int8_t* w, const int8_t* xq, const float* dx, int64_t k,
+                     float* out) {
+  const int64_t groups = k / kGroup;
+  for (int r = 0; r < NB; ++r) {
+    float y = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int i = 0; i < kGroup; ++i) dot += w[g * kGroup + i] * xq[r * k + g * kGroup + i];
+      y += static_cast<float>(dot) * dx[r * groups + g];
+    }
+    out[r] = y;
+  }
+}
+
+template <int NB>
+inline void int4_row(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx,
+                     int64_t k, float* out) {
+  const int64_t groups = k / kGroup;
+  for (int r = 0; r < NB; ++r) {
+    float y = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* x = xq + r * k + g * kGroup;
+      int32_t dot = 0;
+      for (int i = 0; i < 16; ++i) {
+        dot += (w[g * 16 + i] & 15) * x[i] + (w[g * 16 + i] >> 4) * x[16 + i];
+      }
+      y += static_cast<float>(dot) * (bf16_bits_to_float(scale[g]) * dx[r * groups + g]);
+    }
+    out[r] = y;
+  }
+}
+#endif
+
+// Calls row.template operator()<NB>(j, xq, dx, part) for every weight row j and block of NB
+// <= 4 rows of x (quantized here), then y[r, j] = T(finish(j, r, part, xsum of row r)).
+template <int NB, typename Row>
+inline void row_block(const Row& row, int64_t j, const int8_t* xq, const float* dx,
+                      float* part) {
+  row.template operator()<NB>(j, xq, dx, part);
+}
+
+template <typename T, typename Row, typename Finish>
+void decode_matmul(const at::Tensor& x, int64_t n, at::Tensor& y, const Row& row,
+                   const Finish& finish) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> dx(rows * groups), xsum(rows * groups);
+  quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), dx.data(), xsum.data());
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    float part[kRowBlock];
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int8_t* q = xq.data() + r0 * k;
+        const float* d = dx.data() + r0 * groups;
+        const int64_t nb = std::min(kRowBlock, rows - r0);
+        switch (nb) {
+          case 1: row_block<1>(row, j, q, d, part); break;
+          case 2: row_block<2>(row, j, q, d, part); break;
+          case 3: row_block<3>(row, j, q, d, part); break;
+          default: row_block<4>(row, j, q, d, part); break;
+        }
+        for (int64_t r = 0; r < nb; ++r) {
+          yp[(r0 + r) * n + j] = T(finish(j, part[r], xsum.data() + (r0 + r) * groups));
+        }
+      }
+    }
+  });
+}
+
+struct Int4Rows {
+  const uint8_t* wp;
+  const uint16_t* sp;
+  int64_t k, groups;
+  template <int NB>
+  void operator()(int64_t j, const int8_t* xq, const float* dx, float* part) const {
+    int4_row<NB>(wp + j * (k / 2), sp + j * groups, xq, dx, k, part);
+  }
+};
+
+struct Int8Rows {
+  const int8_t* wp;
+  int64_t k;
+  template <int NB>
+  void operator()(int64_t j, const int8_t* xq, const float* dx, float* part) const {
+    int8_row<NB>(wp + j * k, xq, dx, k, part);
+  }
+};
+
+template <typename T>
+void int4_small(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
+                const at::Tensor& zero, at::Tensor& y) {
+  const int64_t k = x.size(1), groups = k / kGroup;
+  const uint8_t* wp = nib.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
+  decode_matmul<T>(x, nib.size(0), y, Int4Rows{wp, sp, k, groups},
+                   [&](int64_t j, float part, const float* xsum) {
+                     return part + low_term(xsum, sp + j * groups, zp + j * groups, groups);
+                   });
+}
+
+// int8 weights [N, K] with one scale per output row (bf16).
+template <typename T>
+void int8_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                at::Tensor& y) {
+  const int64_t k = x.size(1);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  decode_matmul<T>(x, w.size(0), y, Int8Rows{wp, k},
+                   [&](int64_t j, float part, const float*) {
+                     return part * bf16_bits_to_float(sp[j]);
+                   });
+}
+
+// y = x @ w.T (+ bias) through the int8 decode kernel.
+at::Tensor int8_small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                             const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && w.size(1) == x.size(1),
+              "int8: x [rows, k] with k == weight columns, a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 decode kernel: bf16 scales");
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_small<c10::BFloat16>(x.contiguous(), w, scale, y);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "int8: bf16 or fp32 activations");
+    int8_small<float>(x.contiguous(), w, scale, y);
+  }
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+
+// y = x @ w.T (+ bias) through the decode kernel: int4 weights in our layout.
+at::Tensor int4_small_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
+                             const at::Tensor& zero, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.size(1) * 2 == x.size(1),
+              "int4: x [rows, k] with k == 2 * nibble columns, a multiple of 32");
+  at::Tensor y = at::empty({x.size(0), nib.size(0)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    int4_small<c10::BFloat16>(x.contiguous(), nib, scale, zero, y);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
+    int4_small<float>(x.contiguous(), nib, scale, zero, y);
+  }
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+
+// One linear layer: its kind and tensors, the bias last (empty when absent):
+// dense [weight, bias]; int8 [qweight, scales, bias];
+// int4 [torch packed, torch scale_zeros, our nibbles, scale, zero, bias].
+struct LinearSpec {
+  int64_t kind;
+  std::vector<at::Tensor> t;
+};
+
+at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
+  const at::Tensor& bias = l.t.back();
+  switch (l.kind) {
+    case kDense:
+      return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    case kInt8:  // our kernel where it takes the shape and scales (never chosen by rows)
+      if (l.t[0].size(1) % kGroup == 0 && l.t[1].scalar_type() == at::kBFloat16) {
+        return int8_small_linear(x, l.t[0], l.t[1], bias);
+      }
+      {
+        at::Tensor y = at::_weight_int8pack_mm(x, l.t[0], l.t[1]);
+        if (bias.numel()) y.add_(bias);
+        return y;
+      }
+    case kInt4:  // our kernel where the layer has our layout, torch's otherwise
+      if (l.t[2].numel()) return int4_small_linear(x, l.t[2], l.t[3], l.t[4], bias);
+      {
+        at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, l.t[0], kGroup, l.t[1]);
+        if (bias.numel()) y.add_(bias);
+        return y;
+      }
+    default:
+      TORCH_CHECK(false, "unknown linear kind ", l.kind);
+  }
+}
+
+// out[r] = w * T(h[r] / rms(h[r])), h fp32 [rows, n].
+template <typename T>
+void rms_norm(const float* h, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = h + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    T* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = T(float(w[i]) * float(T(x[i] * inv)));
+  }
+}
+
+// x * cos + roll(x, D/2) * signed_sin, one head of D values, in fp32.
+inline void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+}
+
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+};
+
+// RoPE on q and k, k and v into the pool at out_loc, q (scaled, fp32) into qf.
+template <typename T>
+void rope_and_store(const T* qkv, const float* cos, const float* sin, const int64_t* out_loc,
+                    T* kbuf, T* vbuf, float* qf, int64_t batch, const Shape& s, float scale) {
+  const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
+  std::vector<float> x(d), r(d);
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* row = qkv + b * width;
+    const float* c = cos + b * d;
+    const float* sn = sin + b * d;
+    for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) {
+      // The torch path rounds the rotated q/k to T before attention reads them.
+      for (int64_t i = 0; i < d; ++i) x[i] = float(row[h * d + i]);
+      rope_head(x.data(), c, sn, r.data(), d);
+      if (h < s.heads) {
+        float* q = qf + (b * s.heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) q[i] = float(T(r[i])) * scale;
+      } else {
+        T* k = kbuf + (out_loc[b] * s.kv_heads + (h - s.heads)) * d;
+        for (int64_t i = 0; i < d; ++i) k[i] = T(r[i]);
+      }
+    }
+    const T* v = row + (s.heads + s.kv_heads) * d;
+    std::copy(v, v + s.kv_heads * d, vbuf + out_loc[b] * s.kv_heads * d);
+  }
+}
+
+// Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t d) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  for (int64_t i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  return hsum(acc);
+}
+template <typename T>
+inline void axpy_head(float p, const T* v, float* a, int64_t d) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < d; i += 8) {
+    _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(a + i)));
+  }
+}
+
+// exp on 8 lanes (Cephes' expf: 2^k times a degree-5 polynomial on |r| <= ln2 / 2, about
+// 1 ulp); std::exp, one call per score, cost more than the rest of the attention.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[j] = exp(s[j] - max); returns (max, sum).
+inline std::pair<float, float> exp_shifted(float* s, int64_t len) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; j < len; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return {m, sum};
+}
+#else
+inline std::pair<float, float> exp_shifted(float* s, int64_t len) {
+  float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < len; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return {m, sum};
+}
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t d) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * float(k[i]);
+  return acc;
+}
+template <typename T>
+inline void axpy_head(float p, const T* v, float* a, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) a[i] += p * float(v[i]);
+}
+#endif
+
+// Decode attention, split like flash-decoding: one task per (request, KV head, chunk of at
+// most kChunk of its tokens), whose `group` query heads read each K/V row once; each task
+// keeps its running max, exp-sum and unnormalised output, merged per head afterwards. The
+// split gives two cores work at batch 1, and a request's result does not depend on the rest
+// of the batch.
+constexpr int64_t kChunk = 128;
+
+// Query b attends to the slots indices[starts[b]:ends[b]]; chunks count from starts[b] (the
+// request's first token), so a token's result is the same in prefill and in any batch.
+template <typename T>
+void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* starts,
+               const int64_t* ends, const int64_t* indices, T* out, int64_t batch,
+               const Shape& s) {
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
+  struct Task { int64_t b, kvh, begin, end; };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first(batch * s.kv_heads + 1, 0);  // tasks of (b, kvh): first[i]..
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+      for (int64_t c = starts[b]; c < ends[b]; c += kChunk) {
+        tasks.push_back({b, kvh, c, std::min(c + kChunk, ends[b])});
+      }
+      first[b * s.kv_heads + kvh + 1] = static_cast<int64_t>(tasks.size());
+    }
+  }
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  std::vector<float> mx(n * group), sum(n * group), acc(n * group * d, 0.f);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kChunk);
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t len = task.end - task.begin;
+      const float* q = qf + (task.b * s.heads + task.kvh * group) * d;
+      for (int64_t j = 0; j < len; ++j) {
+        const T* k = kbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
+        for (int64_t g = 0; g < group; ++g) scores[g * len + j] = dot_head(q + g * d, k, d);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const auto [m, l] = exp_shifted(scores.data() + g * len, len);
+        mx[t * group + g] = m;
+        sum[t * group + g] = l;
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        const T* v = vbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          axpy_head(scores[g * len + j], v, acc.data() + (t * group + g) * d, d);
+        }
+      }
+    }
+  });
+  std::vector<float> o(d);
+  for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
+    const int64_t b = i / s.kv_heads, kvh = i % s.kv_heads;
+    for (int64_t g = 0; g < group; ++g) {
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      for (int64_t t = first[i]; t < first[i + 1]; ++t) m = std::max(m, mx[t * group + g]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t t = first[i]; t < first[i + 1]; ++t) {
+        const float w = std::exp(mx[t * group + g] - m);
+        l += w * sum[t * group + g];
+        const float* a = acc.data() + (t * group + g) * d;
+        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
+      }
+      T* dst = out + (b * s.heads + kvh * group + g) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = T(o[e] / l);
+    }
+  }
+}
+
+// h += T(silu(gate)) * up, rounded as the torch path rounds it; gu [rows, 2 * inter].
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = float(g[i]);
+      o[i] = T(float(T(x / (1.f + std::exp(-x)))) * float(u[i]));
+    }
+  }
+}
+
+template <typename T>
+void add_into(float* h, const T* delta, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] += float(delta[i]);
+}
+
+class DecodeLayers {
+ public:
+  DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
+               std::vector<std::vector<at::Tensor>> tensors, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double eps)
+      : norms_(std::move(norms)), eps_(static_cast<float>(eps)) {
+    const int64_t layers = static_cast<int64_t>(norms_.size()) / 2;
+    TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers, "4 linears per layer");
+    for (size_t i = 0; i < kinds.size(); ++i) linears_.push_back({kinds[i], tensors[i]});
+    shape_ = {norms_[0].numel(), heads, kv_heads, head_dim, 0};
+    dtype_ = norms_[0].scalar_type();
+    TORCH_CHECK(head_dim % 8 == 0, "the fused CPU decode takes head_dim % 8 == 0");
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16,
+                "the fused CPU decode takes float32 or bfloat16 activations");
+  }
+
+  // h: fp32 [B, hidden] residual stream, updated in place and returned.
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                     const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+                     const std::vector<at::Tensor>& v_bufs, double scale) {
+    TORCH_CHECK(h.is_contiguous() && h.scalar_type() == at::kFloat, "h: contiguous float32");
+    pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
+    if (dtype_ == at::kFloat) {
+      run<float>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    } else {
+      run<c10::BFloat16>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    }
+    return h;
+  }
+
+ private:
+  template <typename T>
+  void run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+           const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& out_loc,
+           const std::vector<at::Tensor>& k_bufs, const std::vector<at::Tensor>& v_bufs,
+           double scale) {
+    const int64_t batch = h.size(0), n = shape_.hidden, layers = norms_.size() / 2;
+    Shape s = shape_;
+    const auto opts = h.options().dtype(dtype_);
+    at::Tensor xn = at::empty({batch, n}, opts);
+    at::Tensor attn = at::empty({batch, s.heads * s.head_dim}, opts);
+    at::Tensor qf = at::empty({batch, s.heads * s.head_dim}, h.options());
+    at::Tensor act;
+    float* hp = h.data_ptr<float>();
+    const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+    const int64_t* indices = kv_indices.data_ptr<int64_t>();
+    for (int64_t l = 0; l < layers; ++l) {
+      rms_norm<T>(hp, norms_[2 * l].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
+      at::Tensor qkv = run_linear(linears_[4 * l], xn);
+      rope_and_store<T>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                        out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
+                        v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
+                        static_cast<float>(scale));
+      attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
+                   indptr, indptr + 1, indices, attn.data_ptr<T>(), batch, s);
+      at::Tensor o = run_linear(linears_[4 * l + 1], attn);
+      add_into<T>(hp, o.data_ptr<T>(), batch * n);
+      rms_norm<T>(hp, norms_[2 * l + 1].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
+      at::Tensor gu = run_linear(linears_[4 * l + 2], xn);
+      const int64_t inter = gu.size(1) / 2;
+      if (!act.defined()) act = at::empty({batch, inter}, opts);
+      silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), batch, inter);
+      at::Tensor down = run_linear(linears_[4 * l + 3], act);
+      add_into<T>(hp, down.data_ptr<T>(), batch * n);
+    }
+  }
+
+  std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
+  std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
+  float eps_;
+  Shape shape_;
+  at::ScalarType dtype_;
+};
+
+template <typename T>
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
+                        const at::Tensor& v_buffer, const std::vector<int64_t>& starts,
+                        const std::vector<int64_t>& ends, const at::Tensor& kv_indices) {
+  const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k_buffer.size(1);
+  const Shape s{0, heads, kv_heads, q.size(2), 0};
+  at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor idx = kv_indices.to(at::kLong).contiguous();
+  at::Tensor out = at::empty(q.sizes(), k_buffer.options());
+  pybind11::gil_scoped_release no_gil;
+  // Blocks of queries bound the per-task scratch (tokens x KV heads x chunks of the context).
+  constexpr int64_t kBlock = 64;
+  for (int64_t b0 = 0; b0 < tokens; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, tokens - b0), row = heads * s.head_dim;
+    attention<T>(qf.data_ptr<float>() + b0 * row, k_buffer.data_ptr<T>(),
+                 v_buffer.data_ptr<T>(), starts.data() + b0, ends.data() + b0,
+                 idx.data_ptr<int64_t>(), out.data_ptr<T>() + b0 * row, n, s);
+  }
+  return out;
+}
+
+at::Tensor attention_dispatch(const at::Tensor& q, const at::Tensor& k_buffer,
+                              const at::Tensor& v_buffer, const std::vector<int64_t>& starts,
+                              const std::vector<int64_t>& ends, const at::Tensor& kv_indices) {
+  TORCH_CHECK(q.size(2) % 8 == 0 && q.size(1) % k_buffer.size(1) == 0, "attention: shapes");
+  if (k_buffer.scalar_type() == at::kFloat) {
+    return attention_op<float>(q, k_buffer, v_buffer, starts, ends, kv_indices);
+  }
+  TORCH_CHECK(k_buffer.scalar_type() == at::kBFloat16, "attention: fp32 or bf16 KV");
+  return attention_op<c10::BFloat16>(q, k_buffer, v_buffer, starts, ends, kv_indices);
+}
+
+// One query per request: q [B, Hq, D], already scaled -> [B, Hq, D] in the KV dtype.
+at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
+                               const at::Tensor& v_buffer, const at::Tensor& kv_indptr,
+                               const at::Tensor& kv_indices) {
+  at::Tensor p = kv_indptr.to(at::kLong).contiguous();
+  const int64_t* ip = p.data_ptr<int64_t>();
+  std::vector<int64_t> starts(ip, ip + q.size(0)), ends(ip + 1, ip + q.size(0) + 1);
+  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices);
+}
+
+// New tokens against their request's cached prefix and themselves, causal: q [T, Hq, D].
+at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
+                               const at::Tensor& v_buffer, const at::Tensor& qo_indptr,
+                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices) {
+  at::Tensor qo = qo_indptr.to(at::kLong).contiguous(), kv = kv_indptr.to(at::kLong).contiguous();
+  const int64_t* qp = qo.data_ptr<int64_t>();
+  const int64_t* kp = kv.data_ptr<int64_t>();
+  std::vector<int64_t> starts, ends;
+  for (int64_t b = 0; b + 1 < qo.numel(); ++b) {
+    const int64_t q_len = qp[b + 1] - qp[b], prefix = kp[b + 1] - kp[b] - q_len;
+    for (int64_t i = 0; i < q_len; ++i) {
+      starts.push_back(kp[b]);
+      ends.push_back(kp[b] + prefix + i + 1);
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == q.size(0), "extend: qo_indptr vs q");
+  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>,
+                          std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t,
+                          double>())
+      .def("forward", &DecodeLayers::forward);
+  m.def("decode_attention", &decode_attention_op);
+  m.def("extend_attention", &extend_attention_op);
+  m.def("int8_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const at::Tensor& bias) {
+    pybind11::gil_scoped_release no_gil;
+    return int8_small_linear(x, w, scale, bias);
+  });
+  m.def("int4_linear", [](const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
+                          const at::Tensor& zero, const at::Tensor& bias) {
+    pybind11::gil_scoped_release no_gil;
+    return int4_small_linear(x, nib, scale, zero, bias);
+  });
+}

@@ -1,0 +1,81 @@
+"""The fused CPU decode step (cpu_decode.cpp), compiled once and cached.
+
+`load()` builds the extension with torch's C++ toolchain into
+`$SGL_NB_CACHE/ext/<hash of source and torch version>` (about a minute on 2 cores, printed),
+and returns the module, or None when it cannot be built (no compiler: a warning, and the
+torch path runs). SGL_NB_CPU_DECODE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("SGL_NB_CPU_DECODE", "1").strip() not in ("0", "false", "off")
+
+
+def available() -> bool:
+    """Whether the fused decode may be used (enabled and built; builds it if needed)."""
+    return enabled() and load() is not None
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SGL_NB_CACHE", Path.home() / ".cache" / "sgl_nb"))
+    return cache / "ext" / f"cpu_decode-{key}"
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on first use; None if it cannot be built."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    fresh = not any(folder.glob("*.so"))
+    if fresh:
+        print(f"sgl-nb: compiling the CPU decode kernel into {folder} (once, ~1 min)",
+              file=sys.stderr, flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(
+            name="sgl_nb_cpu_decode",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is a header template whose threads come from the
+            # `omp parallel` compiled into the caller; torch's own libgomp serves them.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: the torch path still works
+        errors = [line for line in str(e).splitlines() if "error" in line][:3]
+        warnings.warn(f"the fused CPU decode kernel could not be built in {folder} "
+                      f"({'; '.join(errors) or e}); decoding with the torch path (slower)",
+                      stacklevel=3)
+        return None
+    if fresh:
+        print("sgl-nb: CPU decode kernel ready", file=sys.stderr, flush=True)
+    return module
+
+
+if __name__ == "__main__":  # `python -m sgl_nb.kernels.cpu_decode`: build it now
+    sys.exit(0 if load() is not None else 1)

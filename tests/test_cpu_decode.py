@@ -1,0 +1,135 @@
+"""The fused CPU decode step (kernels/cpu_decode.cpp) against the torch path.
+
+Its attention against the torch reference (ragged, GQA 1 and 3, chunks merged), its int8
+and int4 kernels against the dequantized weight and across batch sizes, and the whole
+decode step of the default model against the torch path in fp32, bf16 and int4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_nb.kernels import cpu_decode, reference
+from sgl_nb.runtime.forward_batch import build_batch
+from sgl_nb.runtime.linear import Int4Linear, Int8Linear, make_linear
+from sgl_nb.runtime.model import Model
+from sgl_nb.runtime.quantize import dequantize, quantize
+
+ext = cpu_decode.load()
+pytestmark = pytest.mark.skipif(ext is None, reason="no C++ compiler: the torch path runs")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,heads", [(3, 3), (3, 9)])
+def test_attention_matches_the_torch_reference(dtype, kv_heads, heads):
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 130, 7, 300]  # 130 and 300 span several 128-token chunks, merged afterwards
+    slots = torch.randperm(2000, generator=gen)[: sum(lens)] + 1
+    k = torch.randn(2001, kv_heads, 64, generator=gen).to(dtype)
+    v = torch.randn(2001, kv_heads, 64, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, 64, generator=gen)
+    indptr = torch.tensor([0, *lens]).cumsum(0)
+    got = ext.decode_attention(q * 0.125, k, v, indptr, slots)
+    want = reference.decode_attention(q.to(dtype), k, v, indptr, slots, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # A request's result does not depend on the others in the batch.
+    own = slots[indptr[1] : indptr[2]]
+    alone = ext.decode_attention(q[1:2] * 0.125, k, v, torch.tensor([0, lens[1]]), own)
+    assert torch.equal(alone[0], got[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_attention_matches_the_reference_and_any_split(dtype):
+    import sgl_nb.kernels as kernels
+
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(1001, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(1001, 3, 64, generator=gen).to(dtype)
+    slots = torch.randperm(1000, generator=gen)[:300] + 1
+    q = torch.randn(300, 9, 64, generator=gen).to(dtype)
+    # Two requests: 40 new tokens over a 160-token prefix, and 100 tokens from scratch.
+    qo, kv = torch.tensor([0, 40, 140]), torch.tensor([0, 200, 300])
+    idx = torch.cat([slots[:200], slots[200:]])
+    qs = torch.cat([q[160:200], q[200:300]])
+    got = kernels.extend_attention(qs, k, v, qo, kv, idx, 0.125)
+    want = kernels.reference.extend_attention(qs, k, v, qo, kv, idx, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # The first request's 200 tokens prefilled at once give its last 40 the same bits.
+    whole = kernels.extend_attention(q[:200], k, v, torch.tensor([0, 200]),
+                                     torch.tensor([0, 200]), slots[:200], 0.125)
+    assert torch.equal(whole[160:], got[:40])
+
+
+def quantized_layer(quantization: str, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[:, 5] *= 20  # an outlier column, as real layers have
+    t = quantize(w, quantization)
+    layer, why = make_linear(w, None, torch.bfloat16, "cpu", quantization, t)
+    assert why is None and isinstance(layer, Int4Linear | Int8Linear)
+    assert layer._ext is not None  # our kernel, not torch's
+    if quantization == "int4":  # the kernels compute with scale and zero rounded to bf16
+        t = {**t, "scale": t["scale"].bfloat16().float(), "zero": t["zero"].bfloat16().float()}
+    return layer, dequantize(t, quantization)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 32])
+def test_quantized_kernel_matches_the_dequantized_weight(quantization, rows):
+    layer, w = quantized_layer(quantization, 192, 576)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = layer(x).float()
+    want = x.float() @ w.T
+    # Activations are rounded to int8 per group of 32: error <= sum |w| * half a step.
+    step = x.float().view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    bound = (step / 2).expand(rows, 18, 32).reshape(rows, 576) @ w.abs().T
+    assert ((got - want).abs() <= bound + 2e-2 * want.abs().max()).all()
+    assert (got - want).abs().mean() < 0.02 * want.abs().mean()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization):
+    layer, _ = quantized_layer(quantization, 96, 1536, seed=1)
+    x = torch.randn(7, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
+    batch = layer(x)
+    for i in range(7):
+        assert torch.equal(layer(x[i : i + 1])[0], batch[i])
+        assert torch.equal(layer(x[i:])[0], batch[i])
+
+
+def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tensor]:
+    """Logits of a few decode steps of two requests over a prefilled prompt, fed the same
+    tokens on both paths."""
+    model._fused = None if fused else False
+    pool = model.new_kv_pool(512)
+    prompts = [list(range(100, 140)), list(range(300, 317))]
+    slots = [torch.arange(1, 41), torch.arange(200, 217)]
+    extend = build_batch(False, prompts, [0, 0], slots, slots, model.device)
+    logits = [model.forward(extend, pool)]
+    for step in range(steps):
+        nxt = [1000 + 7 * step, 2000 + 5 * step]
+        slots = [torch.cat([s, torch.tensor([400 + 2 * step + b])]) for b, s in enumerate(slots)]
+        starts = [s.numel() - 1 for s in slots]
+        batch = build_batch(True, [[t] for t in nxt], starts, slots, [s[-1:] for s in slots],
+                            model.device)
+        logits.append(model.forward(batch, pool))
+    assert (model._fused is not False) == fused
+    return logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,tol", [({}, 1e-4), ({"dtype": "bfloat16"}, 0.05),
+                                      ({"quantization": "int4"}, 0.05)])
+def test_decode_step_matches_the_torch_path(model_path, mode, tol):
+    """The same linear layers on both paths (int4: our kernel either way); the rest (norms,
+    RoPE, attention, SiLU) differs only in rounding."""
+    model = Model.load(model_path, **mode)
+    want, got = decode_logits(model, fused=False), decode_logits(model, fused=True)
+    for w, g in zip(want, got):
+        assert (w - g).abs().max() < tol * w.abs().max()
+        # The same greedy token, or a near-tie on the torch path.
+        top, picked = w.max(-1).values, w.gather(1, g.argmax(-1, keepdim=True))[:, 0]
+        assert (top - picked <= tol * w.abs().max()).all()
