@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model import Model
@@ -143,12 +144,16 @@ class Engine:
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
         # On CPU the torch decode path (~35 small ops per layer, each its own OpenMP region)
         # ran slower on two threads than on one from a thread other than the main one (81
-        # vs 55 ms per step at batch 1); the fused step (kernels/cpu_decode.cpp, ~5 parallel
-        # regions per layer) gains from every core (int4: 24 -> 13 ms). Prefill always does.
+        # vs 55 ms per step at batch 1); the fused step (kernels/cpu_decode.cpp) gains from
+        # every core (int4: 24 -> 10 ms). Prefill always does. With int8/int4 weights all
+        # heavy work is in that module, which has its own threads: torch then gets one, as
+        # an OpenMP worker spinning between torch ops took the second core from ours
+        # (int4 decode 19 vs 10 ms per step, measured).
         self.extend_threads = torch.get_num_threads()
         fused = off_main_thread(self.model.fused_decode_ready)
         default = self.extend_threads if fused else 1
         self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", default))
+        self._own_threads = fused and self.model.quantization is not None
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
 
@@ -259,6 +264,14 @@ class Engine:
         except queue.Empty:
             return True
 
+    def _set_threads(self, decode: bool) -> None:
+        want = self.decode_threads if decode else self.extend_threads
+        torch_threads = 1 if self._own_threads else want
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+        if self.model.fused_decode_ready():
+            cpu_decode.load().set_num_threads(want)
+
     def wake(self) -> None:
         """Re-check held work now (a step controller granted a step)."""
         self._inbox.put(_WAKE)
@@ -266,9 +279,7 @@ class Engine:
     def _step(self, batch: ScheduledBatch) -> None:
         computed = [r.fill_len - n for r, n in zip(batch.reqs, batch.new_lens)]
         if self.device.type == "cpu":
-            want = self.decode_threads if batch.is_decode else self.extend_threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
+            self._set_threads(batch.is_decode)
         t0 = time.perf_counter()
         try:
             logits = self.model.forward(batch.forward, self.pool)
