@@ -75,7 +75,9 @@ class WorkerPool {
   }
 
  private:
-  static constexpr int kSpins = 50000;  // ~1 ms of pause instructions
+  // ~100 us of pause instructions: enough for the gaps inside a step; between steps (Python
+  // work, a stream consumer on another thread) a spinning worker would take a core.
+  static constexpr int kSpins = 4000;
 
   static void cpu_relax() {
 #if defined(__x86_64__)
