@@ -182,6 +182,17 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
   }
 }
 
+// sum over groups [g0, groups) of xsum_g * (zero_g - 8 scale_g): the part of an int4
+// output that does not depend on q.
+inline float low_term_scalar(const float* xsum, const uint16_t* scale, const uint16_t* zero,
+                             int64_t g0, int64_t groups) {
+  float z = 0.f;
+  for (int64_t g = g0; g < groups; ++g) {
+    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
+  }
+  return z;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -220,7 +231,6 @@ inline __m256 load8_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// sum_g xsum_g * (zero_g - 8 scale_g): the part of an int4 output that does not depend on q.
 inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
                       int64_t groups) {
   __m256 acc = _mm256_setzero_ps();
@@ -230,11 +240,7 @@ inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* 
         _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8_bf16(scale + g), load8_bf16(zero + g));
     acc = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), acc);
   }
-  float z = hsum(acc);
-  for (; g < groups; ++g) {
-    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
-  }
-  return z;
+  return hsum(acc) + low_term_scalar(xsum, scale, zero, g, groups);
 }
 
 // NB rows against one int8 weight row: out[r] = sum_g dx_rg (w . xq_r)_g. maddubs takes one
@@ -263,11 +269,7 @@ inline void int8_row(const int8_t* w, const int8_t* xq, const float* dx, int64_t
 #else
 inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
                       int64_t groups) {
-  float z = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
-  }
-  return z;
+  return low_term_scalar(xsum, scale, zero, 0, groups);
 }
 
 template <int NB>
