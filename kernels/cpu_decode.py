@@ -59,8 +59,8 @@ def _build() -> ModuleType | None:
         module = cpp_extension.load(
             name="sgl_nb_cpu_decode",
             sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for is a header template whose threads come from the
-            # `omp parallel` compiled into the caller; torch's own libgomp serves them.
+            # -fopenmp for the `omp simd` loops (the build CI measured); the module's threads
+            # are its own (WorkerPool), not OpenMP's.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),

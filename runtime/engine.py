@@ -154,6 +154,9 @@ class Engine:
         default = self.extend_threads if fused else 1
         self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", default))
         self._own_threads = fused and self.model.quantization is not None
+        # The C++ module's thread count, set when it changes (not every step).
+        self._kernel_threads = cpu_decode.load() if fused else None
+        self._kernel_threads_now = 0
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
 
@@ -269,8 +272,9 @@ class Engine:
         torch_threads = 1 if self._own_threads else want
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
-        if self.model.fused_decode_ready():
-            cpu_decode.load().set_num_threads(want)
+        if self._kernel_threads is not None and self._kernel_threads_now != want:
+            self._kernel_threads.set_num_threads(want)
+            self._kernel_threads_now = want
 
     def wake(self) -> None:
         """Re-check held work now (a step controller granted a step)."""
