@@ -2,425 +2,28 @@
 //
 // Why: at batch 1 the weight matmuls of the default model take 6-17 ms per step, while the
 // ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch. Here
-// the matmuls stay ATen calls (the same fp32/bf16/int8/int4 kernels the torch path uses)
-// and everything between them (RMSNorm, RoPE, the KV store, paged attention, SiLU, the
-// residual adds) is a plain loop over a few thousand numbers.
+// the matmuls are the same calls the torch path makes (cpu_quant_matmul.h for int8/int4,
+// cpu_dense_matmul.h for bf16, ATen for fp32) and everything between them (RMSNorm, RoPE,
+// the KV store, paged attention, SiLU, the residual adds) is a plain loop over a few
+// thousand numbers.
 //
 // The arithmetic follows runtime/model.py: an fp32 residual stream; RMSNorm in fp32 whose
 // result is rounded to the activation dtype T before the weight multiply; RoPE tables
 // rounded to T by the caller; attention scores, softmax and the weighted sum in fp32.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>  // at::get_num_threads
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-#include <unistd.h>
-
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <cstring>
-#include <functional>
 #include <limits>
-#include <mutex>
-#include <thread>
 #include <vector>
+
+#include "cpu_dense_matmul.h"
+#include "cpu_quant_matmul.h"
+#include "cpu_simd.h"
+#include "cpu_worker_pool.h"
 
 namespace {
 
-// ---- threads ------------------------------------------------------------------------------
-//
-// Our own workers rather than OpenMP: libgomp counts every thread team in the process, and
-// once the caller's main thread has run an OpenMP region (any torch op in a notebook) there
-// are more of its threads than cores, so it stops spinning between regions and each of the
-// ~150 regions of a decode step pays a futex wake-up: int4 decode went from 9.6 to 31 ms
-// per step (measured). These workers spin about a millisecond between jobs, then sleep.
-class WorkerPool {
- public:
-  static WorkerPool& get() {
-    // Never destroyed: at exit its condition variable may still have sleeping workers, and
-    // destroying it then blocks forever (seen).
-    static WorkerPool* pool = new WorkerPool;
-    return *pool;
-  }
-
-  // Threads per job (the caller included); 0: torch's intra-op setting.
-  std::atomic<int64_t> threads{0};
-
-  // f(begin, end) over [0, n), one contiguous part per thread (the caller runs part 0). A
-  // second caller while a job runs (another Python thread) does its whole loop itself.
-  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& f) {
-    const int64_t want = threads.load() > 0 ? threads.load() : at::get_num_threads();
-    const int64_t threads = std::min<int64_t>(want, n);
-    std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
-    if (threads <= 1 || !busy.owns_lock()) {
-      if (n > 0) f(0, n);
-      return;
-    }
-    ensure_workers(threads - 1);
-    job_ = &f;
-    n_ = n;
-    parts_ = threads;
-    pending_.store(threads - 1, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lock(sleep_mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    sleep_cv_.notify_all();
-    run_part(0);
-    while (pending_.load(std::memory_order_acquire) > 0) cpu_relax();
-  }
-
- private:
-  // ~100 us of pause instructions: enough for the gaps inside a step; between steps (Python
-  // work, a stream consumer on another thread) a spinning worker would take a core.
-  static constexpr int kSpins = 4000;
-
-  static void cpu_relax() {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-
-  void run_part(int64_t p) {
-    const int64_t begin = n_ * p / parts_, end = n_ * (p + 1) / parts_;
-    if (begin < end) (*job_)(begin, end);
-  }
-
-  void ensure_workers(int64_t count) {
-    if (pid_ != getpid()) {  // a forked child has none of its parent's threads
-      pid_ = getpid();
-      workers_ = 0;
-    }
-    for (; workers_ < count; ++workers_) {
-      // Detached: the process may exit with them waiting. `seen` is read here, before the
-      // job that needs the worker is published, not when the thread gets to run.
-      const uint64_t seen = generation_.load(std::memory_order_acquire);
-      std::thread([this, id = workers_ + 1, seen] { loop(id, seen); }).detach();
-    }
-  }
-
-  void loop(int64_t id, uint64_t seen) {
-    for (;;) {
-      uint64_t now;
-      int spins = 0;
-      while ((now = generation_.load(std::memory_order_acquire)) == seen) {
-        if (++spins < kSpins) {
-          cpu_relax();
-          continue;
-        }
-        std::unique_lock<std::mutex> lock(sleep_mutex_);
-        sleep_cv_.wait(lock, [&] { return generation_.load() != seen; });
-      }
-      seen = now;
-      if (id < parts_) {
-        run_part(id);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
-      }
-    }
-  }
-
-  std::mutex run_mutex_, sleep_mutex_;
-  std::condition_variable sleep_cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> pending_{0};
-  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t n_ = 0, parts_ = 1, workers_ = 0;
-  pid_t pid_ = getpid();
-};
-
-// ---- int4 and int8 weight-only matmuls for decode-sized batches ----------------------------
-//
-// int4 weights in groups of 32 inputs: w = (q - 8) * scale + zero, q in 0..15, scale and
-// zero in bf16 (the values torch's int4 kernel computes with; the group minimum
-// zero - 8 scale is computed in fp32, as rounding it to bf16 costs accuracy in groups with an
-// outlier). Our own layout: per row, 16 bytes per group, byte i holding input i in its low
-// nibble and input i + 16 in its high one, so that two masks give the group's 32 values in
-// order; scale and zero [N, G] beside it.
-//
-// int8 weights are torch's [N, K] with a bf16 scale per output row.
-//
-// As llama.cpp does on CPUs without wider integer dot products, each row of x is quantized
-// per group of 32 to int8 (xq * dx, dx = max|x| / 127), so that one group of one output is
-// a u8 x s8 dot product (maddubs): y = sum_g scale_g dx_g (q . xq)_g + (zero_g - 8 scale_g)
-// sum_g(x). Rows are taken four at a time and every
-// output depends on its own row only, so a request decodes to the same bits in any batch.
-// Prefill keeps torch's kernel (a real GEMM); which kernel serves a layer never depends on
-// the number of rows, or a request's tokens would depend on what it was batched with.
-constexpr int64_t kRowBlock = 4;
-constexpr int64_t kGroup = 32;
-
-inline float bf16_bits_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Per row and group: xq int8 [rows, k], dx, and the sum of the rounded x (dx * sum xq)
-// [rows, k / 32]. The rounded sum, not the exact one: int4's q is 0..15, not centred, and
-// its rounding errors then cancel against the zero-point term's (as in llama.cpp's Q8_1);
-// with the exact sum the error measured 3x larger.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx,
-                   float* xsum) {
-  for (int64_t i = 0; i < rows * (k / kGroup); ++i) {
-    const float* v = x + i * kGroup;
-    float amax = 0.f;
-    for (int64_t e = 0; e < kGroup; ++e) amax = std::max(amax, std::fabs(v[e]));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t qsum = 0;
-    for (int64_t e = 0; e < kGroup; ++e) {
-      const auto q = static_cast<int8_t>(std::nearbyint(v[e] * inv));
-      xq[i * kGroup + e] = q;
-      qsum += q;
-    }
-    dx[i] = d;
-    xsum[i] = d * static_cast<float>(qsum);
-  }
-}
-
-// sum over groups [g0, groups) of xsum_g * (zero_g - 8 scale_g): the part of an int4
-// output that does not depend on q.
-inline float low_term_scalar(const float* xsum, const uint16_t* scale, const uint16_t* zero,
-                             int64_t g0, int64_t groups) {
-  float z = 0.f;
-  for (int64_t g = g0; g < groups; ++g) {
-    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
-  }
-  return z;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// NB rows against one weight row: out[r] = sum_g scale_g dx_rg (q . xq_r)_g.
-template <int NB>
-inline void int4_row(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx,
-                     int64_t k, float* out) {
-  const int64_t groups = k / kGroup;
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NB];
-  for (int r = 0; r < NB; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask),
-                                       _mm_and_si128(b, mask));
-    const float s = bf16_bits_to_float(scale[g]);
-    for (int r = 0; r < NB; ++r) {
-      const __m256i x = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * dx[r * groups + g]),
-                               acc[r]);
-    }
-  }
-  for (int r = 0; r < NB; ++r) out[r] = hsum(acc[r]);
-}
-
-inline __m256 load8_bf16(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
-                      int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const __m256 low =
-        _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8_bf16(scale + g), load8_bf16(zero + g));
-    acc = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), acc);
-  }
-  return hsum(acc) + low_term_scalar(xsum, scale, zero, g, groups);
-}
-
-// NB rows against one int8 weight row: out[r] = sum_g dx_rg (w . xq_r)_g. maddubs takes one
-// unsigned operand: |w| times x carrying w's sign (w is never -128).
-template <int NB>
-inline void int8_row(const int8_t* w, const int8_t* xq, const float* dx, int64_t k,
-                     float* out) {
-  const int64_t groups = k / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NB];
-  for (int r = 0; r < NB; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup));
-    const __m256i wabs = _mm256_sign_epi8(wv, wv);
-    for (int r = 0; r < NB; ++r) {
-      const __m256i x = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
-      const __m256i dot =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, wv)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[r * groups + g]),
-                               acc[r]);
-    }
-  }
-  for (int r = 0; r < NB; ++r) out[r] = hsum(acc[r]);
-}
-#else
-inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
-                      int64_t groups) {
-  return low_term_scalar(xsum, scale, zero, 0, groups);
-}
-
-template <int NB>
-inline void int8_row(const int8_t* w, const int8_t* xq, const float* dx, int64_t k,
-                     float* out) {
-  const int64_t groups = k / kGroup;
-  for (int r = 0; r < NB; ++r) {
-    float y = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t dot = 0;
-      for (int i = 0; i < kGroup; ++i) dot += w[g * kGroup + i] * xq[r * k + g * kGroup + i];
-      y += static_cast<float>(dot) * dx[r * groups + g];
-    }
-    out[r] = y;
-  }
-}
-
-template <int NB>
-inline void int4_row(const uint8_t* w, const uint16_t* scale, const int8_t* xq, const float* dx,
-                     int64_t k, float* out) {
-  const int64_t groups = k / kGroup;
-  for (int r = 0; r < NB; ++r) {
-    float y = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* x = xq + r * k + g * kGroup;
-      int32_t dot = 0;
-      for (int i = 0; i < 16; ++i) {
-        dot += (w[g * 16 + i] & 15) * x[i] + (w[g * 16 + i] >> 4) * x[16 + i];
-      }
-      y += static_cast<float>(dot) * (bf16_bits_to_float(scale[g]) * dx[r * groups + g]);
-    }
-    out[r] = y;
-  }
-}
-#endif
-
-// Calls row.template operator()<NB>(j, xq, dx, part) for every weight row j and block of NB
-// <= 4 rows of x (quantized here), then y[r, j] = T(finish(j, r, part, xsum of row r)).
-template <int NB, typename Row>
-inline void row_block(const Row& row, int64_t j, const int8_t* xq, const float* dx,
-                      float* part) {
-  row.template operator()<NB>(j, xq, dx, part);
-}
-
-template <typename T, typename Row, typename Finish>
-void decode_matmul(const at::Tensor& x, int64_t n, at::Tensor& y, const Row& row,
-                   const Finish& finish) {
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> dx(rows * groups), xsum(rows * groups);
-  quantize_rows(xf.data_ptr<float>(), rows, k, xq.data(), dx.data(), xsum.data());
-  T* yp = y.data_ptr<T>();
-  WorkerPool::get().parallel_for(n, [&](int64_t begin, int64_t end) {
-    float part[kRowBlock];
-    for (int64_t j = begin; j < end; ++j) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        const int8_t* q = xq.data() + r0 * k;
-        const float* d = dx.data() + r0 * groups;
-        const int64_t nb = std::min(kRowBlock, rows - r0);
-        switch (nb) {
-          case 1: row_block<1>(row, j, q, d, part); break;
-          case 2: row_block<2>(row, j, q, d, part); break;
-          case 3: row_block<3>(row, j, q, d, part); break;
-          default: row_block<4>(row, j, q, d, part); break;
-        }
-        for (int64_t r = 0; r < nb; ++r) {
-          yp[(r0 + r) * n + j] = T(finish(j, part[r], xsum.data() + (r0 + r) * groups));
-        }
-      }
-    }
-  });
-}
-
-struct Int4Rows {
-  const uint8_t* wp;
-  const uint16_t* sp;
-  int64_t k, groups;
-  template <int NB>
-  void operator()(int64_t j, const int8_t* xq, const float* dx, float* part) const {
-    int4_row<NB>(wp + j * (k / 2), sp + j * groups, xq, dx, k, part);
-  }
-};
-
-struct Int8Rows {
-  const int8_t* wp;
-  int64_t k;
-  template <int NB>
-  void operator()(int64_t j, const int8_t* xq, const float* dx, float* part) const {
-    int8_row<NB>(wp + j * k, xq, dx, k, part);
-  }
-};
-
-template <typename T>
-void int4_small(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
-                const at::Tensor& zero, at::Tensor& y) {
-  const int64_t k = x.size(1), groups = k / kGroup;
-  const uint8_t* wp = nib.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
-  decode_matmul<T>(x, nib.size(0), y, Int4Rows{wp, sp, k, groups},
-                   [&](int64_t j, float part, const float* xsum) {
-                     return part + low_term(xsum, sp + j * groups, zp + j * groups, groups);
-                   });
-}
-
-// int8 weights [N, K] with one scale per output row (bf16).
-template <typename T>
-void int8_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                at::Tensor& y) {
-  const int64_t k = x.size(1);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  decode_matmul<T>(x, w.size(0), y, Int8Rows{wp, k},
-                   [&](int64_t j, float part, const float*) {
-                     return part * bf16_bits_to_float(sp[j]);
-                   });
-}
-
-// y = x @ w.T (+ bias) through the int8 decode kernel.
-at::Tensor int8_small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                             const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && w.size(1) == x.size(1),
-              "int8: x [rows, k] with k == weight columns, a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 decode kernel: bf16 scales");
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_small<c10::BFloat16>(x.contiguous(), w, scale, y);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "int8: bf16 or fp32 activations");
-    int8_small<float>(x.contiguous(), w, scale, y);
-  }
-  if (bias.numel()) y.add_(bias);
-  return y;
-}
-
-// y = x @ w.T (+ bias) through the decode kernel: int4 weights in our layout.
-at::Tensor int4_small_linear(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
-                             const at::Tensor& zero, const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.size(1) * 2 == x.size(1),
-              "int4: x [rows, k] with k == 2 * nibble columns, a multiple of 32");
-  at::Tensor y = at::empty({x.size(0), nib.size(0)}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    int4_small<c10::BFloat16>(x.contiguous(), nib, scale, zero, y);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
-    int4_small<float>(x.contiguous(), nib, scale, zero, y);
-  }
-  if (bias.numel()) y.add_(bias);
-  return y;
-}
+using namespace sgl_nb;
 
 enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
 
@@ -435,19 +38,22 @@ struct LinearSpec {
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
   const at::Tensor& bias = l.t.back();
   switch (l.kind) {
-    case kDense:
+    case kDense:  // bf16: ours (ATen's is slow without bf16 instructions); fp32: ATen's
+      if (l.t[0].scalar_type() == at::kBFloat16 && dense_kernel_takes(l.t[0])) {
+        return dense_linear(x, l.t[0], bias);
+      }
       return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
-    case kInt8:  // our kernel where it takes the shape and scales (never chosen by rows)
+    case kInt8:  // ours where it takes the shape and scales (never chosen by rows)
       if (l.t[0].size(1) % kGroup == 0 && l.t[1].scalar_type() == at::kBFloat16) {
-        return int8_small_linear(x, l.t[0], l.t[1], bias);
+        return int8_linear(x, l.t[0], l.t[1], bias);
       }
       {
         at::Tensor y = at::_weight_int8pack_mm(x, l.t[0], l.t[1]);
         if (bias.numel()) y.add_(bias);
         return y;
       }
-    case kInt4:  // our kernel where the layer has our layout, torch's otherwise
-      if (l.t[2].numel()) return int4_small_linear(x, l.t[2], l.t[3], l.t[4], bias);
+    case kInt4:  // ours where the layer has our layout, torch's otherwise
+      if (l.t[2].numel()) return int4_linear(x, l.t[2], l.t[3], l.t[4], bias);
       {
         at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, l.t[0], kGroup, l.t[1]);
         if (bias.numel()) y.add_(bias);
@@ -510,12 +116,7 @@ void rope_and_store(const T* qkv, const float* cos, const float* sin, const int6
 }
 
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#ifdef SGL_NB_AVX2
 template <typename T>
 inline float dot_head(const float* q, const T* k, int64_t d) {
   __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
@@ -827,15 +428,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_num_threads", [](int64_t n) { WorkerPool::get().threads.store(n); },
         "threads of this module's kernels (0: torch's setting)");
   m.def("decode_attention", &decode_attention_op);
+  m.def("dense_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+    pybind11::gil_scoped_release no_gil;
+    return dense_linear(x, w, bias);
+  });
   m.def("extend_attention", &extend_attention_op);
   m.def("int8_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;
-    return int8_small_linear(x, w, scale, bias);
+    return int8_linear(x, w, scale, bias);
   });
   m.def("int4_linear", [](const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scale,
                           const at::Tensor& zero, const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;
-    return int4_small_linear(x, nib, scale, zero, bias);
+    return int4_linear(x, nib, scale, zero, bias);
   });
 }

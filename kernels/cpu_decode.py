@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HEADERS = sorted(SOURCE.parent.glob("cpu_*.h"))
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -33,7 +35,9 @@ def available() -> bool:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    # Keyed by everything that goes into the build: a change of any of it builds afresh.
+    parts = [p.read_bytes() for p in (SOURCE, *HEADERS)] + [" ".join(CFLAGS).encode()]
+    key = hashlib.sha256(b"\0".join(parts) + torch.__version__.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SGL_NB_CACHE", Path.home() / ".cache" / "sgl_nb"))
     return cache / "ext" / f"cpu_decode-{key}"
 
@@ -61,7 +65,7 @@ def _build() -> ModuleType | None:
             sources=[str(SOURCE)],
             # -fopenmp for the `omp simd` loops (the build CI measured); the module's threads
             # are its own (WorkerPool), not OpenMP's.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,

@@ -10,14 +10,18 @@ fp32 always runs (the first table: ratios and targets). `--dtype bfloat16` and
 `--quantization int8 int4` add one row each to a second table, against the same fp32
 transformers baseline; with llama-cpp-python installed (and the default model) a last row
 measures llama.cpp on the default GGUF file.
+
+Each engine mode, transformers and llama.cpp run in a fresh process of their own, one
+after another: threads, thread pools and caches left by one never slow the next.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -158,39 +162,70 @@ def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list
             "shared_prefix_s": shared_s, "threads": threads}
 
 
-def run_engine_bench(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process (spawned, not forked: nothing of this one's
+    threads or memory), its result returned."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
-    from sgl_nb import Runtime
+
+def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]]]:
+    """The one-stream prompt and the shared-prefix prompts, as token ids."""
+    from transformers import AutoTokenizer
+
     from sgl_nb.runtime.model_loader import resolve_model_path
 
-    modes = bench_modes(args)
-    path = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     ids = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": STREAM_PROMPT}], tokenize=False, add_generation_prompt=True))
-    prompts = shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
+    return ids, shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
 
+
+def ours_in_process(args: argparse.Namespace, dtype: str | None, quant: str | None) -> dict:
+    from sgl_nb import Runtime
+
+    ids, prompts = workload(args)
+    rt = Runtime(args.model, dtype=dtype, quantization=quant)
+    try:
+        return measure_ours(rt, args, ids, prompts)
+    finally:
+        rt.shutdown()
+
+
+def hf_in_process(args: argparse.Namespace) -> tuple[float, float]:
+    """(one-stream seconds, shared-prefix seconds) of transformers fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgl_nb.runtime.model_loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    ids, prompts = workload(args)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return hf_one_stream(hf, ids, args.new_tokens), hf_batched(hf, tok, prompts,
+                                                              args.shared_new_tokens)
+
+
+def llama_in_process(args: argparse.Namespace):
+    ids, prompts = workload(args)
+    return llama_cpp_bench(args, ids, prompts)
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    modes = bench_modes(args)
+    steps = len(modes) + 1 + (args.model is None)
     ours = {}
     for i, (label, dtype, quant) in enumerate(modes, 1):
-        print(f"{i}/{len(modes) + 1} ours, {label}: one stream, then shared prefix ...",
-              flush=True)
-        rt = Runtime(args.model, dtype=dtype, quantization=quant)
-        ours[label] = measure_ours(rt, args, ids, prompts)
-        rt.shutdown()
-        del rt
-        gc.collect()
-
-    print(f"{len(modes) + 1}/{len(modes) + 1} transformers (fp32): one stream, then shared "
-          "prefix ...", flush=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    hf_s = hf_one_stream(hf, ids, args.new_tokens)
-    hf_batch = hf_batched(hf, tok, prompts, args.shared_new_tokens)
-    del hf
-    gc.collect()
+        print(f"{i}/{steps} ours, {label}: one stream, then shared prefix ...", flush=True)
+        ours[label] = in_fresh_process(ours_in_process, args, dtype, quant)
+    print(f"{len(modes) + 1}/{steps} transformers (fp32): one stream, then shared prefix ...",
+          flush=True)
+    hf_s, hf_batch = in_fresh_process(hf_in_process, args)
     llama = None
     if args.model is None:
-        llama = llama_cpp_bench(args, ids, prompts)
+        print(f"{steps}/{steps} llama.cpp: one stream, then the shared-prefix requests one "
+              "after another ...", flush=True)
+        llama = in_fresh_process(llama_in_process, args)
     else:
         print("llama.cpp: measured on the default model only (its GGUF file)", flush=True)
 

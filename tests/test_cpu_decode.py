@@ -121,15 +121,32 @@ def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,tol", [({}, 1e-4), ({"dtype": "bfloat16"}, 0.05),
-                                      ({"quantization": "int4"}, 0.05)])
-def test_decode_step_matches_the_torch_path(model_path, mode, tol):
-    """The same linear layers on both paths (int4: our kernel either way); the rest (norms,
-    RoPE, attention, SiLU) differs only in rounding."""
-    model = Model.load(model_path, **mode)
+def test_decode_step_matches_the_torch_path_in_fp32(model_path):
+    """The same linear layers on both paths; the rest (norms, RoPE, attention, SiLU)
+    differs only in fp32 rounding."""
+    model = Model.load(model_path)
     want, got = decode_logits(model, fused=False), decode_logits(model, fused=True)
     for w, g in zip(want, got):
-        assert (w - g).abs().max() < tol * w.abs().max()
-        # The same greedy token, or a near-tie on the torch path.
-        top, picked = w.max(-1).values, w.gather(1, g.argmax(-1, keepdim=True))[:, 0]
-        assert (top - picked <= tol * w.abs().max()).all()
+        assert (w - g).abs().max() < 1e-4 * w.abs().max()
+        assert torch.equal(w.argmax(-1), g.argmax(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [{"dtype": "bfloat16"}, {"quantization": "int8"},
+                                  {"quantization": "int4"}])
+def test_decode_step_is_as_accurate_as_the_torch_path(model_path, mode):
+    """In 16-bit modes the two paths round differently after every layer, and over 30
+    layers those differences grow to the size of the mode's own error (about 1 logit in
+    int8, measured): so each is measured against fp32, and the fused path must be about as
+    close to it as the torch path is, step by step."""
+    ref = decode_logits(Model.load(model_path), fused=False)
+    model = Model.load(model_path, **mode)
+    want, got = decode_logits(model, fused=False), decode_logits(model, fused=True)
+    for r, w, g in zip(ref, want, got):
+        err_torch, err_fused = (w - r).abs().max(), (g - r).abs().max()
+        print(f"{mode}: max logit error vs fp32, torch path {err_torch:.2f}, "
+              f"fused {err_fused:.2f}")
+        assert err_fused <= 1.5 * err_torch + 0.01 * r.abs().max()
+        # The fused path's greedy token is fp32's, or near-tied with it there.
+        top, picked = r.max(-1).values, r.gather(1, g.argmax(-1, keepdim=True))[:, 0]
+        assert (top - picked <= 2 * err_torch).all()

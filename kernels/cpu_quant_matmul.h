@@ -1,0 +1,402 @@
+// int4 and int8 weight-only matmuls on the CPU, y = x @ w.T, for one row (decode) or many
+// (prefill, batched decode): the same kernel at every size.
+//
+// int4 weights in groups of 32 inputs: w = (q - 8) * scale + zero, q in 0..15, scale and
+// zero in bf16 (the values torch's int4 kernel computes with; the group minimum
+// zero - 8 scale is computed in fp32, as rounding it to bf16 costs accuracy in groups with an
+// outlier). Our own layout: per row, 16 bytes per group, byte i holding input i in its low
+// nibble and input i + 16 in its high one, so that one shift and one mask give the group's
+// 32 values in order; scale and zero [N, G] beside it, G rounded up to 8 with zeros (whole
+// vectors only: a scalar tail of 2 groups at K = 576 cost a third of the time, measured).
+//
+// int8 weights are torch's [N, K] with a bf16 scale per output row.
+//
+// As llama.cpp does on CPUs without wider integer dot products, each row of x is quantized
+// per group of 32 to int8 (xq * dx, dx = max|x| / 127), so that one group of one output is
+// a u8 x s8 dot product (maddubs): y = sum_g scale_g dx_g (q . xq)_g + (zero_g - 8 scale_g)
+// sum_g(x).
+//
+// Blocks of up to 4 rows of x times NC weight rows share their loads: each weight group is
+// unpacked once per block, each activation group loaded once per block. Every output is
+// the same sequence of operations whatever block it falls in (its own accumulator, groups in
+// order, one horizontal sum), so a row's result never depends on the other rows: a request
+// decodes to the same bits in any batch, and prefill computes the bits decode would.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_simd.h"
+#include "cpu_worker_pool.h"
+
+namespace sgl_nb {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxRowBlock = 4;
+
+// Rows of x per pass over a thread's weight rows: enough that their int8 copy (~16 KB)
+// stays in L1 while a block of weight rows meets all of them.
+inline int64_t row_chunk(int64_t row_bytes) {
+  return std::max<int64_t>(4, 16384 / row_bytes / 4 * 4);
+}
+
+// x rounded per row and group of 32: xq int8 [rows, k]; dx and the sum of the rounded
+// values (dx * sum xq) [rows, stride], stride = groups rounded up to 8, zero beyond. The
+// rounded sum, not the exact one: int4's q is 0..15, not centred, and its rounding errors
+// then cancel against the zero-point term's (as in llama.cpp's Q8_1); with the exact sum the
+// error measured 3x larger.
+struct QuantizedRows {
+  int64_t rows = 0, k = 0, groups = 0, stride = 0;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xsum;
+};
+
+// One group of 32 values: its int8 values, step and rounded sum. Rounds to nearest even,
+// as std::nearbyint does in the default rounding mode.
+template <typename T>
+inline void quantize_group(const T* v, int8_t* q, float* d_out, float* sum_out) {
+#ifdef SGL_NB_AVX2
+  __m256 a[4];
+  for (int i = 0; i < 4; ++i) a[i] = load8(v + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 m = _mm256_max_ps(
+      _mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+      _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m256 iv = _mm256_set1_ps(inv);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], iv));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                     _mm256_add_epi32(qi[2], qi[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_hadd_epi32(t, t);
+  t = _mm_hadd_epi32(t, t);
+  // packs interleave the two 128-bit lanes; the permute puts the 32 bytes back in order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                       _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d_out = d;
+  *sum_out = d * static_cast<float>(_mm_cvtsi128_si32(t));
+#else
+  float amax = 0.f;
+  for (int64_t e = 0; e < kGroup; ++e) amax = std::max(amax, std::fabs(float(v[e])));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t qsum = 0;
+  for (int64_t e = 0; e < kGroup; ++e) {
+    q[e] = static_cast<int8_t>(std::nearbyint(float(v[e]) * inv));
+    qsum += q[e];
+  }
+  *d_out = d;
+  *sum_out = d * static_cast<float>(qsum);
+#endif
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+  QuantizedRows q;
+  q.rows = rows;
+  q.k = k;
+  q.groups = k / kGroup;
+  q.stride = (q.groups + 7) / 8 * 8;
+  q.xq.resize(rows * k);
+  q.dx.assign(rows * q.stride, 0.f);
+  q.xsum.assign(rows * q.stride, 0.f);
+  auto part = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < q.groups; ++g) {
+        quantize_group(x + r * k + g * kGroup, q.xq.data() + r * k + g * kGroup,
+                       q.dx.data() + r * q.stride + g, q.xsum.data() + r * q.stride + g);
+      }
+    }
+  };
+  if (rows >= 8) {
+    WorkerPool::get().parallel_for(rows, part);
+  } else {
+    part(0, rows);
+  }
+  return q;
+}
+
+// out[g] = scale[g] * dx[g] for g < stride (a multiple of 8): one (row, weight row) pair's
+// factor per group.
+inline void group_factors(const uint16_t* scale, const float* dx, int64_t stride, float* out) {
+#ifdef SGL_NB_AVX2
+  for (int64_t g = 0; g < stride; g += 8) {
+    _mm256_storeu_ps(out + g, _mm256_mul_ps(load8(scale + g), _mm256_loadu_ps(dx + g)));
+  }
+#else
+  for (int64_t g = 0; g < stride; ++g) out[g] = bf16_bits_to_float(scale[g]) * dx[g];
+#endif
+}
+
+#ifdef SGL_NB_AVX2
+// sum over groups [0, stride) of xsum_g * (zero_g - 8 scale_g): the part of an int4 output
+// that does not depend on q (stride a multiple of 8; zeros beyond the last group).
+inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
+                      int64_t stride) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < stride; g += 8) {
+    const __m256 low = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8(scale + g), load8(zero + g));
+    acc = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), acc);
+  }
+  return hsum(acc);
+}
+
+// NR rows of xq (row stride k) against NC int4 weight rows (row stride ws bytes):
+// out[r * NC + c] = sum_g f[r][c][g] (q_c . xq_r)_g, f [NR * NC, fs] from group_factors.
+template <int NR, int NC>
+inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
+                       const float* f, int64_t fs, float* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);  // the upper 16 bytes: high nibbles
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m256i q[NC];
+    for (int c = 0; c < NC; ++c) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * ws + g * 16));
+      q[c] = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(b), shift), mask);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256i x =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
+      for (int c = 0; c < NC; ++c) {
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], x), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                    _mm256_broadcast_ss(f + (r * NC + c) * fs + g), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+}
+
+// NR rows of xq against NC int8 weight rows (row stride k): out[r * NC + c] =
+// sum_g dx[r][g] (w_c . xq_r)_g. maddubs takes one unsigned operand: |w| times x carrying
+// w's sign (w is never -128).
+template <int NR, int NC>
+inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float* dx,
+                       int64_t ds, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m256i wv[NC], wabs[NC];
+    for (int c = 0; c < NC; ++c) {
+      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * k + g * kGroup));
+      wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256i x =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
+      const __m256 d = _mm256_broadcast_ss(dx + r * ds + g);
+      for (int c = 0; c < NC; ++c) {
+        const __m256i dot =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(x, wv[c])), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+}
+#else
+inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
+                      int64_t stride) {
+  float z = 0.f;
+  for (int64_t g = 0; g < stride; ++g) {
+    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
+  }
+  return z;
+}
+
+template <int NR, int NC>
+inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
+                       const float* f, int64_t fs, float* out) {
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      float y = 0.f;
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        const uint8_t* b = w + c * ws + g * 16;
+        const int8_t* x = xq + r * k + g * kGroup;
+        int32_t dot = 0;
+        for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[16 + i];
+        y += static_cast<float>(dot) * f[(r * NC + c) * fs + g];
+      }
+      out[r * NC + c] = y;
+    }
+  }
+}
+
+template <int NR, int NC>
+inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float* dx,
+                       int64_t ds, float* out) {
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      float y = 0.f;
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        int32_t dot = 0;
+        for (int i = 0; i < kGroup; ++i) dot += w[c * k + g * kGroup + i] * xq[r * k + g * kGroup + i];
+        y += static_cast<float>(dot) * dx[r * ds + g];
+      }
+      out[r * NC + c] = y;
+    }
+  }
+}
+#endif
+
+// int4 weights in our layout against quantized rows; scale and zero [N, x.stride].
+struct Int4Weights {
+  const uint8_t* nib;
+  const uint16_t *scale, *zero;
+  const QuantizedRows& x;
+
+  template <int NR, int NC>
+  void block(int64_t j0, int64_t r0, float* out, float* f) const {
+    const int64_t s = x.stride;
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NC; ++c)
+        group_factors(scale + (j0 + c) * s, x.dx.data() + (r0 + r) * s, s, f + (r * NC + c) * s);
+    int4_block<NR, NC>(nib + j0 * (x.k / 2), x.k / 2, x.xq.data() + r0 * x.k, x.k, f, s, out);
+  }
+  float finish(int64_t j, int64_t r, float part) const {
+    const int64_t s = x.stride;
+    return part + low_term(x.xsum.data() + r * s, scale + j * s, zero + j * s, s);
+  }
+};
+
+// int8 weights [N, K], a bf16 scale per output row, against quantized rows.
+struct Int8Weights {
+  const int8_t* w;
+  const uint16_t* scale;
+  const QuantizedRows& x;
+
+  template <int NR, int NC>
+  void block(int64_t j0, int64_t r0, float* out, float*) const {
+    int8_block<NR, NC>(w + j0 * x.k, x.k, x.xq.data() + r0 * x.k, x.dx.data() + r0 * x.stride,
+                       x.stride, out);
+  }
+  float finish(int64_t j, int64_t, float part) const {
+    return part * bf16_bits_to_float(scale[j]);
+  }
+};
+
+template <int NC, typename Weights>
+inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, float* out,
+                       float* f) {
+  switch (nr) {
+    case 1: w.template block<1, NC>(j0, r0, out, f); break;
+    case 2: w.template block<2, NC>(j0, r0, out, f); break;
+    case 3: w.template block<3, NC>(j0, r0, out, f); break;
+    default: w.template block<4, NC>(j0, r0, out, f); break;
+  }
+}
+
+// y [rows, n] = T(finish(j, r, part)) for every output, the weight rows in blocks of NC
+// split among the threads; a last partial block goes one weight row at a time.
+template <int NC, typename T, typename Weights>
+void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
+  const int64_t blocks = (n + NC - 1) / NC, stride = w.x.stride;
+  WorkerPool::get().parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+    float part[kMaxRowBlock * NC];
+    std::vector<float> f(kMaxRowBlock * NC * stride);
+    auto store = [&](int64_t j0, int64_t width, int64_t r0, int64_t nr) {
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < width; ++c)
+          y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * width + c]));
+    };
+    const int64_t chunk = row_chunk(w.x.k);
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t c1 = std::min(rows, c0 + chunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
+        for (int64_t r0 = c0; r0 < c1; r0 += kMaxRowBlock) {
+          const int64_t nr = std::min(kMaxRowBlock, c1 - r0);
+          if (nc == NC) {
+            rows_block<NC>(w, nr, j0, r0, part, f.data());
+            store(j0, NC, r0, nr);
+            continue;
+          }
+          for (int64_t j = j0; j < j0 + nc; ++j) {
+            rows_block<1>(w, nr, j, r0, part, f.data());
+            store(j, 1, r0, nr);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Four weight rows per block when x has one row (decode at batch 1: the activations are
+// loaded once per four outputs); two otherwise (four rows of x times two: 8 accumulators).
+template <typename T, typename Weights>
+void quant_matmul_any(const Weights& w, int64_t rows, int64_t n, T* y) {
+  if (rows == 1) {
+    quant_matmul<4>(w, rows, n, y);
+  } else {
+    quant_matmul<2>(w, rows, n, y);
+  }
+}
+
+// y = x @ w.T (+ bias), int8 weights [N, K] with a bf16 scale per row; x bf16 or fp32.
+inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
+                              const at::Tensor& scale, const at::Tensor& bias) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && w.size(1) == x.size(1),
+              "int8: x [rows, k] with k == weight columns, a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 kernel: bf16 scales");
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  if (x.scalar_type() == at::kBFloat16) {
+    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k);
+    quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n,
+                     y.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "int8: bf16 or fp32 activations");
+    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k);
+    quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n, y.data_ptr<float>());
+  }
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+
+// y = x @ w.T (+ bias), int4 weights in our layout (nibbles [N, K/2], scale and zero bf16
+// [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32.
+inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
+                              const at::Tensor& scale, const at::Tensor& zero,
+                              const at::Tensor& bias) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.size(1) * 2 == x.size(1),
+              "int4: x [rows, k] with k == 2 * nibble columns, a multiple of 32");
+  TORCH_CHECK(scale.size(1) == (x.size(1) / kGroup + 7) / 8 * 8 && zero.sizes() == scale.sizes(),
+              "int4: scale and zero [N, groups rounded up to 8]");
+  at::Tensor y = at::empty({x.size(0), nib.size(0)}, x.options());
+  const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0);
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
+  if (x.scalar_type() == at::kBFloat16) {
+    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k);
+    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
+                     y.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
+    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k);
+    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
+                     y.data_ptr<float>());
+  }
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+
+}  // namespace sgl_nb
