@@ -2,8 +2,8 @@
 //
 // Why: at batch 1 the weight matmuls of the default model take 6-17 ms per step, while the
 // ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch. Here
-// the matmuls are the same calls the torch path makes (cpu_quant_matmul.h for int8/int4,
-// cpu_dense_matmul.h for bf16, ATen for fp32) and everything between them (RMSNorm, RoPE,
+// the matmuls are the kernels the torch path's decode calls (cpu_quant_matmul.h for
+// int8/int4, cpu_dense_matmul.h for fp32/bf16) and everything between them (RMSNorm, RoPE,
 // the KV store, paged attention, SiLU, the residual adds) is a plain loop over a few
 // thousand numbers.
 //
@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_dense_matmul.h"
@@ -38,10 +39,8 @@ struct LinearSpec {
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
   const at::Tensor& bias = l.t.back();
   switch (l.kind) {
-    case kDense:  // bf16: ours (ATen's is slow without bf16 instructions); fp32: ATen's
-      if (l.t[0].scalar_type() == at::kBFloat16 && dense_kernel_takes(l.t[0])) {
-        return dense_linear(x, l.t[0], bias);
-      }
+    case kDense:  // ours, as DenseLinear.decode: the fused step is decode only
+      if (dense_kernel_takes(l.t[0])) return dense_linear(x, l.t[0], bias);
       return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     case kInt8:  // ours where it takes the shape and scales (never chosen by rows)
       if (l.t[0].size(1) % kGroup == 0 && l.t[1].scalar_type() == at::kBFloat16) {
@@ -117,18 +116,39 @@ void rope_and_store(const T* qkv, const float* cos, const float* sin, const int6
 
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
 #ifdef SGL_NB_AVX2
-template <typename T>
-inline float dot_head(const float* q, const T* k, int64_t d) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
-  for (int64_t i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
-  return hsum(acc);
-}
-template <typename T>
-inline void axpy_head(float p, const T* v, float* a, int64_t d) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t i = 0; i < d; i += 8) {
-    _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(a + i)));
+// Scores of GN query heads (row stride d, fp32) against one key: out[g * stride]. The key
+// is widened once for all GN heads; each score is the same sum as a lone dot product (its
+// own 8 lanes over d in order, then one horizontal sum).
+template <int GN, typename T>
+inline void scores_of_key(const float* q, const T* k, int64_t d, float* out, int64_t stride) {
+  __m256 acc[GN];
+  __m256 kv = load8(k);
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d), kv);
+  for (int64_t i = 8; i < d; i += 8) {
+    kv = load8(k + i);
+    for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
   }
+  for (int g = 0; g < GN; ++g) out[g * stride] = hsum(acc[g]);
+}
+
+// out[g][e0 : e0 + 8 NV] = sum_j p[g * stride + j] v_j[e0 : ...] over `len` value rows,
+// for GN heads, in registers; each output the same fma chain over j as a lone axpy loop.
+template <int GN, int NV, typename T>
+inline void weighted_values(const float* p, int64_t stride, const T* const* v, int64_t len,
+                            int64_t e0, float* out, int64_t d) {
+  __m256 o[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int m = 0; m < NV; ++m) o[g][m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    __m256 vv[NV];
+    for (int m = 0; m < NV; ++m) vv[m] = load8(v[j] + e0 + 8 * m);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 pj = _mm256_set1_ps(p[g * stride + j]);
+      for (int m = 0; m < NV; ++m) o[g][m] = _mm256_fmadd_ps(pj, vv[m], o[g][m]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int m = 0; m < NV; ++m) _mm256_storeu_ps(out + g * d + e0 + 8 * m, o[g][m]);
 }
 
 // exp on 8 lanes (Cephes' expf: 2^k times a degree-5 polynomial on |r| <= ln2 / 2, about
@@ -180,15 +200,24 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t len) {
   }
   return {m, sum};
 }
-template <typename T>
-inline float dot_head(const float* q, const T* k, int64_t d) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * float(k[i]);
-  return acc;
+template <int GN, typename T>
+inline void scores_of_key(const float* q, const T* k, int64_t d, float* out, int64_t stride) {
+  for (int g = 0; g < GN; ++g) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < d; ++i) acc += q[g * d + i] * float(k[i]);
+    out[g * stride] = acc;
+  }
 }
-template <typename T>
-inline void axpy_head(float p, const T* v, float* a, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) a[i] += p * float(v[i]);
+template <int GN, int NV, typename T>
+inline void weighted_values(const float* p, int64_t stride, const T* const* v, int64_t len,
+                            int64_t e0, float* out, int64_t d) {
+  for (int g = 0; g < GN; ++g) {
+    for (int64_t e = e0; e < e0 + 8 * NV; ++e) {
+      float o = 0.f;
+      for (int64_t j = 0; j < len; ++j) o += p[g * stride + j] * float(v[j][e]);
+      out[g * d + e] = o;
+    }
+  }
 }
 #endif
 
@@ -198,6 +227,17 @@ inline void axpy_head(float p, const T* v, float* a, int64_t d) {
 // split gives two cores work at batch 1, and a request's result does not depend on the rest
 // of the batch.
 constexpr int64_t kChunk = 128;
+
+// f(std::integral_constant<int, min(left, 4)>): up to four query heads at a time.
+template <typename F>
+inline void head_block(int64_t left, const F& f) {
+  switch (std::min<int64_t>(left, 4)) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
+}
 
 // Query b attends to the slots indices[starts[b]:ends[b]]; chunks count from starts[b] (the
 // request's first token), so a token's result is the same in prefill and in any batch.
@@ -218,16 +258,21 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
     }
   }
   const int64_t n = static_cast<int64_t>(tasks.size());
-  std::vector<float> mx(n * group), sum(n * group), acc(n * group * d, 0.f);
+  std::vector<float> mx(n * group), sum(n * group), acc(n * group * d);
   WorkerPool::get().parallel_for(n, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * kChunk);
+    std::vector<const T*> rows(kChunk);  // the task's K (then V) rows
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t len = task.end - task.begin;
       const float* q = qf + (task.b * s.heads + task.kvh * group) * d;
       for (int64_t j = 0; j < len; ++j) {
-        const T* k = kbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + j] = dot_head(q + g * d, k, d);
+        rows[j] = kbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
+        for (int64_t g = 0; g < group; g += 4) {
+          head_block(group - g, [&](auto gn) {
+            scores_of_key<gn()>(q + g * d, rows[j], d, scores.data() + g * len + j, len);
+          });
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         const auto [m, l] = exp_shifted(scores.data() + g * len, len);
@@ -235,10 +280,19 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
         sum[t * group + g] = l;
       }
       for (int64_t j = 0; j < len; ++j) {
-        const T* v = vbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          axpy_head(scores[g * len + j], v, acc.data() + (t * group + g) * d, d);
-        }
+        rows[j] = vbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
+      }
+      float* o = acc.data() + t * group * d;
+      for (int64_t g = 0; g < group; g += 4) {
+        head_block(group - g, [&](auto gn) {
+          int64_t e = 0;
+          for (; e + 16 <= d; e += 16) {
+            weighted_values<gn(), 2>(scores.data() + g * len, len, rows.data(), len, e,
+                                     o + g * d, d);
+          }
+          if (e < d) weighted_values<gn(), 1>(scores.data() + g * len, len, rows.data(), len, e,
+                                              o + g * d, d);
+        });
       }
     }
   });

@@ -67,16 +67,18 @@ def resolve_dtype(
 class DenseLinear:
     """Plain weight matmul (fp32 or bf16 weights), optional bias.
 
-    bf16 on CPU takes kernels/cpu_dense_matmul.h's kernel for every call (ATen's bf16 matmul
-    runs at a third of its fp32 speed on CPUs without bf16 instructions, measured); like the
-    quantized ones it gives each row the same bits in any batch. fp32 keeps ATen's GEMM.
+    On CPU, kernels/cpu_dense_matmul.h's kernel serves every bf16 call (ATen's bf16 matmul
+    runs at a third of its fp32 speed on CPUs without bf16 instructions, measured) and fp32
+    decode steps (`decode`: it reads the weight at the memory's speed, ATen's fp32 GEMV at
+    about half of it, measured); fp32 prefill keeps ATen's GEMM (1.5x ours beyond 64 rows).
+    Like the quantized kernels it gives each row the same bits in any batch.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
-        usable = (self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16
-                  and self.in_features % 8 == 0)
+        usable = (self.weight.device.type == "cpu" and self.in_features % 8 == 0
+                  and self.weight.dtype in (torch.float32, torch.bfloat16))
         self._ext = cpu_decode.load() if usable and cpu_decode.available() else None
         self._no_bias = torch.empty(0)
 
@@ -89,10 +91,18 @@ class DenseLinear:
         return self.weight.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._ext is not None and x.dtype == torch.bfloat16:
-            bias = self._no_bias if self.bias is None else self.bias
-            return self._ext.dense_linear(x, self.weight, bias)
+        if self._ext is not None and self.weight.dtype == torch.bfloat16:
+            return self._ext.dense_linear(x, self.weight, self._bias_or_none())
         return F.linear(x, self.weight, self.bias)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The call for a decode step's rows (a phase, never a row count, picks the kernel)."""
+        if self._ext is not None:
+            return self._ext.dense_linear(x, self.weight, self._bias_or_none())
+        return F.linear(x, self.weight, self.bias)
+
+    def _bias_or_none(self) -> torch.Tensor:
+        return self._no_bias if self.bias is None else self.bias
 
 
 class Int8Linear:
@@ -129,6 +139,8 @@ class Int8Linear:
         if self.bias is not None:
             y += self.bias  # in place: no second output tensor
         return y
+
+    decode = __call__  # one kernel for every phase
 
 
 class Int4Linear:
@@ -192,6 +204,8 @@ class Int4Linear:
             y += self.bias
         return y
 
+    decode = __call__  # one kernel for every phase
+
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     """runtime/quantize.py's int4 bytes -> cpu_decode.cpp's: per group of 32 inputs, byte i
@@ -229,8 +243,8 @@ class LogitsHead:
         self.weight16 = weight16  # None: fp32 activations, the matmul is already exact
         self.refine = min(refine, linear.out_features)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.linear(h).float()
+    def __call__(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        logits = (self.linear.decode(h) if decode else self.linear(h)).float()
         if self.weight16 is None:
             return logits
         top = logits.topk(self.refine, dim=-1, sorted=False).indices  # [T, r]
