@@ -138,23 +138,15 @@ inline void group_factors(const uint16_t* scale, const float* dx, int64_t stride
 }
 
 #ifdef SGL_NB_AVX2
-// sum over groups [0, stride) of xsum_g * (zero_g - 8 scale_g): the part of an int4 output
-// that does not depend on q (stride a multiple of 8; zeros beyond the last group).
-inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
-                      int64_t stride) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < stride; g += 8) {
-    const __m256 low = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8(scale + g), load8(zero + g));
-    acc = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), acc);
-  }
-  return hsum(acc);
-}
-
 // NR rows of xq (row stride k) against NC int4 weight rows (row stride ws bytes):
-// out[r * NC + c] = sum_g f[r][c][g] (q_c . xq_r)_g, f [NR * NC, fs] from group_factors.
+// out[r * NC + c] = sum_g f[r][c][g] (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg), f
+// [NR * NC, fs] from group_factors; scale, zero (weight rows) and xsum (rows of x) have row
+// stride fs. The second sum, the part that does not depend on q, goes into the same
+// accumulator eight groups at a time before the one horizontal sum.
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
-                       const float* f, int64_t fs, float* out) {
+                       const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
+                       const float* xsum, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);  // the upper 16 bytes: high nibbles
   __m256 acc[NR][NC];
@@ -173,6 +165,15 @@ inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], x), ones);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                     _mm256_broadcast_ss(f + (r * NC + c) * fs + g), acc[r][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < fs; g += 8) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256 low = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8(scale + c * fs + g),
+                                          load8(zero + c * fs + g));
+      for (int r = 0; r < NR; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + r * fs + g), acc[r][c]);
       }
     }
   }
@@ -211,18 +212,10 @@ inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float
     for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
 }
 #else
-inline float low_term(const float* xsum, const uint16_t* scale, const uint16_t* zero,
-                      int64_t stride) {
-  float z = 0.f;
-  for (int64_t g = 0; g < stride; ++g) {
-    z += xsum[g] * (bf16_bits_to_float(zero[g]) - 8.f * bf16_bits_to_float(scale[g]));
-  }
-  return z;
-}
-
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
-                       const float* f, int64_t fs, float* out) {
+                       const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
+                       const float* xsum, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
@@ -232,6 +225,11 @@ inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k
         int32_t dot = 0;
         for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[16 + i];
         y += static_cast<float>(dot) * f[(r * NC + c) * fs + g];
+      }
+      for (int64_t g = 0; g < fs; ++g) {
+        const float low = bf16_bits_to_float(zero[c * fs + g]) -
+                          8.f * bf16_bits_to_float(scale[c * fs + g]);
+        y += xsum[r * fs + g] * low;
       }
       out[r * NC + c] = y;
     }
@@ -267,12 +265,10 @@ struct Int4Weights {
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c)
         group_factors(scale + (j0 + c) * s, x.dx.data() + (r0 + r) * s, s, f + (r * NC + c) * s);
-    int4_block<NR, NC>(nib + j0 * (x.k / 2), x.k / 2, x.xq.data() + r0 * x.k, x.k, f, s, out);
+    int4_block<NR, NC>(nib + j0 * (x.k / 2), x.k / 2, x.xq.data() + r0 * x.k, x.k, f, s,
+                       scale + j0 * s, zero + j0 * s, x.xsum.data() + r0 * s, out);
   }
-  float finish(int64_t j, int64_t r, float part) const {
-    const int64_t s = x.stride;
-    return part + low_term(x.xsum.data() + r * s, scale + j * s, zero + j * s, s);
-  }
+  float finish(int64_t, int64_t, float part) const { return part; }
 };
 
 // int8 weights [N, K], a bf16 scale per output row, against quantized rows.
