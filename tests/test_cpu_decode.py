@@ -12,7 +12,7 @@ import torch
 
 from sgl_nb.kernels import cpu_decode, reference
 from sgl_nb.runtime.forward_batch import build_batch
-from sgl_nb.runtime.linear import Int4Linear, Int8Linear, make_linear
+from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, make_linear
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.quantize import dequantize, quantize
 
@@ -90,14 +90,45 @@ def test_quantized_kernel_matches_the_dequantized_weight(quantization, rows):
     assert (got - want).abs().mean() < 0.02 * want.abs().mean()
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization):
-    layer, _ = quantized_layer(quantization, 96, 1536, seed=1)
+@pytest.mark.parametrize("quantization,n", [("int8", 96), ("int8", 90), ("int4", 96)])
+def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n):
+    """n = 90: a last block of weight rows narrower than the kernel's."""
+    layer, _ = quantized_layer(quantization, n, 1536, seed=1)
     x = torch.randn(7, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
     batch = layer(x)
     for i in range(7):
         assert torch.equal(layer(x[i : i + 1])[0], batch[i])
         assert torch.equal(layer(x[i:])[0], batch[i])
+
+
+def dense_layer(dtype: torch.dtype, n: int, k: int) -> DenseLinear:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05
+    layer = DenseLinear(w.to(dtype))
+    assert layer._ext is not None  # our kernel, not ATen's
+    return layer
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 40])
+def test_dense_kernel_matches_torch(dtype, tol, rows):
+    """101 weight rows (a narrower last block), rows of x across block and chunk edges; bf16
+    rounds only its output (fp32 accumulation)."""
+    layer = dense_layer(dtype, 101, 576)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    want = x.float() @ layer.weight.float().T
+    for got in (layer.decode(x), layer(x)):
+        assert got.dtype == dtype
+        assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_kernel_gives_a_row_the_same_bits_in_any_batch(dtype):
+    layer = dense_layer(dtype, 101, 1536)
+    x = torch.randn(15, 1536, generator=torch.Generator().manual_seed(3)).to(dtype)
+    batch = layer.decode(x)
+    for i in range(15):
+        assert torch.equal(layer.decode(x[i : i + 1])[0], batch[i])
+        assert torch.equal(layer.decode(x[i:])[0], batch[i])
 
 
 def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tensor]:
