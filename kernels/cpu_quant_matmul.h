@@ -36,7 +36,8 @@
 namespace sgl_nb {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRowBlock = 4;
+// Rows of x per block: 4 (8 accumulators with 2 weight rows; 5 or 6 spill, measured slower).
+constexpr int kMaxRowBlock = 4;
 
 // Rows of x per pass over a thread's weight rows: enough that their int8 copy (~16 KB)
 // stays in L1 while a block of weight rows meets all of them.
@@ -287,15 +288,14 @@ struct Int8Weights {
   }
 };
 
-template <int NC, typename Weights>
+// w.block<nr, NC> for a run-time nr <= NR (a template instance per count).
+template <int NR, int NC, typename Weights>
 inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, float* out,
                        float* f) {
-  switch (nr) {
-    case 1: w.template block<1, NC>(j0, r0, out, f); break;
-    case 2: w.template block<2, NC>(j0, r0, out, f); break;
-    case 3: w.template block<3, NC>(j0, r0, out, f); break;
-    default: w.template block<4, NC>(j0, r0, out, f); break;
+  if constexpr (NR > 1) {
+    if (nr < NR) return rows_block<NR - 1, NC>(w, nr, j0, r0, out, f);
   }
+  w.template block<NR, NC>(j0, r0, out, f);
 }
 
 // y [rows, n] = T(finish(j, r, part)) for every output, the weight rows in blocks of NC
@@ -317,14 +317,14 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
         for (int64_t r0 = c0; r0 < c1; r0 += kMaxRowBlock) {
-          const int64_t nr = std::min(kMaxRowBlock, c1 - r0);
+          const int64_t nr = std::min<int64_t>(kMaxRowBlock, c1 - r0);
           if (nc == NC) {
-            rows_block<NC>(w, nr, j0, r0, part, f.data());
+            rows_block<kMaxRowBlock, NC>(w, nr, j0, r0, part, f.data());
             store(j0, NC, r0, nr);
             continue;
           }
           for (int64_t j = j0; j < j0 + nc; ++j) {
-            rows_block<1>(w, nr, j, r0, part, f.data());
+            rows_block<kMaxRowBlock, 1>(w, nr, j, r0, part, f.data());
             store(j, 1, r0, nr);
           }
         }
