@@ -17,9 +17,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_quant_matmul.h"  // row_chunk
 #include "cpu_simd.h"
-#include "cpu_worker_pool.h"
+#include "cpu_tiles.h"
 
 namespace sgl_nb {
 
@@ -67,36 +66,17 @@ inline void dense_rows_block(const W* w, const float* x, int64_t k, int64_t nr, 
   dense_block<NR, NC>(w, x, k, out);
 }
 
-// y [rows, n] = T(x @ w.T), x fp32 [rows, k]; weight rows in blocks of NC per thread, rows
-// of x in blocks of up to NR.
+// y [rows, n] = T(x @ w.T), x fp32 [rows, k]; weight rows in blocks of NC, rows of x in
+// blocks of up to NR.
 template <int NR, int NC, typename W, typename T>
 void dense_matmul(const W* w, const float* x, int64_t rows, int64_t n, int64_t k, T* y) {
-  const int64_t blocks = (n + NC - 1) / NC;
-  WorkerPool::get().parallel_for(blocks, [&](int64_t b0, int64_t b1) {
-    float part[NR * NC];
-    auto store = [&](int64_t j0, int64_t width, int64_t r0, int64_t nr) {
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t c = 0; c < width; ++c) y[(r0 + r) * n + j0 + c] = T(part[r * width + c]);
-    };
-    const int64_t chunk = std::max<int64_t>(NR, row_chunk(k * sizeof(float)) / NR * NR);
-    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t c1 = std::min(rows, c0 + chunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
-        for (int64_t r0 = c0; r0 < c1; r0 += NR) {
-          const int64_t nr = std::min<int64_t>(NR, c1 - r0);
-          if (nc == NC) {
-            dense_rows_block<NR, NC>(w + j0 * k, x + r0 * k, k, nr, part);
-            store(j0, NC, r0, nr);
-            continue;
-          }
-          for (int64_t j = j0; j < j0 + nc; ++j) {
-            dense_rows_block<NR, 1>(w + j * k, x + r0 * k, k, nr, part);
-            store(j, 1, r0, nr);
-          }
-        }
-      }
-    }
+  const int64_t chunk = std::max<int64_t>(NR, row_chunk(k * sizeof(float)) / NR * NR);
+  for_each_block<NR, NC>(rows, n, chunk, [&](int64_t j0, auto width, int64_t r0, int64_t nr) {
+    constexpr int WC = decltype(width)::value;
+    float part[NR * WC];
+    dense_rows_block<NR, WC>(w + j0 * k, x + r0 * k, k, nr, part);
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < WC; ++c) y[(r0 + r) * n + j0 + c] = T(part[r * WC + c]);
   });
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "cpu_tiles.h"
 #include "cpu_worker_pool.h"
 
 namespace sgl_nb {
@@ -38,12 +39,6 @@ namespace sgl_nb {
 constexpr int64_t kGroup = 32;
 // Rows of x per block: 4 (8 accumulators with 2 weight rows; 5 or 6 spill, measured slower).
 constexpr int kMaxRowBlock = 4;
-
-// Rows of x per pass over a thread's weight rows: enough that their int8 copy (~16 KB)
-// stays in L1 while a block of weight rows meets all of them.
-inline int64_t row_chunk(int64_t row_bytes) {
-  return std::max<int64_t>(4, 16384 / row_bytes / 4 * 4);
-}
 
 // x rounded per row and group of 32: xq int8 [rows, k]; dx and the sum of the rounded
 // values (dx * sum xq) [rows, stride], stride = groups rounded up to 8, zero beyond. The
@@ -298,38 +293,20 @@ inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, flo
   w.template block<NR, NC>(j0, r0, out, f);
 }
 
-// y [rows, n] = T(finish(j, r, part)) for every output, the weight rows in blocks of NC
-// split among the threads; a last partial block goes one weight row at a time.
+// y [rows, n] = T(finish(j, r, part)) for every output.
 template <int NC, typename T, typename Weights>
 void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
-  const int64_t blocks = (n + NC - 1) / NC, stride = w.x.stride;
-  WorkerPool::get().parallel_for(blocks, [&](int64_t b0, int64_t b1) {
-    float part[kMaxRowBlock * NC];
-    std::vector<float> f(kMaxRowBlock * NC * stride);
-    auto store = [&](int64_t j0, int64_t width, int64_t r0, int64_t nr) {
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t c = 0; c < width; ++c)
-          y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * width + c]));
-    };
-    const int64_t chunk = row_chunk(w.x.k);
-    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t c1 = std::min(rows, c0 + chunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
-        for (int64_t r0 = c0; r0 < c1; r0 += kMaxRowBlock) {
-          const int64_t nr = std::min<int64_t>(kMaxRowBlock, c1 - r0);
-          if (nc == NC) {
-            rows_block<kMaxRowBlock, NC>(w, nr, j0, r0, part, f.data());
-            store(j0, NC, r0, nr);
-            continue;
-          }
-          for (int64_t j = j0; j < j0 + nc; ++j) {
-            rows_block<kMaxRowBlock, 1>(w, nr, j, r0, part, f.data());
-            store(j, 1, r0, nr);
-          }
-        }
-      }
-    }
+  const int64_t stride = w.x.stride;
+  for_each_block<kMaxRowBlock, NC>(rows, n, row_chunk(w.x.k), [&](int64_t j0, auto width,
+                                                                   int64_t r0, int64_t nr) {
+    constexpr int W = decltype(width)::value;
+    float part[kMaxRowBlock * W];
+    thread_local std::vector<float> f;  // int4's factors, per thread
+    f.resize(kMaxRowBlock * W * stride);
+    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part, f.data());
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < W; ++c)
+        y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * W + c]));
   });
 }
 

@@ -1,0 +1,42 @@
+// How the CPU matmuls split an output [rows, n] among threads and into register blocks.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_worker_pool.h"
+
+namespace sgl_nb {
+
+// Rows of x per pass over a thread's weight rows: enough that they (~16 KB) stay in L1
+// while a block of weight rows meets all of them.
+inline int64_t row_chunk(int64_t row_bytes) {
+  return std::max<int64_t>(4, 16384 / row_bytes / 4 * 4);
+}
+
+// block(j0, width, r0, nr) for every block of the output: weight rows in blocks of NC,
+// split among the threads (a narrower last block goes one weight row at a time, width an
+// std::integral_constant of NC or 1); rows of x in chunks of `chunk`, in blocks of up to NR.
+template <int NR, int NC, typename Block>
+void for_each_block(int64_t rows, int64_t n, int64_t chunk, const Block& block) {
+  const int64_t blocks = (n + NC - 1) / NC;
+  WorkerPool::get().parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t c1 = std::min(rows, c0 + chunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
+        for (int64_t r0 = c0; r0 < c1; r0 += NR) {
+          const int64_t nr = std::min<int64_t>(NR, c1 - r0);
+          if (nc == NC) {
+            block(j0, std::integral_constant<int, NC>(), r0, nr);
+            continue;
+          }
+          for (int64_t j = j0; j < j0 + nc; ++j) block(j, std::integral_constant<int, 1>(), r0, nr);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace sgl_nb
