@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=160)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks against transformers, run in one process")
+    b = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run "
+                       "(engine: each measurement in a fresh process)")
     b.add_argument("what", choices=["engine", "programs", "remote", "scheduler", "tracing"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
