@@ -251,6 +251,7 @@ inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float
 
 // int4 weights in our layout against quantized rows; scale and zero [N, x.stride].
 struct Int4Weights {
+  static constexpr bool kFactors = true;  // block() needs scratch for group_factors
   const uint8_t* nib;
   const uint16_t *scale, *zero;
   const QuantizedRows& x;
@@ -269,6 +270,7 @@ struct Int4Weights {
 
 // int8 weights [N, K], a bf16 scale per output row, against quantized rows.
 struct Int8Weights {
+  static constexpr bool kFactors = false;
   const int8_t* w;
   const uint16_t* scale;
   const QuantizedRows& x;
@@ -301,9 +303,13 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
                                                                    int64_t r0, int64_t nr) {
     constexpr int W = decltype(width)::value;
     float part[kMaxRowBlock * W];
-    thread_local std::vector<float> f;  // int4's factors, per thread
-    f.resize(kMaxRowBlock * W * stride);
-    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part, f.data());
+    float* factors = nullptr;
+    if constexpr (Weights::kFactors) {  // int4: per-thread scratch (int8 skips the TLS lookup)
+      thread_local std::vector<float> f;
+      f.resize(kMaxRowBlock * W * stride);
+      factors = f.data();
+    }
+    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part, factors);
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < W; ++c)
         y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * W + c]));

@@ -170,8 +170,8 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]]]:
-    """The one-stream prompt and the shared-prefix prompts, as token ids."""
+def workload(args: argparse.Namespace):
+    """(tokenizer, the one-stream prompt, the shared-prefix prompts), prompts as token ids."""
     from transformers import AutoTokenizer
 
     from sgl_nb.runtime.model_loader import resolve_model_path
@@ -179,13 +179,13 @@ def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]]]:
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     ids = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": STREAM_PROMPT}], tokenize=False, add_generation_prompt=True))
-    return ids, shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
+    return tok, ids, shared_prefix_prompts(tok, args.requests, args.prefix_tokens)
 
 
 def ours_in_process(args: argparse.Namespace, dtype: str | None, quant: str | None) -> dict:
     from sgl_nb import Runtime
 
-    ids, prompts = workload(args)
+    _, ids, prompts = workload(args)
     rt = Runtime(args.model, dtype=dtype, quantization=quant)
     try:
         return measure_ours(rt, args, ids, prompts)
@@ -195,20 +195,19 @@ def ours_in_process(args: argparse.Namespace, dtype: str | None, quant: str | No
 
 def hf_in_process(args: argparse.Namespace) -> tuple[float, float]:
     """(one-stream seconds, shared-prefix seconds) of transformers fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from sgl_nb.runtime.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model)
-    ids, prompts = workload(args)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok, ids, prompts = workload(args)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return hf_one_stream(hf, ids, args.new_tokens), hf_batched(hf, tok, prompts,
                                                               args.shared_new_tokens)
 
 
 def llama_in_process(args: argparse.Namespace):
-    ids, prompts = workload(args)
+    _, ids, prompts = workload(args)
     return llama_cpp_bench(args, ids, prompts)
 
 
