@@ -29,7 +29,7 @@ using namespace sgl_nb;
 enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
 
 // One linear layer: its kind and tensors, the bias last (empty when absent):
-// dense [weight, bias]; int8 [qweight, scales, bias];
+// dense [weight panels (cpu_dense_matmul.h) or torch's layout, bias]; int8 [qweight, scales, bias];
 // int4 [torch packed, torch scale_zeros, our nibbles, scale, zero, bias].
 struct LinearSpec {
   int64_t kind;
@@ -39,7 +39,7 @@ struct LinearSpec {
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
   const at::Tensor& bias = l.t.back();
   switch (l.kind) {
-    case kDense:  // ours, as DenseLinear.decode: the fused step is decode only
+    case kDense:  // ours where the weight is in panels (DenseLinear on CPU), ATen otherwise
       if (dense_kernel_takes(l.t[0])) return dense_linear(x, l.t[0], bias);
       return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     case kInt8:  // ours where it takes the shape and scales (never chosen by rows)

@@ -145,18 +145,15 @@ class Engine:
         # On CPU the torch decode path (~35 small ops per layer, each its own OpenMP region)
         # ran slower on two threads than on one from a thread other than the main one (81
         # vs 55 ms per step at batch 1); the fused step (kernels/cpu_decode.cpp) gains from
-        # every core (int4: 24 -> 10 ms). Prefill always does. Where all heavy work is in
-        # that module (its own threads: a fused decode step, and prefill too with bf16,
-        # int8 or int4 weights) torch gets one thread, as an OpenMP worker spinning between
-        # torch ops took the second core from ours (int4 decode 19 vs 10 ms per step; bf16
-        # 16-request workload 6.4 vs 5.8 s, measured).
+        # every core (int4: 24 -> 10 ms). Prefill always does. Where that module runs (its
+        # own threads: every matmul, and the whole decode step) torch gets one thread, as
+        # an OpenMP worker spinning between torch ops took the second core from ours (int4
+        # decode 19 vs 10 ms per step; bf16 16-request workload 6.4 vs 5.8 s, measured).
         self.extend_threads = torch.get_num_threads()
         fused = off_main_thread(self.model.fused_decode_ready)
         default = self.extend_threads if fused else 1
         self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", default))
         self._fused = fused
-        self._own_threads = fused and (self.model.quantization is not None
-                                       or self.model.dtype == torch.bfloat16)
         # The C++ module's thread count, set when it changes (not every step).
         self._kernel_threads = cpu_decode.load() if fused else None
         self._kernel_threads_now = 0
@@ -272,7 +269,7 @@ class Engine:
 
     def _set_threads(self, decode: bool) -> None:
         want = self.decode_threads if decode else self.extend_threads
-        torch_threads = 1 if self._own_threads or (decode and self._fused) else want
+        torch_threads = 1 if self._fused else want
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
         if self._kernel_threads is not None and self._kernel_threads_now != want:

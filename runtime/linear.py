@@ -67,42 +67,40 @@ def resolve_dtype(
 class DenseLinear:
     """Plain weight matmul (fp32 or bf16 weights), optional bias.
 
-    On CPU, kernels/cpu_dense_matmul.h's kernel serves every bf16 call (ATen's bf16 matmul
-    runs at a third of its fp32 speed on CPUs without bf16 instructions, measured) and fp32
-    decode steps (`decode`: it reads the weight at the memory's speed, ATen's fp32 GEMV at
-    about half of it, measured); fp32 prefill keeps ATen's GEMM (1.5x ours beyond 64 rows).
-    Like the quantized kernels it gives each row the same bits in any batch.
+    On CPU every call takes kernels/cpu_dense_matmul.h's kernel, the weight kept only in its
+    panel layout (`panels`, `weight` None): 1.5-2x ATen's fp32 GEMM from 16 to 400 rows and
+    8x its bf16 matmul on CPUs without bf16 instructions, at one row reading the weight at
+    about the memory's speed (measured). Like the quantized kernels it gives each row the
+    same bits in any batch, prefill or decode. ATen's matmul elsewhere (CUDA, fp16, or an
+    output size not a multiple of 16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.contiguous()
-        usable = (self.weight.device.type == "cpu" and self.in_features % 8 == 0
-                  and self.weight.dtype in (torch.float32, torch.bfloat16))
+        usable = (weight.device.type == "cpu" and self.out_features % PANEL == 0
+                  and weight.dtype in (torch.float32, torch.bfloat16))
         self._ext = cpu_decode.load() if usable and cpu_decode.available() else None
+        self.panels = None if self._ext is None else dense_panels(weight)
+        self.weight = weight.contiguous() if self._ext is None else None
         self._no_bias = torch.empty(0)
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._ext is not None and self.weight.dtype == torch.bfloat16:
-            return self._ext.dense_linear(x, self.weight, self._bias_or_none())
-        return F.linear(x, self.weight, self.bias)
-
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """The call for a decode step's rows (a phase, never a row count, picks the kernel)."""
         if self._ext is not None:
-            return self._ext.dense_linear(x, self.weight, self._bias_or_none())
+            bias = self._no_bias if self.bias is None else self.bias
+            return self._ext.dense_linear(x, self.panels, bias)
         return F.linear(x, self.weight, self.bias)
 
-    def _bias_or_none(self) -> torch.Tensor:
-        return self._no_bias if self.bias is None else self.bias
+    decode = __call__  # one kernel for every phase
+
+
+PANEL = 16  # output columns per panel of cpu_dense_matmul.h's weight layout
+
+
+def dense_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K, 16]: panel p holds columns 16p..16p+15 of the output, k-major."""
+    n, k = weight.shape
+    return weight.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
 class Int8Linear:

@@ -169,8 +169,9 @@ class Model:
         head = lm_head_weight(c, weights)
         # Tied: the embedding's copy serves as the head's 16-bit weight too.
         head16 = self.embed if head is weights["model.embed_tokens.weight"] else w("lm_head.weight")
-        head_linear: Linear = DenseLinear(head16)
-        if quantization is not None:
+        if quantization is None:
+            head_linear: Linear = DenseLinear(head16)
+        else:
             q = None if quantized is None else quantized.get("lm_head")
             head_linear, why = make_linear(
                 head, None, dtype, self.device, lm_head_quantization(quantization, head.shape), q,
@@ -310,7 +311,7 @@ def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
     if isinstance(layer, Int4Linear):
         small = layer.small or (none, none, none)
         return 2, [layer.packed, layer.scale_zeros, *small, bias]
-    return 0, [layer.weight, bias]
+    return 0, [layer.weight if layer.panels is None else layer.panels, bias]
 
 
 def _fused_layers(module, model: Model):

@@ -101,34 +101,44 @@ def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n
         assert torch.equal(layer(x[i:])[0], batch[i])
 
 
-def dense_layer(dtype: torch.dtype, n: int, k: int) -> DenseLinear:
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05
-    layer = DenseLinear(w.to(dtype))
-    assert layer._ext is not None  # our kernel, not ATen's
-    return layer
+def dense_layer(dtype: torch.dtype, n: int, k: int) -> tuple[DenseLinear, torch.Tensor]:
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05).to(dtype)
+    layer = DenseLinear(w)
+    assert layer._ext is not None and layer.weight is None  # our kernel, weight in panels
+    return layer, w
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 40])
 def test_dense_kernel_matches_torch(dtype, tol, rows):
-    """101 weight rows (a narrower last block), rows of x across block and chunk edges; bf16
-    rounds only its output (fp32 accumulation)."""
-    layer = dense_layer(dtype, 101, 576)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    want = x.float() @ layer.weight.float().T
-    for got in (layer.decode(x), layer(x)):
-        assert got.dtype == dtype
-        assert (got.float() - want).abs().max() <= tol * want.abs().max()
+    """7 panels of 16 outputs (one row takes them 4 at a time: a narrower last block), an
+    input size that is no multiple of 8, rows of x across block edges; bf16 rounds only its
+    output (fp32 accumulation)."""
+    layer, w = dense_layer(dtype, 112, 577)
+    x = torch.randn(rows, 577, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    want = x.float() @ w.float().T
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 112)
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_kernel_gives_a_row_the_same_bits_in_any_batch(dtype):
-    layer = dense_layer(dtype, 101, 1536)
+    layer, _ = dense_layer(dtype, 112, 1536)
     x = torch.randn(15, 1536, generator=torch.Generator().manual_seed(3)).to(dtype)
-    batch = layer.decode(x)
+    batch = layer(x)
     for i in range(15):
-        assert torch.equal(layer.decode(x[i : i + 1])[0], batch[i])
-        assert torch.equal(layer.decode(x[i:])[0], batch[i])
+        assert torch.equal(layer(x[i : i + 1])[0], batch[i])
+        assert torch.equal(layer(x[i:])[0], batch[i])
+
+
+def test_dense_layer_whose_outputs_fill_no_whole_panel_takes_atens_matmul():
+    w = torch.randn(101, 64, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(101, generator=torch.Generator().manual_seed(1))
+    layer = DenseLinear(w, bias)
+    assert layer._ext is None and layer.panels is None
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(layer(x), x @ w.T + bias, atol=1e-5)
 
 
 def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tensor]:
