@@ -29,8 +29,9 @@ using namespace sgl_nb;
 enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
 
 // One linear layer: its kind and tensors, the bias last (empty when absent):
-// dense [weight panels (cpu_dense_matmul.h) or torch's layout, bias]; int8 [qweight, scales, bias];
-// int4 [torch packed, torch scale_zeros, our nibbles, scale, zero, bias].
+// dense [weight panels (cpu_dense_matmul.h) or torch's layout, bias]; int8 [weights
+// interleaved (cpu_quant_matmul.h) or torch's layout, scales, bias]; int4 [torch packed,
+// torch scale_zeros, our nibbles, scale, zero, bias]. Ours wherever the layer holds our layout.
 struct LinearSpec {
   int64_t kind;
   std::vector<at::Tensor> t;
@@ -39,19 +40,17 @@ struct LinearSpec {
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
   const at::Tensor& bias = l.t.back();
   switch (l.kind) {
-    case kDense:  // ours where the weight is in panels (DenseLinear on CPU), ATen otherwise
+    case kDense:
       if (dense_kernel_takes(l.t[0])) return dense_linear(x, l.t[0], bias);
       return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
-    case kInt8:  // ours where it takes the shape and scales (never chosen by rows)
-      if (l.t[0].size(1) % kGroup == 0 && l.t[1].scalar_type() == at::kBFloat16) {
-        return int8_linear(x, l.t[0], l.t[1], bias);
-      }
+    case kInt8:
+      if (l.t[0].dim() == 3) return int8_linear(x, l.t[0], l.t[1], bias);
       {
         at::Tensor y = at::_weight_int8pack_mm(x, l.t[0], l.t[1]);
         if (bias.numel()) y.add_(bias);
         return y;
       }
-    case kInt4:  // ours where the layer has our layout, torch's otherwise
+    case kInt4:
       if (l.t[2].numel()) return int4_linear(x, l.t[2], l.t[3], l.t[4], bias);
       {
         at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, l.t[0], kGroup, l.t[1]);

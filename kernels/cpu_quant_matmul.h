@@ -9,7 +9,13 @@
 // 32 values in order; scale and zero [N, G] beside it, G rounded up to 8 with zeros (whole
 // vectors only: a scalar tail of 2 groups at K = 576 cost a third of the time, measured).
 //
-// int8 weights are torch's [N, K] with a bf16 scale per output row.
+// int8 weights: [N, K] values with a bf16 scale per output row.
+//
+// Both keep the weight rows interleaved by group in panels of 8 rows, [N / 8][G][8][group
+// bytes] (`interleave_rows` in runtime/linear.py packs them at load): a block of up to 8
+// weight rows then reads one sequential stream. With each row apart, a block read 4-8 short
+// streams of K bytes and the hardware prefetcher never got going: at one row of x, int8
+// streamed 10-12 GB/s from memory, interleaved 19-24 (measured).
 //
 // As llama.cpp does on CPUs without wider integer dot products, each row of x is quantized
 // per group of 32 to int8 (xq * dx, dx = max|x| / 127), so that one group of one output is
@@ -37,6 +43,7 @@
 namespace sgl_nb {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kRowPanel = 8;  // weight rows per interleaved panel
 // Rows of x per block: 4 (8 accumulators with 2 weight rows; 5 or 6 spill, measured slower).
 constexpr int kMaxRowBlock = 4;
 
@@ -134,13 +141,14 @@ inline void group_factors(const uint16_t* scale, const float* dx, int64_t stride
 }
 
 #ifdef SGL_NB_AVX2
-// NR rows of xq (row stride k) against NC int4 weight rows (row stride ws bytes):
+// NR rows of xq (row stride k) against NC int4 weight rows (row c's group g at
+// w + c * cs + g * gs):
 // out[r * NC + c] = sum_g f[r][c][g] (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg), f
 // [NR * NC, fs] from group_factors; scale, zero (weight rows) and xsum (rows of x) have row
 // stride fs. The second sum, the part that does not depend on q, goes into the same
 // accumulator eight groups at a time before the one horizontal sum.
 template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
+inline void int4_block(const uint8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
                        const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
                        const float* xsum, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -151,7 +159,7 @@ inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k
   for (int64_t g = 0; g < k / kGroup; ++g) {
     __m256i q[NC];
     for (int c = 0; c < NC; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * ws + g * 16));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * cs + g * gs));
       q[c] = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(b), shift), mask);
     }
     for (int r = 0; r < NR; ++r) {
@@ -177,12 +185,13 @@ inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k
     for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
 }
 
-// NR rows of xq against NC int8 weight rows (row stride k): out[r * NC + c] =
+// NR rows of xq against NC int8 weight rows (row c's group g at w + c * cs + g * gs):
+// out[r * NC + c] =
 // sum_g dx[r][g] (w_c . xq_r)_g. maddubs takes one unsigned operand: |w| times x carrying
 // w's sign (w is never -128).
 template <int NR, int NC>
-inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float* dx,
-                       int64_t ds, float* out) {
+inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
+                       const float* dx, int64_t ds, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
@@ -190,7 +199,7 @@ inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float
   for (int64_t g = 0; g < k / kGroup; ++g) {
     __m256i wv[NC], wabs[NC];
     for (int c = 0; c < NC; ++c) {
-      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * k + g * kGroup));
+      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + g * gs));
       wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
     }
     for (int r = 0; r < NR; ++r) {
@@ -209,14 +218,14 @@ inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float
 }
 #else
 template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k,
+inline void int4_block(const uint8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
                        const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
                        const float* xsum, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
-        const uint8_t* b = w + c * ws + g * 16;
+        const uint8_t* b = w + c * cs + g * gs;
         const int8_t* x = xq + r * k + g * kGroup;
         int32_t dot = 0;
         for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[16 + i];
@@ -233,14 +242,14 @@ inline void int4_block(const uint8_t* w, int64_t ws, const int8_t* xq, int64_t k
 }
 
 template <int NR, int NC>
-inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float* dx,
-                       int64_t ds, float* out) {
+inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
+                       const float* dx, int64_t ds, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
         int32_t dot = 0;
-        for (int i = 0; i < kGroup; ++i) dot += w[c * k + g * kGroup + i] * xq[r * k + g * kGroup + i];
+        for (int i = 0; i < kGroup; ++i) dot += w[c * cs + g * gs + i] * xq[r * k + g * kGroup + i];
         y += static_cast<float>(dot) * dx[r * ds + g];
       }
       out[r * NC + c] = y;
@@ -248,6 +257,11 @@ inline void int8_block(const int8_t* w, int64_t k, const int8_t* xq, const float
   }
 }
 #endif
+
+// Where weight row j's first group starts in the interleaved layout, `bytes` per group.
+inline int64_t panel_row_offset(int64_t j, int64_t k, int64_t bytes) {
+  return (j / kRowPanel) * kRowPanel * (k / kGroup) * bytes + (j % kRowPanel) * bytes;
+}
 
 // int4 weights in our layout against quantized rows; scale and zero [N, x.stride].
 struct Int4Weights {
@@ -262,13 +276,15 @@ struct Int4Weights {
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c)
         group_factors(scale + (j0 + c) * s, x.dx.data() + (r0 + r) * s, s, f + (r * NC + c) * s);
-    int4_block<NR, NC>(nib + j0 * (x.k / 2), x.k / 2, x.xq.data() + r0 * x.k, x.k, f, s,
-                       scale + j0 * s, zero + j0 * s, x.xsum.data() + r0 * s, out);
+    constexpr int64_t bytes = kGroup / 2;
+    int4_block<NR, NC>(nib + panel_row_offset(j0, x.k, bytes), bytes, kRowPanel * bytes,
+                       x.xq.data() + r0 * x.k, x.k, f, s, scale + j0 * s, zero + j0 * s,
+                       x.xsum.data() + r0 * s, out);
   }
   float finish(int64_t, int64_t, float part) const { return part; }
 };
 
-// int8 weights [N, K], a bf16 scale per output row, against quantized rows.
+// int8 weights (interleaved), a bf16 scale per output row, against quantized rows.
 struct Int8Weights {
   static constexpr bool kFactors = false;
   const int8_t* w;
@@ -277,8 +293,8 @@ struct Int8Weights {
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out, float*) const {
-    int8_block<NR, NC>(w + j0 * x.k, x.k, x.xq.data() + r0 * x.k, x.dx.data() + r0 * x.stride,
-                       x.stride, out);
+    int8_block<NR, NC>(w + panel_row_offset(j0, x.k, kGroup), kGroup, kRowPanel * kGroup,
+                       x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * x.stride, x.stride, out);
   }
   float finish(int64_t j, int64_t, float part) const {
     return part * bf16_bits_to_float(scale[j]);
@@ -316,26 +332,34 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
   });
 }
 
-// Four weight rows per block when x has one row (decode at batch 1: the activations are
-// loaded once per four outputs); two otherwise (four rows of x times two: 8 accumulators).
+// A whole panel of eight weight rows per block when x has one row (decode at batch 1: the
+// activations are loaded once per eight outputs, the weights read as one stream; 1.2x four
+// rows, measured); two otherwise (four rows of x times two: 8 accumulators).
 template <typename T, typename Weights>
 void quant_matmul_any(const Weights& w, int64_t rows, int64_t n, T* y) {
   if (rows == 1) {
-    quant_matmul<4>(w, rows, n, y);
+    quant_matmul<8>(w, rows, n, y);
   } else {
     quant_matmul<2>(w, rows, n, y);
   }
 }
 
-// y = x @ w.T (+ bias), int8 weights [N, K] with a bf16 scale per row; x bf16 or fp32.
+// Whether w is in the interleaved layout [N / 8, K / 32, 8 * bytes] for inputs x [rows, K].
+inline bool interleaved(const at::Tensor& w, const at::Tensor& x, int64_t bytes) {
+  return x.dim() == 2 && x.size(1) % kGroup == 0 && w.dim() == 3 && w.is_contiguous() &&
+         w.size(1) == x.size(1) / kGroup && w.size(2) == kRowPanel * bytes;
+}
+
+// y = x @ w.T (+ bias), int8 weights interleaved [N / 8, K / 32, 8 * 32] with a bf16 scale
+// per row; x bf16 or fp32.
 inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
                               const at::Tensor& scale, const at::Tensor& bias) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && w.size(1) == x.size(1),
-              "int8: x [rows, k] with k == weight columns, a multiple of 32");
+  TORCH_CHECK(interleaved(w, x, kGroup), "int8: x [rows, k], k a multiple of 32, and weights "
+              "interleaved [n / 8, k / 32, 256]");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 kernel: bf16 scales");
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0) * kRowPanel;
+  at::Tensor y = at::empty({rows, n}, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {
     const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k);
@@ -350,18 +374,18 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
   return y;
 }
 
-// y = x @ w.T (+ bias), int4 weights in our layout (nibbles [N, K/2], scale and zero bf16
-// [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32.
+// y = x @ w.T (+ bias), int4 weights in our layout (nibbles interleaved [N / 8, K / 32,
+// 8 * 16], scale and zero bf16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32.
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
                               const at::Tensor& scale, const at::Tensor& zero,
                               const at::Tensor& bias) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.size(1) * 2 == x.size(1),
-              "int4: x [rows, k] with k == 2 * nibble columns, a multiple of 32");
-  TORCH_CHECK(scale.size(1) == (x.size(1) / kGroup + 7) / 8 * 8 && zero.sizes() == scale.sizes(),
-              "int4: scale and zero [N, groups rounded up to 8]");
-  at::Tensor y = at::empty({x.size(0), nib.size(0)}, x.options());
-  const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0);
+  TORCH_CHECK(interleaved(nib, x, kGroup / 2), "int4: x [rows, k], k a multiple of 32, and "
+              "nibbles interleaved [n / 8, k / 32, 128]");
+  const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
+  TORCH_CHECK(scale.size(0) == n && scale.size(1) == (k / kGroup + 7) / 8 * 8 &&
+              zero.sizes() == scale.sizes(), "int4: scale and zero [N, groups rounded up to 8]");
+  at::Tensor y = at::empty({rows, n}, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {

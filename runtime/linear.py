@@ -106,33 +106,29 @@ def dense_panels(weight: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias).
 
-    On CPU with bf16 activations and an input size that is a multiple of 32, every call
-    takes kernels/cpu_quant_matmul.h's kernel (1.5-3x torch's at 1 to 256 rows, measured),
-    which gives each row the same bits in any batch; torch's kernel otherwise.
+    On CPU with bf16 activations, an input size that is a multiple of 32 and an output size
+    that is a multiple of 8, every call takes kernels/cpu_quant_matmul.h's kernel (1.5-3x
+    torch's at 1 to 256 rows, measured), which gives each row the same bits in any batch;
+    the weight is then kept only in its interleaved layout (`panels`, `qweight` None).
+    torch's kernel otherwise.
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype):
-        self.qweight = qweight.contiguous()
+        self.out_features, self.in_features = qweight.shape
         self.scale = scale.to(dtype).contiguous()
         self.bias = None if bias is None else bias.to(dtype).contiguous()
         usable = (qweight.device.type == "cpu" and dtype == torch.bfloat16
-                  and self.in_features % INT4_GROUP == 0)
+                  and self.in_features % INT4_GROUP == 0 and self.out_features % ROW_PANEL == 0)
         self._ext = cpu_decode.load() if usable and cpu_decode.available() else None
+        self.panels = None if self._ext is None else interleave_rows(qweight, INT4_GROUP)
+        self.qweight = qweight.contiguous() if self._ext is None else None
         self._no_bias = torch.empty(0)
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._ext is not None:
             bias = self._no_bias if self.bias is None else self.bias
-            return self._ext.int8_linear(x, self.qweight, self.scale, bias)
+            return self._ext.int8_linear(x, self.panels, self.scale, bias)
         y = _int8_mm(x, self.qweight, self.scale)
         if self.bias is not None:
             y += self.bias  # in place: no second output tensor
@@ -206,11 +202,23 @@ class Int4Linear:
 
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """runtime/quantize.py's int4 bytes -> cpu_decode.cpp's: per group of 32 inputs, byte i
-    holds input i (low nibble) and input i + 16 (high nibble)."""
+    """runtime/quantize.py's int4 bytes -> cpu_quant_matmul.h's: per group of 32 inputs, byte
+    i holds input i (low nibble) and input i + 16 (high nibble); rows interleaved."""
     v = unpack_int4(q).to(torch.uint8)
     v = v.view(v.shape[0], -1, 2, group // 2)
-    return (v[:, :, 0] | v[:, :, 1] << 4).reshape(q.shape).contiguous()
+    return interleave_rows((v[:, :, 0] | v[:, :, 1] << 4).reshape(q.shape), group // 2)
+
+
+ROW_PANEL = 8  # weight rows per panel of cpu_quant_matmul.h's interleaved layout
+
+
+def interleave_rows(w: torch.Tensor, group_bytes: int) -> torch.Tensor:
+    """[N, G * group_bytes] -> [N / 8, G, 8 * group_bytes]: per panel of 8 rows, group g of
+    rows 0..7 side by side (cpu_quant_matmul.h: one stream for a block of 8 rows)."""
+    n, width = w.shape
+    g = width // group_bytes
+    return w.view(n // ROW_PANEL, ROW_PANEL, g, group_bytes).transpose(1, 2).reshape(
+        n // ROW_PANEL, g, ROW_PANEL * group_bytes).contiguous()
 
 
 def padded_groups(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

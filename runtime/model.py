@@ -307,7 +307,7 @@ def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
     none = torch.empty(0)
     bias = none if layer.bias is None else layer.bias
     if isinstance(layer, Int8Linear):
-        return 1, [layer.qweight, layer.scale, bias]
+        return 1, [layer.qweight if layer.panels is None else layer.panels, layer.scale, bias]
     if isinstance(layer, Int4Linear):
         small = layer.small or (none, none, none)
         return 2, [layer.packed, layer.scale_zeros, *small, bias]

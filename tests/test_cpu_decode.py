@@ -90,15 +90,26 @@ def test_quantized_kernel_matches_the_dequantized_weight(quantization, rows):
     assert (got - want).abs().mean() < 0.02 * want.abs().mean()
 
 
-@pytest.mark.parametrize("quantization,n", [("int8", 96), ("int8", 90), ("int4", 96)])
+@pytest.mark.parametrize("quantization,n", [("int8", 96), ("int8", 104), ("int4", 96)])
 def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n):
-    """n = 90: a last block of weight rows narrower than the kernel's."""
+    """n = 104: 13 panels of 8 weight rows, an odd count for two threads."""
     layer, _ = quantized_layer(quantization, n, 1536, seed=1)
     x = torch.randn(7, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
     batch = layer(x)
     for i in range(7):
         assert torch.equal(layer(x[i : i + 1])[0], batch[i])
         assert torch.equal(layer(x[i:])[0], batch[i])
+
+
+def test_int8_layer_whose_outputs_fill_no_whole_panel_takes_torchs_kernel():
+    w = torch.randn(90, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    t = quantize(w, "int8")
+    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int8", t)
+    assert why is None and isinstance(layer, Int8Linear)
+    assert layer._ext is None and layer.panels is None and layer.qweight.shape == (90, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.float() @ dequantize(t, "int8").T
+    assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
 def dense_layer(dtype: torch.dtype, n: int, k: int) -> tuple[DenseLinear, torch.Tensor]:
