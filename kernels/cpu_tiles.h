@@ -17,7 +17,9 @@ inline int64_t row_chunk(int64_t row_bytes) {
 
 // block(j0, width, r0, nr) for every block of the output: weight rows in blocks of NC,
 // split among the threads (a narrower last block goes one weight row at a time, width an
-// std::integral_constant of NC or 1); rows of x in chunks of `chunk`, in blocks of up to NR.
+// std::integral_constant of NC or 1); rows of x in chunks of `chunk`, each cut into the
+// fewest blocks of at most NR rows, of sizes as even as can be (16 rows and NR = 6: 6, 5, 5
+// rather than 6, 6, 4; a block of fewer rows does less work per weight load).
 template <int NR, int NC, typename Block>
 void for_each_block(int64_t rows, int64_t n, int64_t chunk, const Block& block) {
   const int64_t blocks = (n + NC - 1) / NC;
@@ -26,8 +28,9 @@ void for_each_block(int64_t rows, int64_t n, int64_t chunk, const Block& block) 
       const int64_t c1 = std::min(rows, c0 + chunk);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
-        for (int64_t r0 = c0; r0 < c1; r0 += NR) {
-          const int64_t nr = std::min<int64_t>(NR, c1 - r0);
+        const int64_t len = c1 - c0, parts = (len + NR - 1) / NR;
+        for (int64_t i = 0; i < parts; ++i) {
+          const int64_t r0 = c0 + len * i / parts, nr = c0 + len * (i + 1) / parts - r0;
           if (nc == NC) {
             block(j0, std::integral_constant<int, NC>(), r0, nr);
             continue;
