@@ -115,19 +115,27 @@ void rope_and_store(const T* qkv, const float* cos, const float* sin, const int6
 
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
 #ifdef SGL_NB_AVX2
-// Scores of GN query heads (row stride d, fp32) against one key: out[g * stride]. The key
-// is widened once for all GN heads; each score is the same sum as a lone dot product (its
-// own 8 lanes over d in order, then one horizontal sum).
-template <int GN, typename T>
-inline void scores_of_key(const float* q, const T* k, int64_t d, float* out, int64_t stride) {
-  __m256 acc[GN];
-  __m256 kv = load8(k);
-  for (int g = 0; g < GN; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d), kv);
-  for (int64_t i = 8; i < d; i += 8) {
-    kv = load8(k + i);
-    for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
+// Scores of GN query heads (row stride d, fp32) against NK keys: out[g * stride + n]. Each
+// key is widened once for all GN heads, and NK keys at a time give the core independent
+// sums to overlap (1 key: GN chains of d / 8 dependent multiply-adds); each score is the
+// same sum as a lone dot product (its own 8 lanes over d in order, then one horizontal sum).
+template <int GN, int NK, typename T>
+inline void scores_of_keys(const float* q, const T* const* k, int64_t d, float* out,
+                           int64_t stride) {
+  __m256 acc[GN][NK];
+  for (int n = 0; n < NK; ++n) {
+    const __m256 kv = load8(k[n]);
+    for (int g = 0; g < GN; ++g) acc[g][n] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d), kv);
   }
-  for (int g = 0; g < GN; ++g) out[g * stride] = hsum(acc[g]);
+  for (int64_t i = 8; i < d; i += 8) {
+    for (int n = 0; n < NK; ++n) {
+      const __m256 kv = load8(k[n] + i);
+      for (int g = 0; g < GN; ++g)
+        acc[g][n] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g][n]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int n = 0; n < NK; ++n) out[g * stride + n] = hsum(acc[g][n]);
 }
 
 // out[g][e0 : e0 + 8 NV] = sum_j p[g * stride + j] v_j[e0 : ...] over `len` value rows,
@@ -199,12 +207,15 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t len) {
   }
   return {m, sum};
 }
-template <int GN, typename T>
-inline void scores_of_key(const float* q, const T* k, int64_t d, float* out, int64_t stride) {
+template <int GN, int NK, typename T>
+inline void scores_of_keys(const float* q, const T* const* k, int64_t d, float* out,
+                           int64_t stride) {
   for (int g = 0; g < GN; ++g) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < d; ++i) acc += q[g * d + i] * float(k[i]);
-    out[g * stride] = acc;
+    for (int n = 0; n < NK; ++n) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < d; ++i) acc += q[g * d + i] * float(k[n][i]);
+      out[g * stride + n] = acc;
+    }
   }
 }
 template <int GN, int NV, typename T>
@@ -267,11 +278,18 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
       const float* q = qf + (task.b * s.heads + task.kvh * group) * d;
       for (int64_t j = 0; j < len; ++j) {
         rows[j] = kbuf + (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
-        for (int64_t g = 0; g < group; g += 4) {
-          head_block(group - g, [&](auto gn) {
-            scores_of_key<gn()>(q + g * d, rows[j], d, scores.data() + g * len + j, len);
-          });
-        }
+      }
+      for (int64_t g = 0; g < group; g += 4) {
+        head_block(group - g, [&](auto gn) {
+          // Keys per block: 12 accumulators for up to three heads, 8 for four.
+          constexpr int NK = gn() <= 3 ? 4 : 2;
+          float* out = scores.data() + g * len;
+          int64_t j = 0;
+          for (; j + NK <= len; j += NK) {
+            scores_of_keys<gn(), NK>(q + g * d, rows.data() + j, d, out + j, len);
+          }
+          for (; j < len; ++j) scores_of_keys<gn(), 1>(q + g * d, rows.data() + j, d, out + j, len);
+        });
       }
       for (int64_t g = 0; g < group; ++g) {
         const auto [m, l] = exp_shifted(scores.data() + g * len, len);
@@ -284,13 +302,15 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
       float* o = acc.data() + t * group * d;
       for (int64_t g = 0; g < group; g += 4) {
         head_block(group - g, [&](auto gn) {
+          // Output columns per pass: 32 (12 accumulators) for up to three heads, else 16.
+          constexpr int NV = gn() <= 3 ? 4 : 2;
+          const float* p = scores.data() + g * len;
           int64_t e = 0;
-          for (; e + 16 <= d; e += 16) {
-            weighted_values<gn(), 2>(scores.data() + g * len, len, rows.data(), len, e,
-                                     o + g * d, d);
+          for (; e + 8 * NV <= d; e += 8 * NV) {
+            weighted_values<gn(), NV>(p, len, rows.data(), len, e, o + g * d, d);
           }
-          if (e < d) weighted_values<gn(), 1>(scores.data() + g * len, len, rows.data(), len, e,
-                                              o + g * d, d);
+          for (; e + 16 <= d; e += 16) weighted_values<gn(), 2>(p, len, rows.data(), len, e, o + g * d, d);
+          if (e < d) weighted_values<gn(), 1>(p, len, rows.data(), len, e, o + g * d, d);
         });
       }
     }
