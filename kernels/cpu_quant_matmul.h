@@ -11,9 +11,10 @@
 //
 // int8 weights: [N, K] values with a bf16 scale per output row.
 //
-// Both keep the weight rows interleaved by group in panels of 8 rows, [N / 8][G][8][group
-// bytes] (`interleave_rows` in runtime/linear.py packs them at load): a block of up to 8
-// weight rows then reads one sequential stream. With each row apart, a block read 4-8 short
+// Both keep the weight rows interleaved in panels of 8 rows by units of 32 bytes (int8: one
+// group; int4: two groups, so K must be a multiple of 64), [N / 8][K bytes / 32][8][32]
+// (`interleave_rows` in runtime/linear.py packs them at load): a block of up to 8 weight
+// rows then reads one sequential stream. With each row apart, a block read 4-8 short
 // streams of K bytes and the hardware prefetcher never got going: at one row of x, int8
 // streamed 10-12 GB/s from memory, interleaved 19-24 (measured).
 //
@@ -141,34 +142,54 @@ inline void group_factors(const uint16_t* scale, const float* dx, int64_t stride
 }
 
 #ifdef SGL_NB_AVX2
-// NR rows of xq (row stride k) against NC int4 weight rows (row c's group g at
-// w + c * cs + g * gs):
-// out[r * NC + c] = sum_g f[r][c][g] (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg), f
-// [NR * NC, fs] from group_factors; scale, zero (weight rows) and xsum (rows of x) have row
-// stride fs. The second sum, the part that does not depend on q, goes into the same
-// accumulator eight groups at a time before the one horizontal sum.
+// NR rows of xq (row stride k) against NC int4 weight rows, two groups at a time: row c's
+// groups 2p and 2p + 1 are the 32 bytes at w + c * cs + p * ps. out[r * NC + c] =
+// sum_g f[r][c][g] (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg), f [NR * NC, fs] from
+// group_factors; scale, zero (weight rows) and xsum (rows of x) have row stride fs.
+//
+// The 32 bytes give, masked, inputs 0-15 of both groups and, shifted, inputs 16-31: the two
+// products with x (its halves regrouped to match) add as 16-bit values (at most 2 x 3810),
+// so one widening sum gives group 2p in lanes 0-3 and group 2p + 1 in lanes 4-7, scaled by
+// [f_2p x 4, f_2p+1 x 4]: 11 operations per two groups where one group at a time took 8
+// (measured 1.2-1.3x). The term that does not depend on q goes into the same accumulator
+// eight groups at a time before the one horizontal sum.
 template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
+inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
                        const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
                        const float* xsum, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);  // the upper 16 bytes: high nibbles
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    __m256i q[NC];
-    for (int c = 0; c < NC; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * cs + g * gs));
-      q[c] = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(b), shift), mask);
+  auto nibbles = [&](int c, int64_t p, __m256i& lo, __m256i& hi) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
+    lo = _mm256_and_si256(b, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  };
+  for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
+    // Several rows of x: each weight unit unpacked once for all; one row: unpacked where
+    // used (kept for all NC, 2 NC registers spilled, measured slower).
+    __m256i lo[NR > 1 ? NC : 1], hi[NR > 1 ? NC : 1];
+    if constexpr (NR > 1) {
+      for (int c = 0; c < NC; ++c) nibbles(c, p, lo[c], hi[c]);
     }
     for (int r = 0; r < NR; ++r) {
-      const __m256i x =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
+      const int8_t* xp = xq + r * k + p * 2 * kGroup;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup));
+      const __m256i x_lo = _mm256_permute2x128_si256(a, b, 0x20);  // inputs 0-15 of both
+      const __m256i x_hi = _mm256_permute2x128_si256(a, b, 0x31);  // inputs 16-31
       for (int c = 0; c < NC; ++c) {
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], x), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                    _mm256_broadcast_ss(f + (r * NC + c) * fs + g), acc[r][c]);
+        const int i = NR > 1 ? c : 0;
+        if constexpr (NR == 1) nibbles(c, p, lo[0], hi[0]);
+        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], x_lo),
+                                               _mm256_maddubs_epi16(hi[i], x_hi));
+        const __m256i dot = _mm256_madd_epi16(sum16, ones);
+        const __m128 f2 = _mm_castpd_ps(_mm_load_sd(
+            reinterpret_cast<const double*>(f + (r * NC + c) * fs + 2 * p)));
+        const __m256 scale2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f2), pair);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale2, acc[r][c]);
       }
     }
   }
@@ -218,14 +239,14 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 }
 #else
 template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
+inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
                        const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
                        const float* xsum, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
-        const uint8_t* b = w + c * cs + g * gs;
+        const uint8_t* b = w + c * cs + (g / 2) * ps + (g % 2) * 16;
         const int8_t* x = xq + r * k + g * kGroup;
         int32_t dot = 0;
         for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[16 + i];
@@ -258,9 +279,10 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 }
 #endif
 
-// Where weight row j's first group starts in the interleaved layout, `bytes` per group.
-inline int64_t panel_row_offset(int64_t j, int64_t k, int64_t bytes) {
-  return (j / kRowPanel) * kRowPanel * (k / kGroup) * bytes + (j % kRowPanel) * bytes;
+// Where weight row j starts in the interleaved layout: rows of row_bytes, in units of
+// unit_bytes (int8: a group, 32 bytes; int4: two groups, 32 bytes).
+inline int64_t panel_row_offset(int64_t j, int64_t row_bytes, int64_t unit_bytes) {
+  return (j / kRowPanel) * kRowPanel * row_bytes + (j % kRowPanel) * unit_bytes;
 }
 
 // int4 weights in our layout against quantized rows; scale and zero [N, x.stride].
@@ -276,8 +298,8 @@ struct Int4Weights {
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c)
         group_factors(scale + (j0 + c) * s, x.dx.data() + (r0 + r) * s, s, f + (r * NC + c) * s);
-    constexpr int64_t bytes = kGroup / 2;
-    int4_block<NR, NC>(nib + panel_row_offset(j0, x.k, bytes), bytes, kRowPanel * bytes,
+    constexpr int64_t unit = kGroup;  // two groups of 16 bytes
+    int4_block<NR, NC>(nib + panel_row_offset(j0, x.k / 2, unit), unit, kRowPanel * unit,
                        x.xq.data() + r0 * x.k, x.k, f, s, scale + j0 * s, zero + j0 * s,
                        x.xsum.data() + r0 * s, out);
   }
@@ -344,10 +366,11 @@ void quant_matmul_any(const Weights& w, int64_t rows, int64_t n, T* y) {
   }
 }
 
-// Whether w is in the interleaved layout [N / 8, K / 32, 8 * bytes] for inputs x [rows, K].
-inline bool interleaved(const at::Tensor& w, const at::Tensor& x, int64_t bytes) {
-  return x.dim() == 2 && x.size(1) % kGroup == 0 && w.dim() == 3 && w.is_contiguous() &&
-         w.size(1) == x.size(1) / kGroup && w.size(2) == kRowPanel * bytes;
+// Whether w is in the interleaved layout [N / 8, K / inputs, 8 * 32] for x [rows, K]: units
+// of 32 bytes holding `inputs` inputs (int8 32, int4 64).
+inline bool interleaved(const at::Tensor& w, const at::Tensor& x, int64_t inputs) {
+  return x.dim() == 2 && x.size(1) % inputs == 0 && w.dim() == 3 && w.is_contiguous() &&
+         w.size(1) == x.size(1) / inputs && w.size(2) == kRowPanel * kGroup;
 }
 
 // y = x @ w.T (+ bias), int8 weights interleaved [N / 8, K / 32, 8 * 32] with a bf16 scale
@@ -380,8 +403,8 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
                               const at::Tensor& scale, const at::Tensor& zero,
                               const at::Tensor& bias) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(interleaved(nib, x, kGroup / 2), "int4: x [rows, k], k a multiple of 32, and "
-              "nibbles interleaved [n / 8, k / 32, 128]");
+  TORCH_CHECK(interleaved(nib, x, 2 * kGroup), "int4: x [rows, k], k a multiple of 64, and "
+              "nibbles interleaved [n / 8, k / 64, 256]");
   const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
   TORCH_CHECK(scale.size(0) == n && scale.size(1) == (k / kGroup + 7) / 8 * 8 &&
               zero.sizes() == scale.sizes(), "int4: scale and zero [N, groups rounded up to 8]");

@@ -140,7 +140,8 @@ class Int8Linear:
 class Int4Linear:
     """int4 weights in groups of 32 inputs, each with a scale and a zero point.
 
-    On CPU with bf16 activations the weight is kept in kernels/cpu_quant_matmul.h's layout
+    On CPU with bf16 activations and an input size that is a multiple of 64 the weight is
+    kept in kernels/cpu_quant_matmul.h's layout
     (`small`: nibbles, scale, zero) and every call takes that kernel: 1.5-3x torch's from
     1 to 256 rows (measured) and, unlike it, giving each row the same bits in any batch, so
     a request's tokens never depend on what it ran with. torch's otherwise.
@@ -176,7 +177,9 @@ class Int4Linear:
         sz = sz.to(device=device, dtype=dtype).contiguous()
         b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         small = None
-        if device.type == "cpu" and dtype == torch.bfloat16 and cpu_decode.available():
+        # Our kernel reads two groups at a time (K a multiple of 64); torch's otherwise.
+        pairs = (q.shape[1] * 2) % (2 * INT4_GROUP) == 0
+        if device.type == "cpu" and dtype == torch.bfloat16 and pairs and cpu_decode.available():
             small = (group_nibbles(q), padded_groups(t["scale"], dtype),
                      padded_groups(t["zero"], dtype))
         return cls(packed, sz, n, b, small=small)
@@ -203,22 +206,23 @@ class Int4Linear:
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     """runtime/quantize.py's int4 bytes -> cpu_quant_matmul.h's: per group of 32 inputs, byte
-    i holds input i (low nibble) and input i + 16 (high nibble); rows interleaved."""
+    i holds input i (low nibble) and input i + 16 (high nibble); rows interleaved by two
+    groups (32 bytes)."""
     v = unpack_int4(q).to(torch.uint8)
     v = v.view(v.shape[0], -1, 2, group // 2)
-    return interleave_rows((v[:, :, 0] | v[:, :, 1] << 4).reshape(q.shape), group // 2)
+    return interleave_rows((v[:, :, 0] | v[:, :, 1] << 4).reshape(q.shape), group)
 
 
 ROW_PANEL = 8  # weight rows per panel of cpu_quant_matmul.h's interleaved layout
 
 
-def interleave_rows(w: torch.Tensor, group_bytes: int) -> torch.Tensor:
-    """[N, G * group_bytes] -> [N / 8, G, 8 * group_bytes]: per panel of 8 rows, group g of
-    rows 0..7 side by side (cpu_quant_matmul.h: one stream for a block of 8 rows)."""
+def interleave_rows(w: torch.Tensor, unit_bytes: int) -> torch.Tensor:
+    """[N, U * unit_bytes] -> [N / 8, U, 8 * unit_bytes]: per panel of 8 rows, unit u of rows
+    0..7 side by side (cpu_quant_matmul.h: one stream for a block of 8 rows)."""
     n, width = w.shape
-    g = width // group_bytes
-    return w.view(n // ROW_PANEL, ROW_PANEL, g, group_bytes).transpose(1, 2).reshape(
-        n // ROW_PANEL, g, ROW_PANEL * group_bytes).contiguous()
+    u = width // unit_bytes
+    return w.view(n // ROW_PANEL, ROW_PANEL, u, unit_bytes).transpose(1, 2).reshape(
+        n // ROW_PANEL, u, ROW_PANEL * unit_bytes).contiguous()
 
 
 def padded_groups(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -112,6 +112,19 @@ def test_int8_layer_whose_outputs_fill_no_whole_panel_takes_torchs_kernel():
     assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
+def test_int4_layer_with_an_odd_number_of_groups_takes_torchs_kernel():
+    """Our kernel reads two groups of 32 inputs at a time: K = 96 (three) goes to torch's."""
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0)) * 0.05
+    t = quantize(w, "int4")
+    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int4", t)
+    assert why is None and isinstance(layer, Int4Linear)
+    assert layer._ext is None and layer.small is None
+    t = {**t, "scale": t["scale"].bfloat16().float(), "zero": t["zero"].bfloat16().float()}
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.float() @ dequantize(t, "int4").T
+    assert (layer(x).float() - want).abs().max() <= 3e-2 * want.abs().max()
+
+
 def dense_layer(dtype: torch.dtype, n: int, k: int) -> tuple[DenseLinear, torch.Tensor]:
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05).to(dtype)
     layer = DenseLinear(w)
