@@ -2,7 +2,7 @@
 //
 // Why: at batch 1 the weight matmuls of the default model take 6-17 ms per step, while the
 // ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch. Here
-// the matmuls are the kernels the torch path's decode calls (cpu_quant_matmul.h for
+// the matmuls are the kernels the torch path calls (cpu_quant_matmul.h for
 // int8/int4, cpu_dense_matmul.h for fp32/bf16) and everything between them (RMSNorm, RoPE,
 // the KV store, paged attention, SiLU, the residual adds) is a plain loop over a few
 // thousand numbers.

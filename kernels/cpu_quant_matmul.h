@@ -355,8 +355,8 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
 }
 
 // A whole panel of eight weight rows per block when x has one row (decode at batch 1: the
-// activations are loaded once per eight outputs, the weights read as one stream; 1.2x four
-// rows, measured); two otherwise (four rows of x times two: 8 accumulators).
+// activations are loaded once per eight outputs, the weights read as one stream; 1.1-1.3x
+// four rows, measured); two otherwise (four rows of x times two: 8 accumulators).
 template <typename T, typename Weights>
 void quant_matmul_any(const Weights& w, int64_t rows, int64_t n, T* y) {
   if (rows == 1) {

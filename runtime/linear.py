@@ -91,8 +91,6 @@ class DenseLinear:
             return self._ext.dense_linear(x, self.panels, bias)
         return F.linear(x, self.weight, self.bias)
 
-    decode = __call__  # one kernel for every phase
-
 
 PANEL = 16  # output columns per panel of cpu_dense_matmul.h's weight layout
 
@@ -134,17 +132,16 @@ class Int8Linear:
             y += self.bias  # in place: no second output tensor
         return y
 
-    decode = __call__  # one kernel for every phase
 
 
 class Int4Linear:
     """int4 weights in groups of 32 inputs, each with a scale and a zero point.
 
     On CPU with bf16 activations and an input size that is a multiple of 64 the weight is
-    kept in kernels/cpu_quant_matmul.h's layout
-    (`small`: nibbles, scale, zero) and every call takes that kernel: 1.5-3x torch's from
-    1 to 256 rows (measured) and, unlike it, giving each row the same bits in any batch, so
-    a request's tokens never depend on what it ran with. torch's otherwise.
+    kept in kernels/cpu_quant_matmul.h's layout (`small`: nibbles, scale, zero) and every
+    call takes that kernel: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it,
+    giving each row the same bits in any batch, so a request's tokens never depend on what
+    it ran with. torch's otherwise.
     """
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
@@ -201,7 +198,6 @@ class Int4Linear:
             y += self.bias
         return y
 
-    decode = __call__  # one kernel for every phase
 
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
@@ -253,8 +249,8 @@ class LogitsHead:
         self.weight16 = weight16  # None: fp32 activations, the matmul is already exact
         self.refine = min(refine, linear.out_features)
 
-    def __call__(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        logits = (self.linear.decode(h) if decode else self.linear(h)).float()
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(h).float()
         if self.weight16 is None:
             return logits
         top = logits.topk(self.refine, dim=-1, sorted=False).indices  # [T, r]

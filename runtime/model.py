@@ -237,7 +237,7 @@ class Model:
                 h, cos.float().view(T, -1), sin.float().view(T, -1), batch.kv_indptr,
                 batch.kv_indices, batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
             )
-            return self._logits(h[batch.logits_at], decode=True)
+            return self._logits(h[batch.logits_at])
         plan = None
         if batch.is_decode:
             c = self.config
@@ -275,9 +275,9 @@ class Model:
                 self._fused = _fused_layers(cpu_decode.load(), self)
         return self._fused or None
 
-    def _logits(self, h: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h, decode)
+        return self.lm_head(h)
 
     def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool, plan):
         c = self.config

@@ -91,9 +91,8 @@ def bench_modes(args: argparse.Namespace) -> list[tuple[str, str | None, str | N
 
 
 def linears_floor(model, batch: int) -> float:
-    """Seconds per step for the bare weight matmuls of `model` as its decode step runs them
-    (its own linear layers and kernels, LM head included), at this batch size: two
-    warm-ups, mean of five."""
+    """Seconds per step for the bare weight matmuls of `model` (its own linear layers and
+    kernels, LM head included), at this batch size: two warm-ups, mean of five."""
     layers = [lin for layer in model.layers
               for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     layers.append(model.lm_head.linear)
@@ -102,12 +101,12 @@ def linears_floor(model, batch: int) -> float:
     with torch.inference_mode():
         for _ in range(2):
             for lin in layers:
-                lin.decode(xs[lin.in_features])
+                lin(xs[lin.in_features])
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
             for lin in layers:
-                lin.decode(xs[lin.in_features])
+                lin(xs[lin.in_features])
             times.append(time.perf_counter() - t0)
     return sum(times) / len(times)
 
