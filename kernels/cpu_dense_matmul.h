@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_simd.h"
 #include "cpu_tiles.h"
@@ -144,6 +145,19 @@ inline bool dense_kernel_takes(const at::Tensor& panels) {
          (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16);
 }
 
+// x's values as fp32: x itself if fp32, else widened into this thread's scratch (valid until
+// its next call; a loop here, not an ATen op: ~120 calls per decode step, each op a
+// dispatch and an allocation).
+inline const float* widened_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  thread_local std::vector<float> scratch;
+  const int64_t count = x.numel();
+  scratch.resize(count);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_bits_to_float(src[i]);
+  return scratch.data();
+}
+
 // y = x @ w.T (+ bias) in x's dtype; w as panels, fp32 or bf16, x fp32 or bf16 [rows, K].
 inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& panels,
                                const at::Tensor& bias) {
@@ -151,10 +165,10 @@ inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& panels,
               "dense: x [rows, k], weight panels [n / 16, k, 16] fp32 or bf16");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "dense: fp32 or bf16 activations");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = panels.size(0) * kPanel;
   at::Tensor y = at::empty({rows, n}, x_in.options());
-  const float* xp = x.data_ptr<float>();
+  const float* xp = widened_rows(x);
   auto run = [&](auto* yp) {
     if (panels.scalar_type() == at::kFloat) {
       dense_matmul_any(panels.data_ptr<float>(), xp, rows, n, k, yp);
