@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_dense_matmul.h"
+#include "cpu_logits.h"
 #include "cpu_quant_matmul.h"
 #include "cpu_simd.h"
 #include "cpu_worker_pool.h"
@@ -506,6 +507,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return dense_linear(x, w, bias);
   });
   m.def("extend_attention", &extend_attention_op);
+  m.def("refine_top_logits", [](at::Tensor logits, const at::Tensor& h, const at::Tensor& w,
+                                int64_t r) {
+    pybind11::gil_scoped_release no_gil;
+    refine_top_logits(logits, h, w, r);
+  });
   m.def("int8_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;

@@ -12,7 +12,7 @@ import torch
 
 from sgl_nb.kernels import cpu_decode, reference
 from sgl_nb.runtime.forward_batch import build_batch
-from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, make_linear
+from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.quantize import dequantize, quantize
 
@@ -215,3 +215,24 @@ def test_decode_step_is_as_accurate_as_the_torch_path(model_path, mode):
         # The fused path's greedy token is fp32's, or near-tied with it there.
         top, picked = r.max(-1).values, r.gather(1, g.argmax(-1, keepdim=True))[:, 0]
         assert (top - picked <= 2 * err_torch).all()
+
+
+def test_logits_head_refinement_in_the_module_matches_torchs():
+    """LogitsHead's best-candidate recomputation (kernels/cpu_logits.h) against its torch ops,
+    on rows whose head matmul (bf16) only approximates the fp32 logits: above the 16th best
+    head logit every entry is recomputed, below it none (at a tie either may be)."""
+    gen = torch.Generator().manual_seed(0)
+    w16 = (torch.randn(1000, 64, generator=gen) * 0.2).bfloat16()
+    h = torch.randn(5, 64, generator=gen).bfloat16()
+    head = LogitsHead(DenseLinear(w16), w16, refine=16)
+    assert head._ext is not None
+    torch_ops = LogitsHead(DenseLinear(w16), w16, refine=16)
+    torch_ops._ext = None
+    base = head.linear(h).float()
+    exact = h.float() @ w16.float().T
+    sixteenth = base.topk(16, dim=-1).values[:, -1:]
+    above, below = base > sixteenth, base < sixteenth
+    for got in (head(h), torch_ops(h)):
+        assert torch.allclose(got[above], exact[above], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[below], base[below])
+    assert (above.sum(-1) >= 12).all()  # the test has teeth: most of the 16 are strictly above
