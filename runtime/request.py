@@ -48,6 +48,12 @@ class Request:
     gate: Callable[[], bool] | None = None  # a step controller's "may it decode now?"
     text: str = ""
     sent_len: int = 0  # characters of text already streamed
+    # Incremental detokenization: text holds output_ids[:read_offset] decoded; new tokens are
+    # decoded with output_ids[prefix_offset:read_offset] as context (a token's leading space
+    # or a character split across tokens decodes as in the whole), so a step decodes a few
+    # tokens, not the whole output (which cost 0.2-0.3 ms a token at 256 tokens, measured).
+    prefix_offset: int = 0
+    read_offset: int = 0
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: BaseException | None = None
@@ -104,17 +110,42 @@ class Request:
             self.finish_reason, self.matched_stop = "stop", s.token
             self.text = tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True)
             return
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        for stop in p.stop:
-            # Only the tail can hold a new match: the earlier text was checked before.
-            at = self.text.find(stop, max(0, self.sent_len - len(stop)))
+        self._decode_new(tokenizer)
+        grammar_done = self.grammar is not None and self.grammar.done()
+        length = len(self.output_ids) >= self.max_new_tokens
+        if not (grammar_done or length or self._stop_at(self.text) is not None):
+            return
+        # Finishing (or a stop string seen): the text the whole output decodes to, exactly.
+        exact = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        hit = self._stop_at(exact)
+        if hit is not None:
+            at, stop = hit
+            self.text, self.finish_reason, self.matched_stop = exact[:at], "stop", stop
+        elif grammar_done:
+            # The output is complete: nothing else would match.
+            self.text, self.finish_reason = exact, "stop"
+        elif length:
+            self.text, self.finish_reason = exact, "length"
+
+    def _decode_new(self, tokenizer) -> None:
+        """Append the text of the tokens after read_offset, unless it ends in an unfinished
+        character (then they wait for the next token)."""
+        ids = self.output_ids
+        context = tokenizer.decode(ids[self.prefix_offset : self.read_offset],
+                                   skip_special_tokens=True)
+        full = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(context) and not full.endswith("\ufffd"):
+            self.text += full[len(context) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
+    def _stop_at(self, text: str) -> tuple[int, str] | None:
+        """(where, which) of the first stop string in text; only the tail can hold a new
+        match, the earlier text was checked before."""
+        for stop in self.params.stop:
+            at = text.find(stop, max(0, self.sent_len - len(stop)))
             if at >= 0:
-                self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", stop
-                return
-        if self.grammar is not None and self.grammar.done():
-            self.finish_reason = "stop"  # the output is complete: nothing else would match
-        elif len(self.output_ids) >= self.max_new_tokens:
-            self.finish_reason = "length"
+                return at, stop
+        return None
 
     def take_delta(self) -> str:
         """New text that is safe to stream: never half a character, never a possible stop."""
