@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quantization", nargs="+", default=[], choices=["none", "int8", "int4"],
                    help="engine: also run these weight-only modes (bf16 activations)")
     b.add_argument("--repeat", type=int, default=2,
-                   help="engine: times each measurement is taken, ours and the baselines' "
-                   "(the best is kept: noise only slows a run)")
+                   help="engine: rounds of the whole sequence, ours and the baselines'; each "
+                   "side keeps its best round (noise only slows a run)")
     b.add_argument("--json", default=None, help="also write the figures to this file")
     b.add_argument("--questions", type=int, default=32, help="programs: few-shot questions")
     b.add_argument("--fork-tokens", type=int, default=64, help="programs: tokens per branch")
