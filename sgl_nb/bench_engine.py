@@ -7,10 +7,10 @@
    HF batched `generate` with left padding.
 
 The whole sequence runs `--repeat` rounds (default 2) and each side keeps its best round
-(per figure: the one-stream figures from its fastest one-stream run, the lowest floor, the
-fastest shared-prefix run): on a shared machine noise only ever makes a run slower, by up to
-2x here, in spells of minutes (measured), so a side caught in one is outvoted by its other
-round.
+(per figure: the one-stream figures and the batch-1 floor from its fastest one-stream
+round, the lowest batch-R floor, the fastest shared-prefix run): on a shared machine noise
+only ever makes a run slower, by up to 2x here, in spells of minutes (measured), so a side
+caught in one is outvoted by its other round.
 
 fp32 always runs (the first table: ratios and targets). `--dtype bfloat16` and
 `--quantization int8 int4` add one row each to a second table, against the same fp32
@@ -218,16 +218,19 @@ def llama_in_process(args: argparse.Namespace):
 
 def better_round(best: dict | None, new: dict | None) -> dict | None:
     """One side's figures over two rounds: the one-stream figures of the faster one-stream
-    run, the lower floors, the faster shared-prefix run."""
+    run (with the batch-1 floor measured just before it: the step / floor ratio pairs
+    figures taken under the same load), the lower batch-R floor, the faster shared-prefix
+    run."""
     if best is None or new is None:
         return new if best is None else best
     merged = dict(best)
     if new["one_stream_s"] < best["one_stream_s"]:
-        for key in ("one_stream_s", "one_stream_tok_s", "decode_step_ms"):
+        for key in ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1"):
             if key in new:
                 merged[key] = new[key]
     for key, value in new.items():
-        if key.startswith("matmul_floor") or key == "shared_prefix_s":
+        if (key.startswith("matmul_floor") and key != "matmul_floor_ms_b1"
+                or key == "shared_prefix_s"):
             merged[key] = min(merged[key], value)
     return merged
 
