@@ -289,7 +289,9 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           for (; j + NK <= len; j += NK) {
             scores_of_keys<gn(), NK>(q + g * d, rows.data() + j, d, out + j, len);
           }
-          for (; j < len; ++j) scores_of_keys<gn(), 1>(q + g * d, rows.data() + j, d, out + j, len);
+          for (; j < len; ++j) {
+            scores_of_keys<gn(), 1>(q + g * d, rows.data() + j, d, out + j, len);
+          }
         });
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -310,7 +312,9 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           for (; e + 8 * NV <= d; e += 8 * NV) {
             weighted_values<gn(), NV>(p, len, rows.data(), len, e, o + g * d, d);
           }
-          for (; e + 16 <= d; e += 16) weighted_values<gn(), 2>(p, len, rows.data(), len, e, o + g * d, d);
+          for (; e + 16 <= d; e += 16) {
+            weighted_values<gn(), 2>(p, len, rows.data(), len, e, o + g * d, d);
+          }
           if (e < d) weighted_values<gn(), 1>(p, len, rows.data(), len, e, o + g * d, d);
         });
       }

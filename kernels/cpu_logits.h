@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <utility>
 #include <vector>
 
@@ -47,7 +46,9 @@ inline float dot_bf16(const float* x, const uint16_t* w, int64_t k) {
 #ifdef SGL_NB_AVX2
   if (k % 8 == 0) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), acc);
+    for (int64_t i = 0; i < k; i += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), acc);
+    }
     return hsum(acc);
   }
 #endif
@@ -69,11 +70,12 @@ inline void refine_top_logits(at::Tensor& logits, const at::Tensor& h_in, const 
               "refine: h [T, K]");
   const int64_t rows = logits.size(0), vocab = logits.size(1), k = h.size(1);
   float* lp = logits.data_ptr<float>();
+  const float* hp = h.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   for (int64_t t = 0; t < rows; ++t) {
     float* row = lp + t * vocab;
     for (int64_t j : top_indices(row, vocab, std::min(r, vocab))) {
-      row[j] = dot_bf16(h.data_ptr<float>() + t * k, wp + j * k, k);
+      row[j] = dot_bf16(hp + t * k, wp + j * k, k);
     }
   }
 }

@@ -207,9 +207,8 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
 }
 
 // NR rows of xq against NC int8 weight rows (row c's group g at w + c * cs + g * gs):
-// out[r * NC + c] =
-// sum_g dx[r][g] (w_c . xq_r)_g. maddubs takes one unsigned operand: |w| times x carrying
-// w's sign (w is never -128).
+// out[r * NC + c] = sum_g dx[r][g] (w_c . xq_r)_g. maddubs takes one unsigned operand: |w|
+// times x carrying w's sign (w is never -128).
 template <int NR, int NC>
 inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
                        const float* dx, int64_t ds, float* out) {

@@ -25,10 +25,9 @@ void for_each_block(int64_t rows, int64_t n, int64_t chunk, const Block& block) 
   const int64_t blocks = (n + NC - 1) / NC;
   WorkerPool::get().parallel_for(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t c1 = std::min(rows, c0 + chunk);
+      const int64_t len = std::min(chunk, rows - c0), parts = (len + NR - 1) / NR;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t j0 = b * NC, nc = std::min<int64_t>(NC, n - j0);
-        const int64_t len = c1 - c0, parts = (len + NR - 1) / NR;
         for (int64_t i = 0; i < parts; ++i) {
           const int64_t r0 = c0 + len * i / parts, nr = c0 + len * (i + 1) / parts - r0;
           if (nc == NC) {

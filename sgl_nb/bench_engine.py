@@ -216,6 +216,10 @@ def llama_in_process(args: argparse.Namespace):
     return llama_cpp_bench(args, ids, prompts)
 
 
+# Taken together from one round: the step / floor ratio pairs figures measured under one load.
+STREAM_FIGURES = ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1")
+
+
 def better_round(best: dict | None, new: dict | None) -> dict | None:
     """One side's figures over two rounds: the one-stream figures of the faster one-stream
     run (with the batch-1 floor measured just before it: the step / floor ratio pairs
@@ -225,13 +229,10 @@ def better_round(best: dict | None, new: dict | None) -> dict | None:
         return new if best is None else best
     merged = dict(best)
     if new["one_stream_s"] < best["one_stream_s"]:
-        for key in ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1"):
-            if key in new:
-                merged[key] = new[key]
-    for key, value in new.items():
-        if (key.startswith("matmul_floor") and key != "matmul_floor_ms_b1"
-                or key == "shared_prefix_s"):
-            merged[key] = min(merged[key], value)
+        merged.update({key: new[key] for key in STREAM_FIGURES if key in new})
+    for key in new.keys() - set(STREAM_FIGURES):
+        if key.startswith("matmul_floor") or key == "shared_prefix_s":
+            merged[key] = min(merged[key], new[key])
     return merged
 
 
