@@ -32,6 +32,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Four sums of eight lanes in one __m128, each added as ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7))
+// whichever of the four it is: pass a vector twice for fewer sums and get the same bits.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// fp32 lanes rounded to bf16 as c10::BFloat16 rounds (nearest even; a NaN stays a NaN),
+// left as fp32 bit patterns.
+inline __m256i bf16_rounded_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+}
+
+// v rounded to T and widened back: float(T(v)) on each lane.
+inline __m256 round_to(float, __m256 v) { return v; }
+inline __m256 round_to(c10::BFloat16, __m256 v) {
+  return _mm256_castsi256_ps(bf16_rounded_bits(v));
+}
+
+// T(v) stored to eight values at p.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(bf16_rounded_bits(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // Eight values as fp32 (bf16 widens exactly: its bits are the top half of an fp32's).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
