@@ -24,10 +24,10 @@
 // sum_g(x).
 //
 // Blocks of up to 4 rows of x times NC weight rows share their loads: each weight group is
-// unpacked once per block, each activation group loaded once per block. Every output is
-// the same sequence of operations whatever block it falls in (its own accumulator, groups in
-// order, one horizontal sum), so a row's result never depends on the other rows: a request
-// decodes to the same bits in any batch, and prefill computes the bits decode would.
+// loaded (int4: and unpacked) once per block. Every output is the same sequence of
+// operations whatever block it falls in (its own accumulator, groups in order, one
+// horizontal sum), so a row's result never depends on the other rows: a request decodes to
+// the same bits in any batch, and prefill computes the bits decode would.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -57,6 +58,9 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0, stride = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
+  // int4 (pairs): dx spread as int4_block multiplies it, [dx_2p x 4, dx_2p+1 x 4] per two
+  // groups, [rows, 4 * stride].
+  std::vector<float> dx_pairs;
 };
 
 // One group of 32 values: its int8 values, step and rounded sum. Rounds to nearest even,
@@ -103,8 +107,30 @@ inline void quantize_group(const T* v, int8_t* q, float* d_out, float* sum_out) 
 #endif
 }
 
+// Inputs 0-15 of groups 2p and 2p + 1, then their inputs 16-31: the order int4_block
+// multiplies them in (its 32 weight bytes hold both groups' inputs i and i + 16), so that it
+// loads x straight into its products, with no regrouping per block.
+inline void pair_halves(int8_t* row, int64_t k) {
+#ifdef SGL_NB_AVX2
+  for (int64_t i = 0; i + 2 * kGroup <= k; i += 2 * kGroup) {
+    auto* v = reinterpret_cast<__m256i*>(row + i);
+    const __m256i a = _mm256_loadu_si256(v), b = _mm256_loadu_si256(v + 1);
+    _mm256_storeu_si256(v, _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(v + 1, _mm256_permute2x128_si256(a, b, 0x31));
+  }
+#else
+  int8_t t[2 * kGroup];
+  for (int64_t i = 0; i + 2 * kGroup <= k; i += 2 * kGroup) {
+    for (int h = 0; h < 2; ++h)
+      for (int g = 0; g < 2; ++g) std::copy_n(row + i + g * kGroup + h * 16, 16, t + h * 32 + g * 16);
+    std::copy_n(t, 2 * kGroup, row + i);
+  }
+#endif
+}
+
+// pairs: each row's xq in int4_block's order (pair_halves), else in input order.
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs = false) {
   QuantizedRows q;
   q.rows = rows;
   q.k = k;
@@ -113,11 +139,19 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   q.xq.resize(rows * k);
   q.dx.assign(rows * q.stride, 0.f);
   q.xsum.assign(rows * q.stride, 0.f);
+  if (pairs) q.dx_pairs.assign(rows * 4 * q.stride, 0.f);
   auto part = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < q.groups; ++g) {
         quantize_group(x + r * k + g * kGroup, q.xq.data() + r * k + g * kGroup,
                        q.dx.data() + r * q.stride + g, q.xsum.data() + r * q.stride + g);
+      }
+      if (pairs) {
+        pair_halves(q.xq.data() + r * k, k);
+        float* spread = q.dx_pairs.data() + r * 4 * q.stride;
+        for (int64_t g = 0; g < q.groups; ++g) {
+          std::fill_n(spread + (g / 2) * 8 + (g % 2) * 4, 4, q.dx[r * q.stride + g]);
+        }
       }
     }
   };
@@ -129,67 +163,50 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   return q;
 }
 
-// out[g] = scale[g] * dx[g] for g < stride (a multiple of 8): one (row, weight row) pair's
-// factor per group.
-inline void group_factors(const uint16_t* scale, const float* dx, int64_t stride, float* out) {
 #ifdef SGL_NB_AVX2
-  for (int64_t g = 0; g < stride; g += 8) {
-    _mm256_storeu_ps(out + g, _mm256_mul_ps(load8(scale + g), _mm256_loadu_ps(dx + g)));
-  }
-#else
-  for (int64_t g = 0; g < stride; ++g) out[g] = bf16_bits_to_float(scale[g]) * dx[g];
-#endif
-}
-
-#ifdef SGL_NB_AVX2
-// NR rows of xq (row stride k) against NC int4 weight rows, two groups at a time: row c's
-// groups 2p and 2p + 1 are the 32 bytes at w + c * cs + p * ps. out[r * NC + c] =
-// sum_g f[r][c][g] (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg), f [NR * NC, fs] from
-// group_factors; scale, zero (weight rows) and xsum (rows of x) have row stride fs.
+// NR rows of xq (row stride k, in pair_halves order) against NC int4 weight rows, two groups
+// at a time: row c's groups 2p and 2p + 1 are the 32 bytes at w + c * cs + p * ps.
+// out[r * NC + c] = sum_g scale_cg dx_rg (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg);
+// scale, zero (weight rows) and xsum (rows of x) have row stride fs, dx2 (QuantizedRows::
+// dx_pairs) 4 fs.
 //
 // The 32 bytes give, masked, inputs 0-15 of both groups and, shifted, inputs 16-31: the two
-// products with x (its halves regrouped to match) add as 16-bit values (at most 2 x 3810),
-// so one widening sum gives group 2p in lanes 0-3 and group 2p + 1 in lanes 4-7, scaled by
-// [f_2p x 4, f_2p+1 x 4]: 11 operations per two groups where one group at a time took 8
-// (measured 1.2-1.3x). The term that does not depend on q goes into the same accumulator
+// products with x add as 16-bit values (at most 2 x 3810), so one widening sum gives group
+// 2p in lanes 0-3 and group 2p + 1 in lanes 4-7, scaled by [f_2p x 4, f_2p+1 x 4],
+// f = scale * dx: 11 operations per two groups where one group at a time took 8 (measured
+// 1.2-1.3x). Weight row by weight row: its unpacked unit and scales stay in registers while
+// the rows of x come from memory, so 8 accumulators, 3 of those and the constants fit in
+// the 16 registers. (Computing the factors per block beforehand took a third of the time
+// at 400 rows, measured.) The term that does not depend on q goes into the same accumulator
 // eight groups at a time before the one horizontal sum.
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
-                       const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
-                       const float* xsum, float* out) {
+                       const float* dx2, int64_t fs, const uint16_t* scale,
+                       const uint16_t* zero, const float* xsum, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  // A pair of bf16 scales [s0 | s1 << 16] in every lane -> [s0 x 4, s1 x 4] as fp32.
+  const __m256i shift = _mm256_setr_epi32(16, 16, 16, 16, 0, 0, 0, 0);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  auto nibbles = [&](int c, int64_t p, __m256i& lo, __m256i& hi) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
-    lo = _mm256_and_si256(b, mask);
-    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-  };
+  if (k < 2 * kGroup) __builtin_unreachable();  // else GCC keeps acc in memory
   for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
-    // Several rows of x: each weight unit unpacked once for all; one row: unpacked where
-    // used (kept for all NC, 2 NC registers spilled, measured slower).
-    __m256i lo[NR > 1 ? NC : 1], hi[NR > 1 ? NC : 1];
-    if constexpr (NR > 1) {
-      for (int c = 0; c < NC; ++c) nibbles(c, p, lo[c], hi[c]);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* xp = xq + r * k + p * 2 * kGroup;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup));
-      const __m256i x_lo = _mm256_permute2x128_si256(a, b, 0x20);  // inputs 0-15 of both
-      const __m256i x_hi = _mm256_permute2x128_si256(a, b, 0x31);  // inputs 16-31
-      for (int c = 0; c < NC; ++c) {
-        const int i = NR > 1 ? c : 0;
-        if constexpr (NR == 1) nibbles(c, p, lo[0], hi[0]);
-        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], x_lo),
-                                               _mm256_maddubs_epi16(hi[i], x_hi));
+    for (int c = 0; c < NC; ++c) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
+      const __m256i lo = _mm256_and_si256(b, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      int32_t pair;
+      std::memcpy(&pair, scale + c * fs + 2 * p, sizeof pair);
+      const __m256 s2 = _mm256_castsi256_ps(
+          _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(pair), shift), high));
+      for (int r = 0; r < NR; ++r) {
+        const auto* xp = reinterpret_cast<const __m256i*>(xq + r * k + p * 2 * kGroup);
+        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)),
+                                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp + 1)));
         const __m256i dot = _mm256_madd_epi16(sum16, ones);
-        const __m128 f2 = _mm_castpd_ps(_mm_load_sd(
-            reinterpret_cast<const double*>(f + (r * NC + c) * fs + 2 * p)));
-        const __m256 scale2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f2), pair);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale2, acc[r][c]);
+        const __m256 f2 = _mm256_mul_ps(s2, _mm256_loadu_ps(dx2 + r * 4 * fs + 8 * p));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f2, acc[r][c]);
       }
     }
   }
@@ -216,20 +233,20 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  // Weight row by weight row, the rows of x from memory: 8 accumulators and one row's
+  // weights in registers (all NC rows' weights spilled accumulators at 4 x 2).
+  if (k < kGroup) __builtin_unreachable();  // else GCC keeps acc in memory (cpu_dense_matmul.h)
   for (int64_t g = 0; g < k / kGroup; ++g) {
-    __m256i wv[NC], wabs[NC];
     for (int c = 0; c < NC; ++c) {
-      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + g * gs));
-      wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m256i x =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
-      const __m256 d = _mm256_broadcast_ss(dx + r * ds + g);
-      for (int c = 0; c < NC; ++c) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + g * gs));
+      const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i x =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
         const __m256i dot =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[c], _mm256_sign_epi8(x, wv[c])), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[r][c]);
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, wv)), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(dx + r * ds + g),
+                                    acc[r][c]);
       }
     }
   }
@@ -239,17 +256,20 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 #else
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
-                       const float* f, int64_t fs, const uint16_t* scale, const uint16_t* zero,
-                       const float* xsum, float* out) {
+                       const float* dx2, int64_t fs, const uint16_t* scale,
+                       const uint16_t* zero, const float* xsum, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
         const uint8_t* b = w + c * cs + (g / 2) * ps + (g % 2) * 16;
-        const int8_t* x = xq + r * k + g * kGroup;
+        // pair_halves order: inputs 0-15 of the pair's two groups, then inputs 16-31.
+        const int8_t* x = xq + r * k + (g / 2) * 2 * kGroup + (g % 2) * 16;
         int32_t dot = 0;
-        for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[16 + i];
-        y += static_cast<float>(dot) * f[(r * NC + c) * fs + g];
+        for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[32 + i];
+        const float f = bf16_bits_to_float(scale[c * fs + g]) *
+                        dx2[r * 4 * fs + (g / 2) * 8 + (g % 2) * 4];
+        y += static_cast<float>(dot) * f;
       }
       for (int64_t g = 0; g < fs; ++g) {
         const float low = bf16_bits_to_float(zero[c * fs + g]) -
@@ -284,36 +304,31 @@ inline int64_t panel_row_offset(int64_t j, int64_t row_bytes, int64_t unit_bytes
   return (j / kRowPanel) * kRowPanel * row_bytes + (j % kRowPanel) * unit_bytes;
 }
 
-// int4 weights in our layout against quantized rows; scale and zero [N, x.stride].
+// int4 weights in our layout against quantized rows (pairs); scale and zero [N, x.stride].
 struct Int4Weights {
-  static constexpr bool kFactors = true;  // block() needs scratch for group_factors
   const uint8_t* nib;
   const uint16_t *scale, *zero;
   const QuantizedRows& x;
 
   template <int NR, int NC>
-  void block(int64_t j0, int64_t r0, float* out, float* f) const {
+  void block(int64_t j0, int64_t r0, float* out) const {
     const int64_t s = x.stride;
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < NC; ++c)
-        group_factors(scale + (j0 + c) * s, x.dx.data() + (r0 + r) * s, s, f + (r * NC + c) * s);
     constexpr int64_t unit = kGroup;  // two groups of 16 bytes
     int4_block<NR, NC>(nib + panel_row_offset(j0, x.k / 2, unit), unit, kRowPanel * unit,
-                       x.xq.data() + r0 * x.k, x.k, f, s, scale + j0 * s, zero + j0 * s,
-                       x.xsum.data() + r0 * s, out);
+                       x.xq.data() + r0 * x.k, x.k, x.dx_pairs.data() + r0 * 4 * s, s,
+                       scale + j0 * s, zero + j0 * s, x.xsum.data() + r0 * s, out);
   }
   float finish(int64_t, int64_t, float part) const { return part; }
 };
 
 // int8 weights (interleaved), a bf16 scale per output row, against quantized rows.
 struct Int8Weights {
-  static constexpr bool kFactors = false;
   const int8_t* w;
   const uint16_t* scale;
   const QuantizedRows& x;
 
   template <int NR, int NC>
-  void block(int64_t j0, int64_t r0, float* out, float*) const {
+  void block(int64_t j0, int64_t r0, float* out) const {
     int8_block<NR, NC>(w + panel_row_offset(j0, x.k, kGroup), kGroup, kRowPanel * kGroup,
                        x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * x.stride, x.stride, out);
   }
@@ -324,29 +339,21 @@ struct Int8Weights {
 
 // w.block<nr, NC> for a run-time nr <= NR (a template instance per count).
 template <int NR, int NC, typename Weights>
-inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, float* out,
-                       float* f) {
+inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, float* out) {
   if constexpr (NR > 1) {
-    if (nr < NR) return rows_block<NR - 1, NC>(w, nr, j0, r0, out, f);
+    if (nr < NR) return rows_block<NR - 1, NC>(w, nr, j0, r0, out);
   }
-  w.template block<NR, NC>(j0, r0, out, f);
+  w.template block<NR, NC>(j0, r0, out);
 }
 
 // y [rows, n] = T(finish(j, r, part)) for every output.
 template <int NC, typename T, typename Weights>
 void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
-  const int64_t stride = w.x.stride;
   for_each_block<kMaxRowBlock, NC>(rows, n, row_chunk(w.x.k), [&](int64_t j0, auto width,
                                                                    int64_t r0, int64_t nr) {
     constexpr int W = decltype(width)::value;
     float part[kMaxRowBlock * W];
-    float* factors = nullptr;
-    if constexpr (Weights::kFactors) {  // int4: per-thread scratch (int8 skips the TLS lookup)
-      thread_local std::vector<float> f;
-      f.resize(kMaxRowBlock * W * stride);
-      factors = f.data();
-    }
-    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part, factors);
+    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part);
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < W; ++c)
         y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * W + c]));
@@ -411,12 +418,12 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {
-    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k);
+    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, true);
     quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
-    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k);
+    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k, true);
     quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
                      y.data_ptr<float>());
   }
