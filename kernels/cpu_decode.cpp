@@ -1,21 +1,24 @@
-// The decoder layers of one CPU decode step (one new token per request), in one call.
+// One CPU decode step (one new token per request), token ids to logits, in one call.
 //
-// Why: at batch 1 the weight matmuls of the default model take 6-17 ms per step, while the
-// ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch. Here
-// the matmuls are the kernels the torch path calls (cpu_quant_matmul.h for
-// int8/int4, cpu_dense_matmul.h for fp32/bf16) and everything between them (RMSNorm, RoPE,
-// the KV store, paged attention, SiLU, the residual adds) is a plain loop over a few
-// thousand numbers.
+// Why: at batch 1 the weight matmuls of the default model take 4-17 ms per step, while the
+// ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch, and
+// the ~40 around the layers (embedding, RoPE tables, the final norm, the LM head) ~0.5 ms.
+// Here the matmuls are the kernels the torch path calls (cpu_quant_matmul.h for int8/int4,
+// cpu_dense_matmul.h for fp32/bf16) and everything between them (RMSNorm, RoPE, the KV
+// store, paged attention, SiLU, the residual adds) is a plain loop over a few thousand
+// numbers.
 //
 // The arithmetic follows runtime/model.py: an fp32 residual stream; RMSNorm in fp32 whose
 // result is rounded to the activation dtype T before the weight multiply; RoPE tables
-// rounded to T by the caller; attention scores, softmax and the weighted sum in fp32.
+// computed in fp32 and rounded to T; attention scores, softmax and the weighted sum in
+// fp32; the LM head as linear.LogitsHead computes it.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_dense_matmul.h"
@@ -414,12 +417,21 @@ void add_into(float* h, const T* delta, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] += float(delta[i]);
 }
 
-class DecodeLayers {
+class DecodeStep {
  public:
-  DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
-               std::vector<std::vector<at::Tensor>> tensors, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double eps)
-      : norms_(std::move(norms)), eps_(static_cast<float>(eps)) {
+  // Per layer: input and post-attention norm weights (norms) and the qkv, o, gate_up and
+  // down linears (kinds, tensors as LinearSpec). Around them: the embedding [vocab, hidden]
+  // and final norm in T, the RoPE inverse frequencies (fp32 [head_dim / 2]), the LM head as
+  // a LinearSpec and, when its best `refine` candidates are recomputed (linear.LogitsHead),
+  // its bf16 rows head16 (else empty).
+  DecodeStep(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
+             std::vector<std::vector<at::Tensor>> tensors, at::Tensor embed,
+             at::Tensor inv_freq, at::Tensor final_norm, int64_t head_kind,
+             std::vector<at::Tensor> head_tensors, at::Tensor head16, int64_t refine,
+             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : norms_(std::move(norms)), embed_(std::move(embed)), inv_freq_(std::move(inv_freq)),
+        final_norm_(std::move(final_norm)), head_{head_kind, std::move(head_tensors)},
+        head16_(std::move(head16)), refine_(refine), eps_(static_cast<float>(eps)) {
     const int64_t layers = static_cast<int64_t>(norms_.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers, "4 linears per layer");
     for (size_t i = 0; i < kinds.size(); ++i) linears_.push_back({kinds[i], tensors[i]});
@@ -428,24 +440,80 @@ class DecodeLayers {
     TORCH_CHECK(head_dim % 8 == 0, "the fused CPU decode takes head_dim % 8 == 0");
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16,
                 "the fused CPU decode takes float32 or bfloat16 activations");
+    TORCH_CHECK(embed_.scalar_type() == dtype_ && embed_.is_contiguous() &&
+                embed_.size(1) == shape_.hidden, "embedding: contiguous [vocab, hidden] in T");
+    TORCH_CHECK(inv_freq_.scalar_type() == at::kFloat && inv_freq_.numel() == head_dim / 2,
+                "inv_freq: float32 [head_dim / 2]");
   }
 
-  // h: fp32 [B, hidden] residual stream, updated in place and returned.
-  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                     const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                     const std::vector<at::Tensor>& v_bufs, double scale) {
-    TORCH_CHECK(h.is_contiguous() && h.scalar_type() == at::kFloat, "h: contiguous float32");
+  // Logits, fp32 [B, vocab], of one new token per request: ids and positions [B] int64,
+  // request b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (the new token's last,
+  // at out_loc[b]).
+  at::Tensor logits(const at::Tensor& ids, const at::Tensor& positions,
+                    const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                    const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+                    const std::vector<at::Tensor>& v_bufs, double scale) {
+    TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
+                out_loc.sizes() == ids.sizes() && kv_indptr.numel() == ids.numel() + 1,
+                "decode: ids, positions and out_loc [B], kv_indptr [B + 1]");
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
     if (dtype_ == at::kFloat) {
-      run<float>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
-    } else {
-      run<c10::BFloat16>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+      return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     }
-    return h;
+    return step<c10::BFloat16>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs,
+                               scale);
   }
 
  private:
+  template <typename T>
+  at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
+                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                  const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+                  const std::vector<at::Tensor>& v_bufs, double scale) {
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+    const int64_t batch = ids.size(0), n = shape_.hidden, vocab = embed_.size(0);
+    at::Tensor h = at::empty({batch, n}, embed_.options().dtype(at::kFloat));
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const T* e = embed_.data_ptr<T>();
+    float* hp = h.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "token id ", id[b], " outside the vocabulary");
+      for (int64_t i = 0; i < n; ++i) hp[b * n + i] = float(e[id[b] * n + i]);
+    }
+    auto [cos, sin] = rope_tables<T>(positions);
+    run<T>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    at::Tensor hn = at::empty({batch, n}, embed_.options());
+    rms_norm<T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch, n,
+                eps_);
+    at::Tensor logits = run_linear(head_, hn).to(at::kFloat).contiguous();
+    if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
+    return logits;
+  }
+
+  // cos and signed sin [B, head_dim] as runtime/model.py's rope_tables gives them (fp32
+  // angles, the tables rounded to T), widened to fp32.
+  template <typename T>
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions) const {
+    const int64_t batch = positions.size(0), d = shape_.head_dim, half = d / 2;
+    at::Tensor cos = at::empty({batch, d}, inv_freq_.options());
+    at::Tensor sin = at::empty({batch, d}, inv_freq_.options());
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float* f = inv_freq_.data_ptr<float>();
+    float* c = cos.data_ptr<float>();
+    float* sn = sin.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(pos[b]) * f[i];
+        c[b * d + i] = c[b * d + half + i] = float(T(std::cos(angle)));
+        sn[b * d + half + i] = float(T(std::sin(angle)));
+        sn[b * d + i] = -sn[b * d + half + i];
+      }
+    }
+    return {cos, sin};
+  }
+
+  // The decoder layers over h, the fp32 residual stream [B, hidden], in place.
   template <typename T>
   void run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
            const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& out_loc,
@@ -484,6 +552,10 @@ class DecodeLayers {
 
   std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
+  at::Tensor embed_, inv_freq_, final_norm_;
+  LinearSpec head_;
+  at::Tensor head16_;
+  int64_t refine_;
   float eps_;
   Shape shape_;
   at::ScalarType dtype_;
@@ -553,11 +625,12 @@ at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+  pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>,
-                          std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t,
-                          double>())
-      .def("forward", &DecodeLayers::forward);
+                          std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
+                          at::Tensor, int64_t, std::vector<at::Tensor>, at::Tensor, int64_t,
+                          int64_t, int64_t, int64_t, double>())
+      .def("logits", &DecodeStep::logits);
   m.def("set_num_threads", [](int64_t n) { WorkerPool::get().threads.store(n); },
         "threads of this module's kernels (0: torch's setting)");
   m.def("decode_attention", &decode_attention_op);

@@ -309,9 +309,10 @@ class Engine:
         ready = [(i, r) for i, r in ready if r.logprob_start is None]
         if not ready:
             return
-        rows = torch.tensor([i for i, _ in ready], device=logits.device)
         reqs = [r for _, r in ready]
-        rows_logits = logits[rows].float().cpu()
+        if len(ready) < logits.shape[0]:
+            logits = logits[torch.tensor([i for i, _ in ready], device=logits.device)]
+        rows_logits = logits.float().cpu()
         for i, r in enumerate(reqs):
             if r.grammar is not None:
                 r.grammar.mask(rows_logits[i])

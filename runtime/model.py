@@ -228,16 +228,14 @@ class Model:
         # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
         # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
         # modes); rms_norm hands the matmuls their 16-bit input.
+        fused = self._fused_decode() if batch.is_decode else None
+        if fused is not None:  # decode: one token per request, each row's logits
+            return fused.logits(
+                batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
+                batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
+            )
         h = self.embed[batch.input_ids].float()
         cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
-        fused = self._fused_decode() if batch.is_decode else None
-        if fused is not None:
-            T = h.shape[0]
-            h = fused.forward(
-                h, cos.float().view(T, -1), sin.float().view(T, -1), batch.kv_indptr,
-                batch.kv_indices, batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
-            )
-            return self._logits(h[batch.logits_at])
         plan = None
         if batch.is_decode:
             c = self.config
@@ -264,15 +262,15 @@ class Model:
         return self._fused_decode() is not None
 
     def _fused_decode(self):
-        """kernels/cpu_decode.cpp's decode step over this model's layers, or None where the
-        torch path runs (CUDA, float16, head_dim not a multiple of 8, SGL_NB_CPU_DECODE=0,
-        no compiler)."""
+        """kernels/cpu_decode.cpp's decode step (token ids to logits) for this model, or
+        None where the torch path runs (CUDA, float16, head_dim not a multiple of 8,
+        SGL_NB_CPU_DECODE=0, no compiler)."""
         if self._fused is None:
             self._fused = False
             usable = (self.device.type == "cpu" and self.config.head_dim % 8 == 0
                       and self.dtype in (torch.float32, torch.bfloat16))
             if usable and cpu_decode.available():
-                self._fused = _fused_layers(cpu_decode.load(), self)
+                self._fused = _fused_step(cpu_decode.load(), self)
         return self._fused or None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -314,13 +312,17 @@ def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
     return 0, [layer.weight if layer.panels is None else layer.panels, bias]
 
 
-def _fused_layers(module, model: Model):
-    c = model.config
+def _fused_step(module, model: Model):
+    c, head = model.config, model.lm_head
     norms, specs = [], []
     for layer in model.layers:
         norms += [layer.input_norm, layer.post_norm]
         specs += [_linear_spec(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     kinds, tensors = (list(x) for x in zip(*specs))
-    return module.DecodeLayers(
-        norms, kinds, tensors, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    head_kind, head_tensors = _linear_spec(head.linear)
+    head16 = torch.empty(0) if head.weight16 is None else head.weight16
+    return module.DecodeStep(
+        norms, kinds, tensors, model.embed, model.inv_freq.float().contiguous(), model.norm,
+        head_kind, head_tensors, head16, head.refine,
+        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
     )
