@@ -122,7 +122,8 @@ inline void pair_halves(int8_t* row, int64_t k) {
   int8_t t[2 * kGroup];
   for (int64_t i = 0; i + 2 * kGroup <= k; i += 2 * kGroup) {
     for (int h = 0; h < 2; ++h)
-      for (int g = 0; g < 2; ++g) std::copy_n(row + i + g * kGroup + h * 16, 16, t + h * 32 + g * 16);
+      for (int g = 0; g < 2; ++g)
+        std::copy_n(row + i + g * kGroup + h * 16, 16, t + h * 32 + g * 16);
     std::copy_n(t, 2 * kGroup, row + i);
   }
 #endif
@@ -202,8 +203,9 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
           _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(pair), shift), high));
       for (int r = 0; r < NR; ++r) {
         const auto* xp = reinterpret_cast<const __m256i*>(xq + r * k + p * 2 * kGroup);
-        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)),
-                                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp + 1)));
+        const __m256i sum16 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)),
+                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp + 1)));
         const __m256i dot = _mm256_madd_epi16(sum16, ones);
         const __m256 f2 = _mm256_mul_ps(s2, _mm256_loadu_ps(dx2 + r * 4 * fs + 8 * p));
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f2, acc[r][c]);

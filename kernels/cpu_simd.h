@@ -60,7 +60,8 @@ inline __m256 round_to(c10::BFloat16, __m256 v) {
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i r = _mm256_srli_epi32(bf16_rounded_bits(v), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
