@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -42,21 +43,22 @@ struct LinearSpec {
   std::vector<at::Tensor> t;
 };
 
-at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
+// y = l(x); our kernels write into `out` where it fits (output_rows).
+at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor& out = {}) {
   const at::Tensor& bias = l.t.back();
   switch (l.kind) {
     case kDense:
-      if (dense_kernel_takes(l.t[0])) return dense_linear(x, l.t[0], bias);
+      if (dense_kernel_takes(l.t[0])) return dense_linear(x, l.t[0], bias, out);
       return at::linear(x, l.t[0], bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     case kInt8:
-      if (l.t[0].dim() == 3) return int8_linear(x, l.t[0], l.t[1], bias);
+      if (l.t[0].dim() == 3) return int8_linear(x, l.t[0], l.t[1], bias, out);
       {
         at::Tensor y = at::_weight_int8pack_mm(x, l.t[0], l.t[1]);
         if (bias.numel()) y.add_(bias);
         return y;
       }
     case kInt4:
-      if (l.t[2].numel()) return int4_linear(x, l.t[2], l.t[3], l.t[4], bias);
+      if (l.t[2].numel()) return int4_linear(x, l.t[2], l.t[3], l.t[4], bias, out);
       {
         at::Tensor y = at::_weight_int4pack_mm_for_cpu(x, l.t[0], kGroup, l.t[1]);
         if (bias.numel()) y.add_(bias);
@@ -109,7 +111,9 @@ template <typename T>
 void rope_and_store(const T* qkv, const float* cos, const float* sin, const int64_t* out_loc,
                     T* kbuf, T* vbuf, float* qf, int64_t batch, const Shape& s, float scale) {
   const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
-  std::vector<float> r(d);
+  thread_local std::vector<float> rotated;
+  std::vector<float>& r = rotated;
+  r.resize(d);
   for (int64_t b = 0; b < batch; ++b) {
     const T* row = qkv + b * width;
     for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) {
@@ -300,8 +304,15 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
                const Shape& s) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   struct Task { int64_t b, kvh, begin, end; };
-  std::vector<Task> tasks;
-  std::vector<int64_t> first(batch * s.kv_heads + 1, 0);  // tasks of (b, kvh): first[i]..
+  // Scratch kept per calling thread (a decode step calls this once per layer), bound to
+  // references: the workers must see the caller's vectors, not their own thread_locals.
+  thread_local std::vector<Task> task_list;
+  thread_local std::vector<int64_t> first_list;
+  thread_local std::vector<float> mx_list, sum_list, acc_list, merged;
+  std::vector<Task>& tasks = task_list;
+  std::vector<int64_t>& first = first_list;  // tasks of (b, kvh): first[i]..first[i + 1]
+  tasks.clear();
+  first.assign(batch * s.kv_heads + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
       for (int64_t c = starts[b]; c < ends[b]; c += kChunk) {
@@ -311,10 +322,17 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
     }
   }
   const int64_t n = static_cast<int64_t>(tasks.size());
-  std::vector<float> mx(n * group), sum(n * group), acc(n * group * d);
+  std::vector<float>& mx = mx_list;
+  std::vector<float>& sum = sum_list;
+  std::vector<float>& acc = acc_list;
+  mx.resize(n * group);
+  sum.resize(n * group);
+  acc.resize(n * group * d);
   WorkerPool::get().parallel_for(n, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kChunk);
-    std::vector<const T*> rows(kChunk);  // the task's K (then V) rows
+    thread_local std::vector<float> scores;  // this thread's own
+    thread_local std::vector<const T*> rows;  // the task's K (then V) rows
+    scores.resize(group * kChunk);
+    rows.resize(kChunk);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t len = task.end - task.begin;
@@ -362,7 +380,8 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
       }
     }
   });
-  std::vector<float> o(d);
+  std::vector<float>& o = merged;
+  o.resize(d);
   for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
     const int64_t b = i / s.kv_heads, kvh = i % s.kv_heads;
     for (int64_t g = 0; g < group; ++g) {
@@ -457,6 +476,7 @@ class DecodeStep {
                 out_loc.sizes() == ids.sizes() && kv_indptr.numel() == ids.numel() + 1,
                 "decode: ids, positions and out_loc [B], kv_indptr [B + 1]");
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
+    std::lock_guard<std::mutex> lock(busy_);
     if (dtype_ == at::kFloat) {
       return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     }
@@ -529,23 +549,28 @@ class DecodeStep {
     float* hp = h.data_ptr<float>();
     const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
     const int64_t* indices = kv_indices.data_ptr<int64_t>();
+    // Each role's output buffer serves every layer (and the next steps at this batch size).
+    at::Tensor& qkv = outs_[0];
+    at::Tensor& o = outs_[1];
+    at::Tensor& gu = outs_[2];
+    at::Tensor& down = outs_[3];
     for (int64_t l = 0; l < layers; ++l) {
       rms_norm<T>(hp, norms_[2 * l].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
-      at::Tensor qkv = run_linear(linears_[4 * l], xn);
+      qkv = run_linear(linears_[4 * l], xn, qkv);
       rope_and_store<T>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                         out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                         v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
                         static_cast<float>(scale));
       attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
                    indptr, indptr + 1, indices, attn.data_ptr<T>(), batch, s);
-      at::Tensor o = run_linear(linears_[4 * l + 1], attn);
+      o = run_linear(linears_[4 * l + 1], attn, o);
       add_into<T>(hp, o.data_ptr<T>(), batch * n);
       rms_norm<T>(hp, norms_[2 * l + 1].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
-      at::Tensor gu = run_linear(linears_[4 * l + 2], xn);
+      gu = run_linear(linears_[4 * l + 2], xn, gu);
       const int64_t inter = gu.size(1) / 2;
       if (!act.defined()) act = at::empty({batch, inter}, opts);
       silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), batch, inter);
-      at::Tensor down = run_linear(linears_[4 * l + 3], act);
+      down = run_linear(linears_[4 * l + 3], act, down);
       add_into<T>(hp, down.data_ptr<T>(), batch * n);
     }
   }
@@ -553,6 +578,8 @@ class DecodeStep {
   std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, inv_freq_, final_norm_;
+  at::Tensor outs_[4];  // the qkv, o, gate_up and down outputs of the last step
+  std::mutex busy_;     // outs_ serve one step at a time
   LinearSpec head_;
   at::Tensor head16_;
   int64_t refine_;

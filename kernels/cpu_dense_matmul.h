@@ -158,16 +158,17 @@ inline const float* widened_rows(const at::Tensor& x) {
   return scratch.data();
 }
 
-// y = x @ w.T (+ bias) in x's dtype; w as panels, fp32 or bf16, x fp32 or bf16 [rows, K].
+// y = x @ w.T (+ bias) in x's dtype; w as panels, fp32 or bf16, x fp32 or bf16 [rows, K];
+// into `out` where it fits (output_rows).
 inline at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& panels,
-                               const at::Tensor& bias) {
+                               const at::Tensor& bias, const at::Tensor& out = {}) {
   TORCH_CHECK(dense_kernel_takes(panels) && x_in.dim() == 2 && x_in.size(1) == panels.size(1),
               "dense: x [rows, k], weight panels [n / 16, k, 16] fp32 or bf16");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "dense: fp32 or bf16 activations");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = panels.size(0) * kPanel;
-  at::Tensor y = at::empty({rows, n}, x_in.options());
+  at::Tensor y = output_rows(out, rows, n, x_in.options());
   const float* xp = widened_rows(x);
   auto run = [&](auto* yp) {
     if (panels.scalar_type() == at::kFloat) {

@@ -129,10 +129,10 @@ inline void pair_halves(int8_t* row, int64_t k) {
 #endif
 }
 
-// pairs: each row's xq in int4_block's order (pair_halves), else in input order.
+// x [rows, k] into q (its vectors reused: no allocation once they have grown); pairs: each
+// row's xq in int4_block's order (pair_halves), else in input order.
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs = false) {
-  QuantizedRows q;
+void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRows& q) {
   q.rows = rows;
   q.k = k;
   q.groups = k / kGroup;
@@ -161,7 +161,6 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs = fa
   } else {
     part(0, rows);
   }
-  return q;
 }
 
 #ifdef SGL_NB_AVX2
@@ -382,23 +381,25 @@ inline bool interleaved(const at::Tensor& w, const at::Tensor& x, int64_t inputs
 }
 
 // y = x @ w.T (+ bias), int8 weights interleaved [N / 8, K / 32, 8 * 32] with a bf16 scale
-// per row; x bf16 or fp32.
+// per row; x bf16 or fp32; into `out` where it fits (output_rows).
 inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
-                              const at::Tensor& scale, const at::Tensor& bias) {
+                              const at::Tensor& scale, const at::Tensor& bias,
+                              const at::Tensor& out = {}) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(interleaved(w, x, kGroup), "int8: x [rows, k], k a multiple of 32, and weights "
               "interleaved [n / 8, k / 32, 256]");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 kernel: bf16 scales");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0) * kRowPanel;
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = output_rows(out, rows, n, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, false, q);
     quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int8: bf16 or fp32 activations");
-    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k);
+    quantize_rows(x.data_ptr<float>(), rows, k, false, q);
     quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n, y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);
@@ -406,26 +407,28 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
 }
 
 // y = x @ w.T (+ bias), int4 weights in our layout (nibbles interleaved [N / 8, K / 32,
-// 8 * 16], scale and zero bf16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32.
+// 8 * 16], scale and zero bf16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32;
+// into `out` where it fits (output_rows).
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
                               const at::Tensor& scale, const at::Tensor& zero,
-                              const at::Tensor& bias) {
+                              const at::Tensor& bias, const at::Tensor& out = {}) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(interleaved(nib, x, 2 * kGroup), "int4: x [rows, k], k a multiple of 64, and "
               "nibbles interleaved [n / 8, k / 64, 256]");
   const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
   TORCH_CHECK(scale.size(0) == n && scale.size(1) == (k / kGroup + 7) / 8 * 8 &&
               zero.sizes() == scale.sizes(), "int4: scale and zero [N, groups rounded up to 8]");
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = output_rows(out, rows, n, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
+  thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    const QuantizedRows q = quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, true);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, true, q);
     quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
-    const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k, true);
+    quantize_rows(x.data_ptr<float>(), rows, k, true, q);
     quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
                      y.data_ptr<float>());
   }

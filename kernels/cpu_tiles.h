@@ -1,6 +1,8 @@
 // How the CPU matmuls split an output [rows, n] among threads and into register blocks.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -8,6 +10,18 @@
 #include "cpu_worker_pool.h"
 
 namespace sgl_nb {
+
+// The output [rows, n] of a matmul: `out` when it already is one (contiguous, that dtype), else
+// a new tensor. A decode step hands each layer's call the buffer the same role used before,
+// so that a step allocates no tensor per layer.
+inline at::Tensor output_rows(const at::Tensor& out, int64_t rows, int64_t n,
+                              const at::TensorOptions& opts) {
+  if (out.defined() && out.dim() == 2 && out.size(0) == rows && out.size(1) == n &&
+      out.dtype() == opts.dtype() && out.is_contiguous()) {
+    return out;
+  }
+  return at::empty({rows, n}, opts);
+}
 
 // Rows of x per pass over a thread's weight rows: enough that they (~16 KB) stay in L1
 // while a block of weight rows meets all of them.
