@@ -225,15 +225,15 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
-        # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
-        # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
-        # modes); rms_norm hands the matmuls their 16-bit input.
         fused = self._fused_decode() if batch.is_decode else None
         if fused is not None:  # decode: one token per request, each row's logits
             return fused.logits(
                 batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
                 batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
             )
+        # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
+        # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
+        # modes); rms_norm hands the matmuls their 16-bit input.
         h = self.embed[batch.input_ids].float()
         cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
         plan = None
