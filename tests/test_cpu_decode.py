@@ -197,6 +197,26 @@ def test_decode_step_matches_the_torch_path_in_fp32(model_path):
 
 
 @pytest.mark.slow
+def test_decode_step_rejects_a_token_outside_the_vocabulary_and_serves_on(model_path):
+    """The step checks its token ids before touching the KV pool; the next step of the
+    same request gives the bits it gave before (its reused buffers are intact)."""
+    model = Model.load(model_path)
+    pool = model.new_kv_pool(64)
+    slots = torch.arange(1, 9)
+    prompt = list(range(100, 107))
+    model.forward(build_batch(False, [prompt], [0], [slots[:7]], [slots[:7]], model.device), pool)
+
+    def step(token: int):
+        return build_batch(True, [[token]], [7], [slots], [slots[-1:]], model.device)
+
+    before = model.forward(step(500), pool)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        model.forward(step(model.config.vocab_size), pool)
+    assert model.fused_decode_ready()
+    assert torch.equal(model.forward(step(500), pool), before)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [{"dtype": "bfloat16"}, {"quantization": "int8"},
                                   {"quantization": "int4"}])
 def test_decode_step_is_as_accurate_as_the_torch_path(model_path, mode):
