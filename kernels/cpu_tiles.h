@@ -1,4 +1,5 @@
-// How the CPU matmuls split an output [rows, n] among threads and into register blocks.
+// How the CPU matmuls split an output [rows, n] among threads and into register blocks,
+// and where they write it (output_rows).
 #pragma once
 
 #include <ATen/ATen.h>
