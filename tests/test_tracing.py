@@ -260,9 +260,22 @@ def test_load_rebuilds_the_live_timeline(traced):
     assert "".join(t.text for t in gen.tokens) == traced.states[0]["a"]
 
 
+def _one_span_per_line(line: str) -> list[str]:
+    out = []
+    for rs in json.loads(line)["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                one = {**rs, "scopeSpans": [{**ss, "spans": [span]}]}
+                out.append(json.dumps({"resourceSpans": [one]}) + "\n")
+    return out
+
+
 @pytest.mark.slow
 def test_load_orders_by_recorded_seq_not_line_order(traced, tmp_path):
-    lines = traced.path.read_text().splitlines(keepends=True)
+    # The exporter writes one line per batch, and a fast run fits in one batch: one span a
+    # line gives the shuffle something to reorder whatever the batching was.
+    lines = [_one_span_per_line(line) for line in traced.path.read_text().splitlines()]
+    lines = [one for group in lines for one in group]
     assert len(lines) > 1
     random.Random(0).shuffle(lines)
     shuffled = tmp_path / "shuffled.jsonl"
