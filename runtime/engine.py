@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.model_loader import resolve_model_path
+from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import GenerateOutput, Request
@@ -216,6 +218,22 @@ class Engine:
         self._inbox.put(handle)
         return handle
 
+    def flush_cache(self, timeout: float | None = 60.0) -> int:
+        """Free every cached prefix no running request holds (held ones stay: their
+        requests read those slots); the tokens freed. Runs on the engine thread, between
+        steps, as everything that touches the cache does."""
+        if self._stopping:
+            raise RuntimeError("the engine has been shut down")
+        done: Future = Future()
+
+        def flush() -> None:
+            before = self.cache.total_size()
+            self.cache.reset()
+            done.set_result(before - self.cache.total_size())
+
+        self._inbox.put(flush)
+        return done.result(timeout)
+
     def shutdown(self) -> None:
         self._stopping = True
         self._inbox.put(None)
@@ -259,7 +277,9 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                if item is not _WAKE:
+                if callable(item):  # engine-thread work (flush_cache)
+                    item()
+                elif item is not _WAKE:
                     self._handles[item.req.rid] = item
                     self.scheduler.add(item.req)
                     self._emit_instruction("instruction_started", item.req)
@@ -314,6 +334,9 @@ class Engine:
             logits = logits[torch.tensor([i for i, _ in ready], device=logits.device)]
         rows_logits = logits.float().cpu()
         for i, r in enumerate(reqs):
+            if r.params.adjusts_logits:
+                stops = [*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_ids)]
+                adjust_logits(rows_logits[i], r.params, r.prompt_ids, r.output_ids, stops)
             if r.grammar is not None:
                 r.grammar.mask(rows_logits[i])
         sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs],

@@ -48,6 +48,7 @@ class Request:
     gate: Callable[[], bool] | None = None  # a step controller's "may it decode now?"
     text: str = ""
     sent_len: int = 0  # characters of text already streamed
+    stop_from: int = 0  # stop strings are looked for from here on (after min_tokens' text)
     # Incremental detokenization: text holds output_ids[:read_offset] decoded; new tokens are
     # decoded with output_ids[prefix_offset:read_offset] as context (a token's leading space
     # or a character split across tokens decodes as in the whole), so a step decodes a few
@@ -113,6 +114,11 @@ class Request:
         self._decode_new(tokenizer)
         grammar_done = self.grammar is not None and self.grammar.done()
         length = len(self.output_ids) >= self.max_new_tokens
+        if len(self.output_ids) < p.min_tokens:
+            # No stop string ends it yet (stop tokens are masked in the logits), nor later
+            # one that was already there.
+            self.stop_from = len(self.text)
+            return
         if not (grammar_done or length or self._stop_at(self.text) is not None):
             return
         # Finishing (or a stop string seen): the text the whole output decodes to, exactly.
@@ -142,7 +148,7 @@ class Request:
         """(where, which) of the first stop string in text; only the tail can hold a new
         match, the earlier text was checked before."""
         for stop in self.params.stop:
-            at = text.find(stop, max(0, self.sent_len - len(stop)))
+            at = text.find(stop, max(self.stop_from, self.sent_len - len(stop)))
             if at >= 0:
                 return at, stop
         return None

@@ -20,6 +20,10 @@ class SamplingParams:
     top_logprobs: int = 0  # and the k most likely alternatives at each step
     regex: str | None = None  # constrain the output to this regex ...
     json_schema: str | dict | None = None  # ... or to JSON matching this schema
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this
+    frequency_penalty: float = 0.0  # minus this x how often a token is in the output so far
+    presence_penalty: float = 0.0  # minus this once a token is in the output
+    repetition_penalty: float = 1.0  # a token of prompt or output: logit / this if > 0, else x
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +35,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or min_tokens changes the logits before sampling."""
+        return bool(self.min_tokens or self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -54,3 +64,14 @@ class SamplingParams:
             bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens!r}")
+        if self.min_tokens and (self.regex is not None or self.json_schema is not None):
+            bad("min_tokens cannot lengthen a regex or json_schema output past its end; "
+                "give one or the other")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")

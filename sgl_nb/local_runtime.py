@@ -93,6 +93,10 @@ class Runtime:
         top_logprobs: int = 0,
         regex: str | None = None,
         json_schema: str | dict | None = None,
+        min_tokens: int = 0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         stream: bool = False,
         priority: str = "normal",
     ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
@@ -103,7 +107,9 @@ class Runtime:
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop=stop or [], stop_token_ids=stop_token_ids or [],
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-            regex=regex, json_schema=json_schema,
+            regex=regex, json_schema=json_schema, min_tokens=min_tokens,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            repetition_penalty=repetition_penalty,
         )
         batch = _is_batch(prompt)
         if batch and stream:
@@ -182,6 +188,19 @@ class Runtime:
 
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()
+
+    def flush_cache(self) -> int:
+        """Drop the radix cache's prefixes (those running requests hold stay); the number
+        of tokens freed. `sgl.flush_cache()` calls it on the default backend."""
+        return self.engine.flush_cache()
+
+    def get_server_info(self) -> dict:
+        """What runs here: model, context, precision, pool, and the scheduler's figures."""
+        eng = self.engine
+        return {"model_path": str(eng.model_path), "context_len": eng.context_len,
+                "dtype": str(eng.model.dtype).removeprefix("torch."),
+                "quantization": eng.model.quantization, "device": str(eng.device),
+                "kv_pool_tokens": eng.pool.capacity, **eng.metrics()}
 
     def shutdown(self) -> None:
         self.engine.shutdown()

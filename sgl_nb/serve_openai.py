@@ -1,7 +1,7 @@
 """`sgl-nb serve`'s OpenAI-compatible side: /v1/models, /v1/completions and
 /v1/chat/completions, with the vLLM extensions RuntimeEndpoint uses (top_k, min_p,
-stop_token_ids, ignore_eos, structured_outputs / guided_*, prompt_logprobs,
-return_token_ids)."""
+stop_token_ids, ignore_eos, min_tokens, repetition_penalty, structured_outputs / guided_*,
+prompt_logprobs, return_token_ids)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,11 @@ def sampling(body: dict, chat: bool = False) -> dict:
               "top_k": int(body.get("top_k") if body.get("top_k") is not None else -1),
               "min_p": _num(body, "min_p", 0.0), "seed": body.get("seed"),
               "stop": body.get("stop") or [], "stop_token_ids": body.get("stop_token_ids") or [],
-              "ignore_eos": bool(body.get("ignore_eos", False))}
+              "ignore_eos": bool(body.get("ignore_eos", False)),
+              "frequency_penalty": _num(body, "frequency_penalty", 0.0),
+              "presence_penalty": _num(body, "presence_penalty", 0.0),
+              "repetition_penalty": _num(body, "repetition_penalty", 1.0),
+              "min_tokens": int(body.get("min_tokens") or 0)}
     logprobs = body.get("top_logprobs") if chat else body.get("logprobs")
     if (chat and body.get("logprobs")) or (not chat and logprobs is not None):
         params["logprobs"], params["top_logprobs"] = True, int(logprobs or 0)

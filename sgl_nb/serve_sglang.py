@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from sgl_nb.serve_openai import BadRequest
 
 # SGLang's sampling_params name -> ours (the rest are the same or not offered).
-_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
+_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed",
+            "min_new_tokens": "min_tokens"}
 _SAME = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-         "regex", "json_schema")
+         "regex", "json_schema", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _IGNORED = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n")
 
 

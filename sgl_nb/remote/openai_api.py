@@ -1,8 +1,9 @@
 """The OpenAI-compatible completions API as vLLM serves it (and SGLang, and `sgl-nb serve`):
 request bodies from SamplingParams, answers back into our GenerateOutput shape.
 
-vLLM extensions used: top_k, min_p, stop_token_ids, ignore_eos, structured_outputs (older
-servers: guided_regex / guided_json), prompt_logprobs (for select), return_token_ids."""
+vLLM extensions used: top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
+repetition_penalty, structured_outputs (older servers: guided_regex / guided_json),
+prompt_logprobs (for select), return_token_ids."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class OpenAIApi:
             body["stop_token_ids"] = list(p.stop_token_ids)
         if p.ignore_eos:
             body["ignore_eos"] = True
+        body.update(_penalties(p))
         if p.logprobs or p.top_logprobs:
             body["logprobs"] = p.top_logprobs
         if p.regex is not None or p.json_schema is not None:
@@ -158,3 +160,10 @@ def _usage_meta(usage: dict | None) -> dict:
     return {"prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": details.get("cached_tokens")}
+
+
+def _penalties(p: SamplingParams) -> dict:
+    """The ones set: OpenAI's frequency / presence, vLLM's min_tokens / repetition_penalty."""
+    out = {"frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
+           "min_tokens": p.min_tokens, "repetition_penalty": p.repetition_penalty}
+    return {k: v for k, v in out.items() if v != (1.0 if k == "repetition_penalty" else 0)}

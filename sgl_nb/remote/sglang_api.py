@@ -41,6 +41,9 @@ class SGLangApi:
             sp["stop_token_ids"] = list(p.stop_token_ids)
         if p.ignore_eos:
             sp["ignore_eos"] = True
+        if p.adjusts_logits:
+            sp.update(frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                      repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_tokens)
         if p.seed is not None:
             sp["sampling_seed"] = p.seed
         if p.regex is not None:
