@@ -9,14 +9,32 @@ from sgl_nb.expressions import (
     REGEX_INT,
     REGEX_STR,
     assistant,
+    assistant_begin,
+    assistant_end,
     gen,
     gen_int,
     gen_string,
+    greedy_token_selection,
+    image,
     select,
+    separate_reasoning,
     system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
     user,
+    user_begin,
+    user_end,
+    video,
 )
-from sgl_nb.function import function, get_default_backend, set_default_backend
+from sgl_nb.function import (
+    flush_cache,
+    function,
+    get_default_backend,
+    get_server_info,
+    set_default_backend,
+)
 from sgl_nb.local_runtime import Runtime
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -26,9 +44,12 @@ from sgl_nb.tracing_api import disable_tracing, enable_tracing
 
 __all__ = [
     "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramError",
-    "ProgramState", "Runtime", "SamplingParams", "assistant", "function", "gen", "gen_int",
-    "gen_string", "get_default_backend", "select", "set_default_backend", "system", "user",
-    "enable_tracing", "disable_tracing", "RuntimeEndpoint",
+    "ProgramState", "Runtime", "SamplingParams", "assistant", "assistant_begin",
+    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_default_backend", "get_server_info", "greedy_token_selection", "image", "select",
+    "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
+    "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
+    "user_end", "video", "enable_tracing", "disable_tracing", "RuntimeEndpoint",
 ]
 __version__ = "0.1.0"
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from sgl_nb.reasoning import check_model_type
 
 REGEX_INT = r"-?\d+"
 REGEX_FLOAT = r"-?\d+(\.\d+)?([eE][-+]?\d+)?"
@@ -12,8 +14,12 @@ REGEX_STR = r"\"[\w\d\s]*\""  # a quoted string, as SGLang's frontend defines it
 
 DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
 
+# select's scoring methods; `choices_method=sgl.greedy_token_selection` names one, as in SGLang.
+token_length_normalized = "token_length_normalized"
+greedy_token_selection = "greedy_token_selection"
+unconditional_likelihood_normalized = "unconditional_likelihood_normalized"
 SELECT_METHODS = (
-    "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
+    token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized,
 )
 
 
@@ -41,31 +47,50 @@ def _parts(x) -> list:
     return [x]
 
 
+# SGLang's names for sampling arguments (gen() and run() take them) -> SamplingParams'.
+SAMPLING_ARGS = {
+    "max_tokens": "max_tokens", "max_new_tokens": "max_tokens", "min_tokens": "min_tokens",
+    "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+    "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "return_logprob": "logprobs",
+    "top_logprobs_num": "top_logprobs",
+}
+# Not sampling: how a gen's meta info shows logprobs (run() may set them for every gen).
+LOGPROB_ARGS = ("return_text_in_logprobs", "logprob_start_len")
+
+
+def sampling_args(args: dict) -> dict:
+    """SGLang-named sampling arguments as SamplingParams fields; None means "not given"."""
+    out: dict = {}
+    given: dict = {}  # field -> the argument that set it
+    for key, value in args.items():
+        if value is None:
+            continue
+        field_name = SAMPLING_ARGS[key]
+        if field_name in out and out[field_name] != value:
+            raise ValueError(f"give {given[field_name]} or {key}, not both")
+        given[field_name] = key
+        if field_name in ("stop", "stop_token_ids"):
+            value = [value] if isinstance(value, str | int) else list(value)
+        out[field_name] = value
+    return out
+
+
 @dataclass
 class Gen(Concatenable):
     name: str | None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
+    params: dict = field(default_factory=dict)  # SamplingParams fields this gen sets
     regex: str | None = None
     json_schema: str | dict | None = None
     dtype: type | None = None
+    logprob_args: dict = field(default_factory=dict)  # LOGPROB_ARGS this gen sets
+    reasoning: str | None = None  # separate_reasoning's model type: split thinking off
 
     def sampling(self, defaults: dict) -> dict:
         """Sampling parameters for the engine: this gen's own, else the run's defaults."""
-        out = {k: v for k, v in defaults.items() if v is not None}
-        for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        out["stop"] = list(self.stop)
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        out["ignore_eos"] = self.ignore_eos
+        out = {k: v for k, v in defaults.items() if v is not None and k not in LOGPROB_ARGS}
+        out.update(self.params)
         out.setdefault("max_tokens", 128)
         regex = self.regex if self.regex is not None else DTYPE_REGEX.get(self.dtype)
         if regex is not None:
@@ -73,6 +98,9 @@ class Gen(Concatenable):
         elif self.json_schema is not None:
             out["json_schema"] = self.json_schema
         return out
+
+    def logprob_options(self, defaults: dict) -> dict:
+        return {k: self.logprob_args.get(k, defaults.get(k)) for k in LOGPROB_ARGS}
 
     def convert(self, text: str):
         """The variable's value: the text, or the number / bool it spells for dtype=."""
@@ -107,34 +135,47 @@ class RoleBlock(Concatenable):
 def gen(
     name: str | None = None,
     max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    regex: str | None = None,
-    json_schema: str | dict | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
     dtype: type | None = None,
     choices: list[str] | None = None,
-    max_new_tokens: int | None = None,
     choices_method: str = "token_length_normalized",
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
 ) -> Gen | Select:
-    """Generate text into variable `name`. With `choices`, this is `select`."""
+    """Generate text into variable `name` (SGLang's arguments; the run's where None).
+    With `choices`, this is `select`."""
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
-    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
-        raise ValueError("give max_tokens or max_new_tokens, not both")
+    if n not in (None, 1):
+        raise ValueError(f"gen(n={n}) is not supported: fork the state (`s.fork({n})`) "
+                         "and gen in each branch")
     if dtype not in (None, int, float, str, bool):
         raise ValueError(f"dtype must be int, float, str or bool, got {dtype!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return Gen(
-        name, max_tokens if max_tokens is not None else max_new_tokens, stops,
-        list(stop_token_ids or []), temperature, top_p, top_k, min_p, seed, ignore_eos, regex,
-        json_schema, dtype,
-    )
+    params = sampling_args({
+        "max_tokens": max_tokens, "max_new_tokens": max_new_tokens, "min_tokens": min_tokens,
+        "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
+        "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed, "ignore_eos": ignore_eos,
+        "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
+        "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
+    logprob_args = {k: v for k, v in (("return_text_in_logprobs", return_text_in_logprobs),
+                                      ("logprob_start_len", logprob_start_len)) if v is not None}
+    return Gen(name, params, regex, json_schema, dtype, logprob_args)
 
 
 def gen_int(name: str | None = None, **kwargs) -> Gen:
@@ -159,9 +200,9 @@ def select(
 
 
 def _role(role: str, content) -> RoleBlock:
+    """A whole turn; with no content, an empty one (as SGLang's frontend makes it)."""
     if content is None:
-        raise ValueError(f"sgl.{role}(...) takes the turn's content; for a block use "
-                         f"`with s.{role}():`")
+        content = []
     return RoleBlock(role, content if isinstance(content, list) else [content])
 
 
@@ -175,3 +216,46 @@ def user(content=None) -> RoleBlock:
 
 def assistant(content=None) -> RoleBlock:
     return _role("assistant", content)
+
+
+# A turn in pieces: `s += sgl.user_begin()`, ..., `s += sgl.user_end()`.
+def system_begin() -> Role:
+    return Role("system", True)
+
+
+def system_end() -> Role:
+    return Role("system", False)
+
+
+def user_begin() -> Role:
+    return Role("user", True)
+
+
+def user_end() -> Role:
+    return Role("user", False)
+
+
+def assistant_begin() -> Role:
+    return Role("assistant", True)
+
+
+def assistant_end() -> Role:
+    return Role("assistant", False)
+
+
+def separate_reasoning(expr: Gen, model_type: str | None = None) -> Gen:
+    """A named gen whose thinking (`<think>...</think>` by default) goes to variable
+    `<name>_reasoning_content` and the rest to `<name>`."""
+    if not isinstance(expr, Gen) or expr.name is None:
+        raise TypeError(f"separate_reasoning takes a named sgl.gen(...), got {expr!r}")
+    return replace(expr, reasoning=check_model_type(model_type))
+
+
+def image(*_args, **_kwargs):
+    raise NotImplementedError("sgl.image: sgl-nb runs text-only models (the Llama and Qwen2 "
+                              "families); a program cannot add an image")
+
+
+def video(*_args, **_kwargs):
+    raise NotImplementedError("sgl.video: sgl-nb runs text-only models (the Llama and Qwen2 "
+                              "families); a program cannot add a video")

@@ -9,6 +9,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 
+from sgl_nb.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
 from sgl_nb.runtime.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.priority import parse_priority, priority_name
 from sgl_nb.runtime.step_controller import StepController
@@ -35,7 +36,20 @@ def get_default_backend():
         return _default_backend
 
 
-_RUN_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+# run()'s sampling options, SGLang's names: defaults for every gen of the program.
+def flush_cache(backend=None):
+    """Drop the backend's cached prefixes (the default backend's if none is given)."""
+    return (backend or get_default_backend()).flush_cache()
+
+
+def get_server_info(backend=None) -> dict:
+    """What the backend runs: model, context, precision, pool, scheduler figures."""
+    return (backend or get_default_backend()).get_server_info()
+
+
+_RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
+# SGLang's threading options: every program here runs on its own thread anyway.
+_THREAD_OPTIONS = ("use_thread", "num_threads")
 
 
 class ProgramFuture:
@@ -74,9 +88,7 @@ class SglFunction:
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
-        run_defaults = {k: v for k, v in defaults.items() if k in _RUN_DEFAULTS}
-        if "max_new_tokens" in run_defaults:
-            run_defaults["max_tokens"] = run_defaults.pop("max_new_tokens")
+        run_defaults = _run_defaults(defaults)
         priority = priority_name(parse_priority(priority))  # a bad name fails here, at once
         controller = StepController(paused=step) if debug or step else None
         state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
@@ -146,13 +158,16 @@ class SglFunction:
         """The static part of the program's graph for these arguments (no model runs)."""
         call, defaults = self._split(args, kwargs)
         roles = getattr(_default_backend, "chat_roles", None)
-        return trace_program(self.func, call, defaults, roles)
+        return trace_program(self.func, call, _run_defaults(defaults), roles)
 
     def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
                   passes=None, priority: str = "batch", **defaults) -> list[ProgramState]:
         """Run the program once per dict of arguments, all at once. The shared_prefix pass
         computes the text every item starts with once, before them (the radix cache then
         serves it to each)."""
+        unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS}
+        if unknown:
+            raise TypeError(f"run_batch() got unexpected options {sorted(unknown)}")
         backend = backend or get_default_backend()
         parse_priority(priority)
         chosen = check_passes(passes)
@@ -183,8 +198,18 @@ class SglFunction:
         call = dict(zip(self.arg_names, args))
         defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in _RUN_DEFAULTS
                     and k not in self.arg_names}
+        for k in _THREAD_OPTIONS:
+            if k not in self.arg_names:
+                kwargs.pop(k, None)
         call.update(kwargs)
         return call, defaults
+
+
+def _run_defaults(options: dict) -> dict:
+    """run()'s options as the state's defaults: SamplingParams fields and logprob options."""
+    out = sampling_args({k: v for k, v in options.items() if k in SAMPLING_ARGS})
+    out.update({k: options[k] for k in LOGPROB_ARGS if options.get(k) is not None})
+    return out
 
 
 def _takes_kwargs(func: Callable) -> bool:

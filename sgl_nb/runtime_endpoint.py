@@ -115,6 +115,20 @@ class RuntimeEndpoint:
     def shutdown(self) -> None:
         """Nothing to stop: the server belongs to whoever started it."""
 
+    def flush_cache(self) -> None:
+        """SGLang's POST /flush_cache (SGLang servers and `sgl-nb serve`); the
+        OpenAI-compatible API has no such route."""
+        if self.api_name != "sglang":
+            raise RemoteFeatureError(
+                self.base_url, "flush_cache", "the OpenAI-compatible API cannot flush a "
+                "server's cache; connect with api='sglang' to an SGLang server or sgl-nb serve")
+        self.client.request_bytes("POST", "/flush_cache", {})
+
+    def get_server_info(self) -> dict:
+        """SGLang's /get_server_info; over the OpenAI-compatible API, /v1/models."""
+        return self.client.get_json("/get_server_info" if self.api_name == "sglang"
+                                    else "/v1/models")
+
     def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None:
         """Catch a malformed pattern at its program line; the server compiles the grammar."""
         try:

@@ -1,6 +1,7 @@
 """`sgl-nb serve`: the in-kernel engine behind HTTP, so other tools can use it: the
 OpenAI-compatible /v1/completions and /v1/chat/completions (with streaming), SGLang's
-native /generate and /get_model_info. Loopback by default: there is no authentication.
+native /generate, /get_model_info, /get_server_info and /flush_cache. Loopback by
+default: there is no authentication.
 
 Standard library only (ThreadingHTTPServer, one thread per connection): the engine is
 thread-safe and does the batching, so the HTTP layer needs nothing faster."""
@@ -34,9 +35,12 @@ class EngineServer(ThreadingHTTPServer):
 
 
 GET_ROUTES = {"/v1/models": models, "/get_model_info": model_info,
+              "/get_server_info": lambda server: server.runtime.get_server_info(),
               "/health": lambda server: {}}
 POST_ROUTES = {"/v1/completions": completion, "/v1/chat/completions": chat_completion,
-               "/generate": generate}
+               "/generate": generate,
+               "/flush_cache": lambda server, body: {
+                   "flushed_tokens": server.runtime.flush_cache()}}
 
 
 class _Handler(BaseHTTPRequestHandler):

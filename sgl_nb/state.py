@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sgl_nb.expressions import Concat, Gen, Role, RoleBlock, Select
+from sgl_nb.logprob_meta import logprob_meta
+from sgl_nb.reasoning import split_reasoning
 from sgl_nb.runtime.ir import Node, dot, listing, lower
 from sgl_nb.runtime.passes import is_static_select
 from sgl_nb.runtime.step_controller import StepController
@@ -51,7 +53,7 @@ class ProgramState:
         self._meta: dict = {}
         self._messages: list[dict] = [] if parent is None else [dict(m) for m in parent._messages]
         self._role_start: int | None = None
-        self._open_role: str | None = None  # the role a `with s.user():` block has open
+        self._open_role: str | None = None  # the role a turn has open (not yet ended)
         self._scopes: dict[str, int] = {}
         self._error: BaseException | None = None
         self._error_line: int | None = None
@@ -127,26 +129,34 @@ class ProgramState:
         if isinstance(expr, Select):
             return [("Select", expr.name, {"choices": expr.choices, "method": expr.method}, expr)]
         if isinstance(expr, RoleBlock):
-            if self._open_role is not None:
-                raise ValueError(f"nested roles: {expr.role} inside an open {self._open_role}")
-            out = [("RoleBegin", None, {"role": expr.role}, Role(expr.role, True))]
-            for part in expr.content:
-                out.extend(self._to_nodes(part))
-            return [*out, ("RoleEnd", None, {"role": expr.role}, Role(expr.role, False))]
+            out = self._to_nodes(Role(expr.role, True))
+            try:
+                for part in expr.content:
+                    out.extend(self._to_nodes(part))
+            except Exception:
+                self._open_role = None  # nothing of the turn was added
+                raise
+            return [*out, *self._to_nodes(Role(expr.role, False))]
         if isinstance(expr, Role):
+            self._track_role(expr)
             return [("RoleBegin" if expr.begin else "RoleEnd", None, {"role": expr.role}, expr)]
         raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
 
+    def _track_role(self, mark: Role) -> None:
+        """Turns do not nest, and each ends the role it began."""
+        if mark.begin and self._open_role is not None:
+            raise ValueError(f"nested roles: {mark.role} inside an open {self._open_role}")
+        if not mark.begin and self._open_role != mark.role:
+            raise ValueError(f"{mark.role}_end without {mark.role}_begin (the open role is "
+                             f"{self._open_role})")
+        self._open_role = mark.role if mark.begin else None
+
     @contextmanager
     def _role_block(self, role: str):
-        if self._open_role is not None:
-            raise ValueError(f"nested roles: {role} inside an open {self._open_role}")
         self._submit(Role(role, True), sys._getframe(2))
-        self._open_role = role
         try:
             yield self
         finally:
-            self._open_role = None
             self._submit(Role(role, False), sys._getframe(2))
 
     def system(self):
@@ -422,14 +432,20 @@ class ProgramState:
         if self.debug is not None:
             gate = self.debug.may_decode
             self.debug._wake_engine = getattr(self.backend, "wake", None)
-        handle = self.backend.submit(self._text, stream=True, gate=gate, priority=self.priority,
+        prompt = self._text
+        handle = self.backend.submit(prompt, stream=True, gate=gate, priority=self.priority,
                                      program=self.id, node=node.id, **node.detail)
         for chunk in handle.chunks():
             out += chunk
             self._append(chunk, g.name)
         result = handle.result()
         if g.name is not None:
-            self._meta[g.name] = result.meta
+            options = g.logprob_options(self.defaults)
+            self._meta[g.name] = {**result.meta,
+                                  **logprob_meta(result, options, self.backend, prompt)}
+            if g.reasoning is not None:
+                reasoning, out = split_reasoning(out, g.reasoning)
+                self[g.name + "_reasoning_content"] = reasoning
             self[g.name] = g.convert(out)
 
     def _select(self, node: Node, sel: Select) -> None:

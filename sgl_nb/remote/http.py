@@ -77,16 +77,22 @@ class HttpClient:
     def get_json(self, path: str, request: str | None = None) -> dict:
         return self.request_json("GET", path, None, request=request or f"GET {path}")
 
-    def request_json(self, method: str, path: str, body: dict | None,
-                     headers: dict | None = None, request: str | None = None):
+    def request_bytes(self, method: str, path: str, body: dict | None,
+                      headers: dict | None = None, request: str | None = None) -> bytes:
+        """The answer's body as it came (some SGLang routes answer in plain text)."""
         request = request or f"{method} {path}"
         conn, resp = self._send(method, path, body, headers, request)
         try:
-            raw = resp.read()
+            return resp.read()
         except (OSError, http.client.HTTPException) as e:
             raise RemoteError(self.base_url, request, f"reading the answer: {_reason(e)}") from e
         finally:
             conn.close()
+
+    def request_json(self, method: str, path: str, body: dict | None,
+                     headers: dict | None = None, request: str | None = None):
+        request = request or f"{method} {path}"
+        raw = self.request_bytes(method, path, body, headers, request)
         try:
             return json.loads(raw)
         except ValueError as e:

@@ -1,0 +1,41 @@
+"""A gen's logprobs in its meta info, in SGLang's shape: lists of (logprob, token id, text or
+None) for the output tokens, the top alternatives at each, and the prompt from a start."""
+
+from __future__ import annotations
+
+from sgl_nb.runtime.request import GenerateOutput
+
+
+def logprob_meta(result: GenerateOutput, options: dict, backend, prompt: str) -> dict:
+    """options: return_text_in_logprobs, logprob_start_len (None: no prompt logprobs)."""
+    if result.logprobs is None:
+        return {}
+    tok = backend.tokenizer
+    with_text = bool(options.get("return_text_in_logprobs"))
+
+    def entry(logprob: float | None, token: int) -> tuple:
+        return (logprob, token, tok.decode([token]) if with_text else None)
+
+    meta = {"output_token_logprobs": [entry(lp, t)
+                                      for lp, t in zip(result.logprobs, result.token_ids)]}
+    if result.top_logprobs is not None:
+        meta["output_top_logprobs"] = [[entry(lp, t) for t, lp in top]
+                                       for top in result.top_logprobs]
+    start = options.get("logprob_start_len")
+    if start is not None and start >= 0:
+        meta["input_token_logprobs"] = _prompt_logprobs(backend, prompt, start, entry)
+    return meta
+
+
+def _prompt_logprobs(backend, prompt: str, start: int, entry) -> list[tuple]:
+    """From token `start` of the prompt on; the first token of all has no logprob (None).
+    A Score request on the prompt, whose prefix the radix cache holds from the gen."""
+    ids = backend.tokenizer.encode(prompt)
+    if start >= len(ids):
+        return []
+    head = [entry(None, ids[0])] if start == 0 else []
+    first = max(start, 1)
+    if first >= len(ids):
+        return head
+    (scores,) = backend.score(ids[:first], [ids[first:]])
+    return head + [entry(lp, t) for lp, t in zip(scores, ids[first:])]
