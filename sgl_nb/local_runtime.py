@@ -68,6 +68,10 @@ class Runtime:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """SGLang's Runtime spells it so."""
+        return self.tokenizer
+
     @property
     def model_path(self) -> Path:
         return self.engine.model_path

@@ -176,11 +176,17 @@ class ProgramState:
         finally:
             self._submit(_ScopeMark(name, False))
 
-    def fork(self, n: int) -> ForkGroup:
+    def fork(self, n: int = 1) -> ForkGroup:
+        return self._fork(n, sys._getframe(1))
+
+    def copy(self) -> ProgramState:
+        """A branch that goes on from this state's text (SGLang's copy: a fork of one)."""
+        return self._fork(1, sys._getframe(1)).states[0]
+
+    def _fork(self, n: int, caller) -> ForkGroup:
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         self.sync()
-        caller = sys._getframe(1)
         node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n},
                     caller.f_code.co_filename, caller.f_lineno)
         node.status = "done"
@@ -267,6 +273,14 @@ class ProgramState:
     def __contains__(self, name: str) -> bool:
         self.sync()
         return name in self._vars
+
+    def get_var(self, name: str):
+        """SGLang's spelling of s[name]."""
+        return self[name]
+
+    def set_var(self, name: str, value) -> None:
+        """SGLang's spelling of s[name] = value."""
+        self[name] = value
 
     def text(self) -> str:
         self.sync()

@@ -53,7 +53,7 @@ class TraceState(ProgramState):
     def text(self) -> str:
         raise _EndOfStatic("reads s.text()")
 
-    def fork(self, n: int) -> ForkGroup:
+    def _fork(self, n: int, caller=None) -> ForkGroup:
         preds = [self.nodes[-1].id] if self.nodes else []
         node = Node("Fork", self.id, preds, None, {"n": n}, status="traced")
         self.nodes.append(node)

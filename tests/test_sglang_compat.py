@@ -205,3 +205,21 @@ def test_penalties_over_http_give_the_local_tokens(default_backend, api):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_copy_get_var_set_var_as_sglang_spells_them(default_backend):
+    @sgl.function
+    def side(s):
+        s += "Q: What is 1 + 1?\nA:"
+        c = s.copy()  # a branch from here; s goes on by itself
+        c += sgl.gen("x", max_tokens=4, stop="\n")
+        s.set_var("from_copy", c.get_var("x"))
+        s += sgl.gen("y", max_tokens=4, stop="\n")
+        one = s.fork()  # fork's size defaults to 1, as in SGLang
+        assert len(one) == 1
+
+    st = side.run()
+    assert st.error() is None
+    assert st.get_var("from_copy") == st["y"]  # same text, greedy: the same answer
+    assert st["y"] and "A:" + st["y"] in st.text()
+    assert st.text().count("A:") == 1  # the copy's gen did not land in s
