@@ -36,7 +36,6 @@ def get_default_backend():
         return _default_backend
 
 
-# run()'s sampling options, SGLang's names: defaults for every gen of the program.
 def flush_cache(backend=None):
     """Drop the backend's cached prefixes (the default backend's if none is given)."""
     return (backend or get_default_backend()).flush_cache()
@@ -47,6 +46,7 @@ def get_server_info(backend=None) -> dict:
     return (backend or get_default_backend()).get_server_info()
 
 
+# run()'s sampling options, SGLang's names: defaults for every gen of the program.
 _RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
 # SGLang's threading options: every program here runs on its own thread anyway.
 _THREAD_OPTIONS = ("use_thread", "num_threads")
