@@ -28,14 +28,18 @@ def logprob_meta(result: GenerateOutput, options: dict, backend, prompt: str) ->
 
 
 def _prompt_logprobs(backend, prompt: str, start: int, entry) -> list[tuple]:
-    """From token `start` of the prompt on; the first token of all has no logprob (None).
-    A Score request on the prompt, whose prefix the radix cache holds from the gen."""
     ids = backend.tokenizer.encode(prompt)
+    return [entry(lp, t) for lp, t in prompt_token_logprobs(backend, ids, start)]
+
+
+def prompt_token_logprobs(backend, ids: list[int], start: int) -> list[tuple[float | None, int]]:
+    """(logprob, token id) of each prompt token from `start` on; the very first token has
+    no logprob (None). One Score request, whose prefix the radix cache usually holds."""
     if start >= len(ids):
         return []
-    head = [entry(None, ids[0])] if start == 0 else []
+    head = [(None, ids[0])] if start == 0 else []
     first = max(start, 1)
     if first >= len(ids):
         return head
     (scores,) = backend.score(ids[:first], [ids[first:]])
-    return head + [entry(lp, t) for lp, t in zip(scores, ids[first:])]
+    return head + list(zip(scores, ids[first:]))

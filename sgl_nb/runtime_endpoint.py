@@ -161,6 +161,9 @@ class RuntimeEndpoint:
                   program: int | None, node: int | None) -> GenerateOutput:
         path = "/v1/completions" if self.api_name == "openai" else "/generate"
         request = f"POST {path} (request {h.rid}{_where(program, node)})"
+        # Logprobs come whole with the answer (streamed chunks differ between servers).
+        stream = stream and not (sp.logprobs or sp.top_logprobs)
+        logprobs = (None, None)
         self._emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
         try:
             with _naming(request):  # the model name may be asked for first
@@ -183,12 +186,14 @@ class RuntimeEndpoint:
             else:
                 obj = self.client.request_json("POST", path, body, headers, request)
                 text, ids, meta = self.api.parse_answer(obj, request)
+                logprobs = self.api.parse_logprobs(obj)
                 h.push(text)
         except BaseException as e:
             self._emit("instruction_finished", h.rid, program, node,
                        {"kind": "Decode", "index": 0, "error": repr(e)})
             raise
         out = self._output(h, text, ids, meta)
+        out.logprobs, out.top_logprobs = logprobs
         self._emit("instruction_finished", h.rid, program, node,
                    {"kind": "Decode", "index": 0, **_counts(out.meta)})
         return out

@@ -9,6 +9,8 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from sgl_nb.logprob_meta import prompt_token_logprobs
+
 
 class BadRequest(ValueError):
     """The request is malformed or asks for something this server does not offer."""
@@ -137,12 +139,9 @@ def _stream_completion(head: dict, handle, want_ids: bool, include_usage) -> Ite
 
 def prompt_logprobs(rt, ids: list[int]) -> list:
     """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded}}."""
-    if len(ids) < 2:
-        return [None] * len(ids)
-    lps = rt.score(ids[:1], [ids[1:]])[0]
-    return [None] + [{str(t): {"logprob": lp, "rank": None,
-                               "decoded_token": rt.tokenizer.decode([t])}}
-                     for t, lp in zip(ids[1:], lps)]
+    return [None if lp is None else
+            {str(t): {"logprob": lp, "rank": None, "decoded_token": rt.tokenizer.decode([t])}}
+            for lp, t in prompt_token_logprobs(rt, ids, 0)]
 
 
 def _logprobs(rt, out) -> dict | None:

@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import Iterator
 
+from sgl_nb.logprob_meta import prompt_token_logprobs
 from sgl_nb.serve_openai import BadRequest
 
 # SGLang's sampling_params name -> ours (the rest are the same or not offered).
@@ -59,6 +60,8 @@ def generate(server, body: dict):
     start = body.get("logprob_start_len")
     start = -1 if start is None else int(start)
     want_lp = bool(body.get("return_logprob"))
+    if want_lp:
+        params.update(logprobs=True, top_logprobs=int(body.get("top_logprobs_num") or 0))
     if body.get("stream"):
         return _stream(rt, ids[0], params, want_lp, start)
     answers = [_one(rt, i, params, want_lp, start) for i in ids]
@@ -69,31 +72,34 @@ def _one(rt, ids: list[int], params: dict, want_lp: bool, start: int) -> dict:
     """max_new_tokens=0 only scores the prompt (what a select sends)."""
     rid = uuid.uuid4().hex
     gen = params.get("max_tokens", 128)
-    lp = {"logprobs": True, "top_logprobs": 0} if want_lp else {}
-    handle = rt.submit(ids, **{**params, **lp}) if gen > 0 else None
+    handle = rt.submit(ids, **params) if gen > 0 else None
     meta = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
             "finish_reason": {"type": "length", "length": 0}, "e2e_latency": 0.0}
     text, out_ids = "", []
     if handle is not None:
         out = handle.result()
         text, out_ids = out.text, out.token_ids
-        meta.update(_meta(out.meta))
-        if want_lp:
-            meta["output_token_logprobs"] = [[x, t, None] for x, t in zip(out.logprobs,
-                                                                         out.token_ids)]
+        meta.update(_meta(out.meta), **_output_logprobs(out))
     if want_lp and start >= 0:
         meta["input_token_logprobs"] = input_logprobs(rt, ids, start)
     return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
 
+def _output_logprobs(out) -> dict:
+    """SGLang's meta_info lists, [logprob, token id, None] each (no text asked)."""
+    if out.logprobs is None:
+        return {}
+    meta = {"output_token_logprobs": [[x, t, None] for x, t in zip(out.logprobs,
+                                                                  out.token_ids)]}
+    if out.top_logprobs is not None:
+        meta["output_top_logprobs"] = [[[x, t, None] for t, x in alts]
+                                       for alts in out.top_logprobs]
+    return meta
+
+
 def input_logprobs(rt, ids: list[int], start: int) -> list:
     """[logprob, token id, None] for each prompt token from `start` on (None at 0)."""
-    if start >= len(ids):
-        return []
-    first = max(start, 1)
-    lps = rt.score(ids[:first], [ids[first:]])[0] if first < len(ids) else []
-    head = [[None, ids[0], None]] if start == 0 else []
-    return head + [[x, t, None] for x, t in zip(lps, ids[first:])]
+    return [[lp, t, None] for lp, t in prompt_token_logprobs(rt, ids, start)]
 
 
 def _meta(m: dict) -> dict:
@@ -116,7 +122,7 @@ def _stream(rt, ids: list[int], params: dict, want_lp: bool, start: int) -> Iter
         yield {"text": text, "meta_info": {"id": rid, "finish_reason": None,
                                            "prompt_tokens": len(ids)}}
     out = handle.result()
-    meta = {"id": rid, **_meta(out.meta)}
+    meta = {"id": rid, **_meta(out.meta), **_output_logprobs(out)}
     if want_lp and start >= 0:
         meta["input_token_logprobs"] = input_logprobs(rt, ids, start)
     yield {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}

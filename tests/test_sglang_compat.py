@@ -223,3 +223,33 @@ def test_copy_get_var_set_var_as_sglang_spells_them(default_backend):
     assert st.get_var("from_copy") == st["y"]  # same text, greedy: the same answer
     assert st["y"] and "A:" + st["y"] in st.text()
     assert st.text().count("A:") == 1  # the copy's gen did not land in s
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_gen_logprobs_over_http_equal_the_local_ones(default_backend, api):
+    @sgl.function
+    def lp(s, top):
+        s += "The capital of Italy is"
+        s += sgl.gen("a", max_tokens=5, ignore_eos=True, return_logprob=True,
+                     top_logprobs_num=top, logprob_start_len=1)
+
+    server = start_in_thread(default_backend)
+    try:
+        ep = sgl.RuntimeEndpoint(server.url, api=api)
+        top = 2 if api == "sglang" else 0
+        got, want = lp.run(top=top, backend=ep), lp.run(top=top)
+        assert got.error() is None, got.error()
+        g, w = got.get_meta_info("a"), want.get_meta_info("a")
+        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs"):
+            assert (key in g) == (key in w), key
+            for a, b in zip(g.get(key, []), w.get(key, []), strict=True):
+                pairs = zip(a, b) if key == "output_top_logprobs" else [(a, b)]
+                for x, y in pairs:
+                    assert x[1] == y[1] and (x[0] is None) == (y[0] is None)
+                    assert x[0] is None or abs(x[0] - y[0]) < 1e-4
+        if api == "openai":
+            failed = lp.run(top=2, backend=ep).error()
+            assert "api='sglang'" in str(failed) and "top_logprobs_num" in str(failed)
+    finally:
+        server.shutdown()
+        server.server_close()

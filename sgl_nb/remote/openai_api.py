@@ -75,8 +75,12 @@ class OpenAIApi:
         if p.ignore_eos:
             body["ignore_eos"] = True
         body.update(_penalties(p))
-        if p.logprobs or p.top_logprobs:
-            body["logprobs"] = p.top_logprobs
+        if p.top_logprobs:
+            raise RemoteFeatureError(
+                self.client.base_url, "gen(top_logprobs_num=...)", "the OpenAI-compatible API "
+                "returns the alternatives as text without token ids; use api='sglang'")
+        if p.logprobs:
+            body["logprobs"] = 0
         if p.regex is not None or p.json_schema is not None:
             body.update(self._structured(p))
         if stream:
@@ -104,6 +108,11 @@ class OpenAIApi:
         meta.update(_usage_meta(obj.get("usage")))
         meta["id"] = obj.get("id")
         return c.get("text") or "", list(c.get("token_ids") or []), meta
+
+    def parse_logprobs(self, obj: dict) -> tuple[list[float] | None, None]:
+        """The chosen tokens' logprobs (completions' `logprobs.token_logprobs`)."""
+        lp = ((obj.get("choices") or [{}])[0]).get("logprobs")
+        return (None, None) if not lp else (list(lp.get("token_logprobs") or []), None)
 
     def stream_step(self, event: dict, acc: dict) -> str:
         """One streamed event: returns its new text; fills `acc` with ids and meta."""

@@ -65,6 +65,18 @@ class SGLangApi:
             raise RemoteError(self.client.base_url, request, f"no text in the answer: {obj}")
         return obj["text"], list(obj.get("output_ids") or []), _meta(obj.get("meta_info") or {})
 
+    def parse_logprobs(self, obj) -> tuple[list[float] | None, list | None]:
+        """meta_info's output_token_logprobs / output_top_logprobs, as our (logprob) list
+        and (token id, logprob) alternatives."""
+        if isinstance(obj, list):
+            obj = obj[0] if obj else {}
+        info = obj.get("meta_info") or {}
+        chosen, top = info.get("output_token_logprobs"), info.get("output_top_logprobs")
+        if chosen is None:
+            return None, None
+        alts = None if top is None else [[(e[1], e[0]) for e in step or []] for step in top]
+        return [e[0] for e in chosen], alts
+
     def stream_step(self, event: dict, acc: dict) -> str:
         text = event.get("text") or ""
         seen = acc.get("text", "")
