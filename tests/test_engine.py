@@ -215,3 +215,33 @@ def test_regex_and_json_schema_constrain_the_output(runtime):
         runtime.generate("x", regex="(ab")
     with pytest.raises(ValueError, match="invalid JSON schema"):
         runtime.generate("x", json_schema="{not json")
+
+
+def test_hub_id_loads_from_the_local_hugging_face_cache_only(tmp_path, model_path, monkeypatch):
+    import huggingface_hub.constants
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError, match="hf download someone/tiny-llama"):
+        Runtime("someone/tiny-llama")  # not cached: named, and nothing is fetched
+    # The cache's layout: refs/main names the snapshot folder that holds the files.
+    repo = tmp_path / "hub" / "models--someone--tiny-llama"
+    snap = repo / "snapshots" / ("a" * 40)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, architectures=["LlamaForCausalLM"])
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(snap)
+    AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    with Runtime("someone/tiny-llama", kv_pool_tokens=1024) as rt:
+        assert rt.model_path == snap
+        ids = rt.tokenizer.encode("Hello there")
+        out = rt.generate(ids, max_tokens=6, ignore_eos=True)
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out.token_ids == want
