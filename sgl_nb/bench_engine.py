@@ -2,7 +2,8 @@
 
 1. One stream, N new tokens, greedy: tok/s of both, and our decode step time against the
    bare weight-matmul floor measured here (the model's own linear layers, fused q/k/v and
-   gate/up, LM head once, on random activations: two warm-ups, mean of five).
+   gate/up, LM head once, on random activations: the median of 15 passes just before and
+   15 just after the one-stream run, so that both stand under the same machine load).
 2. R requests sharing a P-token prefix, M new tokens each: end-to-end seconds, against
    HF batched `generate` with left padding.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -91,9 +93,9 @@ def bench_modes(args: argparse.Namespace) -> list[tuple[str, str | None, str | N
     return modes
 
 
-def linears_floor(model, batch: int) -> float:
-    """Seconds per step for the bare weight matmuls of `model` (its own linear layers and
-    kernels, LM head included), at this batch size: two warm-ups, mean of five."""
+def linears_floor(model, batch: int, passes: int = 5) -> list[float]:
+    """Seconds of each pass over the bare weight matmuls of `model` (its own linear layers
+    and kernels, LM head included) at this batch size, after two warm-up passes."""
     layers = [lin for layer in model.layers
               for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     layers.append(model.lm_head.linear)
@@ -104,19 +106,25 @@ def linears_floor(model, batch: int) -> float:
             for lin in layers:
                 lin(xs[lin.in_features])
         times = []
-        for _ in range(5):
+        for _ in range(passes):
             t0 = time.perf_counter()
             for lin in layers:
                 lin(xs[lin.in_features])
             times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
+    return times
 
 
 def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[list[int]]) -> dict:
-    floor1 = linears_floor(rt.engine.model, 1)
-    floor_b = linears_floor(rt.engine.model, args.requests)
+    model = rt.engine.model
+    # The batch-1 floor brackets the one-stream run: 15 passes before, 15 after, median.
+    # Five passes (0.1 s) right after loading gave 13.9-19.7 ms in three fresh processes of
+    # the same fp32 build, while the steps (a 5 s run) varied 20.7-21.3: a short spell of
+    # fast memory is not the load the steps ran under.
+    floor1 = linears_floor(model, 1, passes=15)
+    floor_b = statistics.median(linears_floor(model, args.requests))
     rt.generate(ids[:8], max_tokens=4)  # warm-up
     stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
+    floor1 = statistics.median(floor1 + linears_floor(model, 1, passes=15))
     rt.engine.cache.reset()
     t0 = time.perf_counter()
     outs = rt.generate(prompts, max_tokens=args.shared_new_tokens, ignore_eos=True)
