@@ -45,21 +45,20 @@ def default_gguf_path() -> Path:
 
 
 def _hub_cache_snapshot(model_id: str) -> Path:
-    """The local Hugging Face cache's copy of hub id `model_id`, if it has one."""
-    looks_like_id = model_id.count("/") == 1 and not model_id.startswith((".", "/", "~"))
-    if looks_like_id:
-        from huggingface_hub import snapshot_download
+    """The local Hugging Face cache's copy of hub id `model_id` ("org/name"); a
+    ModelNotFoundError when it is no hub id or not cached (nothing is fetched)."""
+    if model_id.count("/") != 1 or model_id.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path does not exist: {Path(model_id).expanduser()}")
+    from huggingface_hub import snapshot_download
 
-        try:  # local_files_only: a lookup in the cache folder, never the network
-            return Path(snapshot_download(model_id, local_files_only=True))
-        except Exception:  # noqa: BLE001 - any miss is "not cached"; named below
-            pass
+    try:  # local_files_only: a lookup in the cache folder, never the network
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any miss means "not cached"
         raise ModelNotFoundError(
             f"model path does not exist: {model_id}, and the Hugging Face cache has no copy "
             f"of hub id {model_id!r} (sgl-nb downloads no weights at run time: fetch it "
             f"first, e.g. `hf download {model_id}`, or pass a local checkpoint folder or "
-            ".gguf file)")
-    raise ModelNotFoundError(f"model path does not exist: {Path(model_id).expanduser()}")
+            ".gguf file)") from e
 
 
 def _is_checkpoint_dir(path: Path) -> bool:

@@ -120,11 +120,11 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     # Five passes (0.1 s) right after loading gave 13.9-19.7 ms in three fresh processes of
     # the same fp32 build, while the steps (a 5 s run) varied 20.7-21.3: a short spell of
     # fast memory is not the load the steps ran under.
-    floor1 = linears_floor(model, 1, passes=15)
+    before = linears_floor(model, 1, passes=15)
     floor_b = statistics.median(linears_floor(model, args.requests))
     rt.generate(ids[:8], max_tokens=4)  # warm-up
     stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
-    floor1 = statistics.median(floor1 + linears_floor(model, 1, passes=15))
+    floor1 = statistics.median(before + linears_floor(model, 1, passes=15))
     rt.engine.cache.reset()
     t0 = time.perf_counter()
     outs = rt.generate(prompts, max_tokens=args.shared_new_tokens, ignore_eos=True)

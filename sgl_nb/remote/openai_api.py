@@ -171,8 +171,11 @@ def _usage_meta(usage: dict | None) -> dict:
             "cached_tokens": details.get("cached_tokens")}
 
 
+# OpenAI's frequency / presence, vLLM's min_tokens / repetition_penalty, and their "off".
+_PENALTIES_OFF = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
+                  "repetition_penalty": 1.0}
+
+
 def _penalties(p: SamplingParams) -> dict:
-    """The ones set: OpenAI's frequency / presence, vLLM's min_tokens / repetition_penalty."""
-    out = {"frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
-           "min_tokens": p.min_tokens, "repetition_penalty": p.repetition_penalty}
-    return {k: v for k, v in out.items() if v != (1.0 if k == "repetition_penalty" else 0)}
+    """The penalties this request sets (a server that lacks one never sees it unset)."""
+    return {k: getattr(p, k) for k, off in _PENALTIES_OFF.items() if getattr(p, k) != off}
