@@ -685,6 +685,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &DecodeStep::logits);
   m.def("set_num_threads", [](int64_t n) { WorkerPool::get().threads.store(n); },
         "threads of this module's kernels (0: torch's setting)");
+  m.def("stop_workers", [] {
+    pybind11::gil_scoped_release no_gil;
+    WorkerPool::get().stop();
+  }, "stop and join the kernels' worker threads (a later call starts new ones)");
   m.def("decode_attention", &decode_attention_op);
   m.def("dense_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;

@@ -50,6 +50,13 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
+def stop_workers() -> None:
+    """Stop and join the kernels' worker threads, if the module was loaded (never builds it)."""
+    module = _state.get("module")
+    if module is not None:
+        module.stop_workers()
+
+
 def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 

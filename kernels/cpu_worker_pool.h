@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace sgl_nb {
 
@@ -54,6 +55,24 @@ class WorkerPool {
     while (pending_.load(std::memory_order_acquire) > 0) cpu_relax();
   }
 
+  // Stop and join every worker (at interpreter exit, before Python tears down): a process
+  // then ends with no thread of ours left. Waits for a running job; a later job starts
+  // new workers.
+  void stop() {
+    std::lock_guard<std::mutex> busy(run_mutex_);
+    if (pid_ != getpid()) return;  // a forked child: its parent's threads are not here
+    {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      stopping_.store(true, std::memory_order_release);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    sleep_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    workers_ = 0;
+    stopping_.store(false, std::memory_order_release);
+  }
+
  private:
   // ~100 us of pause instructions: enough for the gaps inside a step; between steps (Python
   // work, a stream consumer on another thread) a spinning worker would take a core.
@@ -74,12 +93,16 @@ class WorkerPool {
     if (pid_ != getpid()) {  // a forked child has none of its parent's threads
       pid_ = getpid();
       workers_ = 0;
+      // Its parent's threads do not exist here: their handles are left, never joined nor
+      // destroyed (destroying a joinable std::thread terminates the process).
+      new std::vector<std::thread>(std::move(threads_));
+      threads_.clear();
     }
     for (; workers_ < count; ++workers_) {
-      // Detached: the process may exit with them waiting. `seen` is read here, before the
-      // job that needs the worker is published, not when the thread gets to run.
+      // `seen` is read here, before the job that needs the worker is published, not when
+      // the thread gets to run.
       const uint64_t seen = generation_.load(std::memory_order_acquire);
-      std::thread([this, id = workers_ + 1, seen] { loop(id, seen); }).detach();
+      threads_.emplace_back([this, id = workers_ + 1, seen] { loop(id, seen); });
     }
   }
 
@@ -95,6 +118,7 @@ class WorkerPool {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
         sleep_cv_.wait(lock, [&] { return generation_.load() != seen; });
       }
+      if (stopping_.load(std::memory_order_acquire)) return;
       seen = now;
       if (id < parts_) {
         run_part(id);
@@ -103,6 +127,8 @@ class WorkerPool {
     }
   }
 
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stopping_{false};  // set before the generation moves
   std::mutex run_mutex_, sleep_mutex_;
   std::condition_variable sleep_cv_;
   std::atomic<uint64_t> generation_{0};

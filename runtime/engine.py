@@ -6,11 +6,13 @@ RequestHandle (an Event for the final result, a queue of text chunks for streami
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -62,13 +64,38 @@ def off_main_thread(fn):
     return box["value"]
 
 
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+def shutdown_all() -> None:
+    """Stop every engine of the process and the CPU kernels' worker threads, and join them.
+
+    Runs at interpreter exit, before Python tears itself down: an engine thread still inside
+    a step when the interpreter finalizes is ended by it mid-call, which aborts the process
+    from C++ ("terminate called without an active exception"). Requests still running
+    finish with an error naming the shutdown, so threads waiting on them return."""
+    for engine in list(_live_engines):
+        engine.shutdown()
+    cpu_decode.stop_workers()
+
+
+# threading's own exit hook runs before non-daemon threads are joined (a thread waiting on
+# a request would otherwise keep the process from exiting); atexit as the fallback.
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(shutdown_all)
+
+
 class EngineError(RuntimeError):
     """The engine failed while running a request (the message names the cause)."""
 
 
 class RequestHandle:
-    def __init__(self, req: Request, stream: bool):
+    """A submitted request: `.result()` waits for its output, `.chunks()` streams its text,
+    `.cancel()` aborts it (what it generated so far is kept, finish_reason "abort")."""
+
+    def __init__(self, req: Request, stream: bool, engine: Engine | None = None):
         self.req = req
+        self._engine = engine
         self._done = threading.Event()
         self._chunks: queue.Queue | None = queue.Queue() if stream else None
 
@@ -84,6 +111,13 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def cancel(self) -> bool:
+        """Abort the request: it leaves the batch before the engine's next step. False if
+        it had already finished. Does not wait; `.result()` then returns the output so far."""
+        if self._done.is_set() or self._engine is None:
+            return False
+        return self._engine.abort(self.req.rid)
+
     def result(self, timeout: float | None = None) -> GenerateOutput:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
@@ -93,10 +127,16 @@ class RequestHandle:
         return self.req.output()
 
     def chunks(self) -> Iterator[str]:
-        """Text chunks as they are generated; raises if the request failed."""
+        """Text chunks as they are generated; raises if the request failed. Leaving the
+        loop early (break, an exception, a KeyboardInterrupt, dropping the iterator) aborts
+        the request."""
         assert self._chunks is not None, "submit(..., stream=True) to stream"
-        while (item := self._chunks.get()) is not _DONE:
-            yield item
+        try:
+            while (item := self._chunks.get()) is not _DONE:
+                yield item
+        finally:
+            if not self._done.is_set():
+                self.cancel()
         self.result()
 
 
@@ -139,6 +179,10 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
+        # Request ids to abort, added from any thread; the engine thread applies them
+        # between steps (a set's add/discard are atomic under the GIL).
+        self._aborts: set[int] = set()
+        self.aborted = 0
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
         self.generated_tokens = 0
@@ -161,6 +205,7 @@ class Engine:
         self._kernel_threads_now = 0
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -214,9 +259,20 @@ class Engine:
     def submit(self, req: Request, stream: bool = False) -> RequestHandle:
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
-        handle = RequestHandle(req, stream)
+        handle = RequestHandle(req, stream, self)
         self._inbox.put(handle)
         return handle
+
+    def abort(self, rid: int) -> bool:
+        """Abort request `rid` (from any thread): before the next step it leaves the batch,
+        its KV is unlocked (its tokens stay in the radix tree as evictable cache) and it
+        finishes with finish_reason "abort" and the text generated so far. False if no such
+        request is running or queued."""
+        if self._stopping:
+            return False
+        self._aborts.add(rid)
+        self._inbox.put(_WAKE)
+        return True
 
     def flush_cache(self, timeout: float | None = 60.0) -> int:
         """Free every cached prefix no running request holds (held ones stay: their
@@ -235,9 +291,12 @@ class Engine:
         return done.result(timeout)
 
     def shutdown(self) -> None:
+        """Stop the engine thread and join it (it finishes the step it is in); requests still
+        running or queued fail with an error naming the shutdown."""
         self._stopping = True
         self._inbox.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -285,7 +344,23 @@ class Engine:
                     self._emit_instruction("instruction_started", item.req)
                 item = self._inbox.get_nowait()
         except queue.Empty:
-            return True
+            pass
+        if self._aborts:
+            self._apply_aborts()
+        return True
+
+    def _apply_aborts(self) -> None:
+        for rid in list(self._aborts):
+            self._aborts.discard(rid)
+            handle = self._handles.get(rid)
+            if handle is None:
+                continue  # finished meanwhile: nothing to abort
+            req = handle.req
+            req.finish_reason = "abort"
+            if req.output_ids:  # the exact text of what was generated, as on a stop
+                req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            self.aborted += 1
+            self._finish(req)
 
     def _set_threads(self, decode: bool) -> None:
         want = self.decode_threads if decode else self.extend_threads
@@ -409,7 +484,7 @@ class Engine:
                                    for name, level in PRIORITIES.items()},
             "cache_hit_rate": sch.hit_rate(),
             "preemptions": sch.preemptions, "resumes": sch.resumes,
-            "retractions": sch.retractions,
+            "retractions": sch.retractions, "aborted": self.aborted,
             "forks": self.events.counts["fork"], "joins": self.events.counts["join"],
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
