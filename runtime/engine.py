@@ -182,6 +182,7 @@ class Engine:
         # Request ids to abort, added from any thread; the engine thread applies them
         # between steps (a set's add/discard are atomic under the GIL).
         self._aborts: set[int] = set()
+        self._abort_programs: set[int] = set()
         self.aborted = 0
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
@@ -274,6 +275,13 @@ class Engine:
         self._inbox.put(_WAKE)
         return True
 
+    def abort_program(self, program: int) -> None:
+        """Abort every request of program `program` (its Gen and Score instructions), those
+        already submitted included, as `abort` does for one."""
+        if not self._stopping:
+            self._abort_programs.add(program)
+            self._inbox.put(_WAKE)
+
     def flush_cache(self, timeout: float | None = 60.0) -> int:
         """Free every cached prefix no running request holds (held ones stay: their
         requests read those slots); the tokens freed. Runs on the engine thread, between
@@ -345,13 +353,18 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        if self._aborts:
+        if self._aborts or self._abort_programs:
             self._apply_aborts()
         return True
 
     def _apply_aborts(self) -> None:
+        programs = list(self._abort_programs)
+        self._abort_programs.difference_update(programs)
+        rids = {rid for rid, h in self._handles.items() if h.req.program in programs}
         for rid in list(self._aborts):
             self._aborts.discard(rid)
+            rids.add(rid)
+        for rid in rids:
             handle = self._handles.get(rid)
             if handle is None:
                 continue  # finished meanwhile: nothing to abort

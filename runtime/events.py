@@ -24,10 +24,11 @@ EVENT_KINDS = (
 # kind, ts (time.monotonic_ns), seq (publication order); program / node / request ids where
 # they apply. `data` keys:
 #   program_started   function, priority, model, parent (program id of a fork parent or None)
-#   program_finished  error (repr or None), line (the program line of the error, or None)
+#   program_finished  error (repr or None), line (the program line of the error, or None),
+#                     status (done | error | cancelled)
 #   node_started      kind, name, line, file, label, preds (node ids), stack (call stack:
 #                     function names, outermost first)
-#   node_finished     status (done | error | skipped), text (what the node added to the
+#   node_finished     status (done | error | skipped | cancelled), text (what the node added to the
 #                     program's text), value (repr of the variable it bound, if any)
 #   instruction_started / instruction_finished
 #                     kind (Extend | Decode | Score | Fork | Join | Return), index (0-based
@@ -35,7 +36,7 @@ EVENT_KINDS = (
 #                     request. Finished Decode/Score add: input_tokens, cached_tokens,
 #                     new_tokens (prompt tokens computed), output_tokens, batch_size (largest
 #                     decode batch it ran in), preempted (times suspended or retracted),
-#                     finish_reason.
+#                     finish_reason (stop | length | abort | error | score).
 #   token             token (id), text (its characters, may be ""), logprob, forced (True
 #                     when the grammar allowed only this token), step (the scheduler's step
 #                     counter: batches scheduled so far); program/node/request set

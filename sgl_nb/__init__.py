@@ -39,12 +39,12 @@ from sgl_nb.local_runtime import Runtime
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime_endpoint import RuntimeEndpoint
-from sgl_nb.state import ProgramError, ProgramState
+from sgl_nb.state import ProgramCancelled, ProgramError, ProgramState
 from sgl_nb.tracing_api import disable_tracing, enable_tracing
 
 __all__ = [
-    "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramError",
-    "ProgramState", "Runtime", "SamplingParams", "assistant", "assistant_begin",
+    "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramCancelled",
+    "ProgramError", "ProgramState", "Runtime", "SamplingParams", "assistant", "assistant_begin",
     "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "get_default_backend", "get_server_info", "greedy_token_selection", "image", "select",
     "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",

@@ -59,13 +59,21 @@ class ProgramFuture:
         self.state, self._thread = state, thread
 
     def result(self, timeout: float | None = None) -> ProgramState:
-        self._thread.join(timeout)
+        """The state once the program has ended; an interrupt while waiting cancels it."""
+        self.state._interruptible(lambda: self._thread.join(timeout))
         if self._thread.is_alive():
             raise TimeoutError(f"program still running after {timeout} s")
         return self.state
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def cancel(self) -> bool:
+        """Cancel the program (see ProgramState.cancel); False if it had already ended."""
+        return self.state.cancel()
+
+    def cancelled(self) -> bool:
+        return self.state.cancelled
 
     def stream(self, var_name: str | None = None) -> Iterator[str]:
         return self.state.text_iter(var_name)
@@ -111,9 +119,7 @@ class SglFunction:
                 state._finish(e, file)
             else:
                 state._finish()
-            state._emit("program_finished", data={
-                "error": repr(state._error) if state._error else None,
-                "line": state.error_line})
+            state._emit("program_finished", data=state._end_data())
 
         thread = threading.Thread(target=body, name=f"sgl-{self.func.__name__}", daemon=True)
         thread.start()
@@ -177,11 +183,16 @@ class SglFunction:
                                                                  priority)
         futures = [self._start(dict(kw), backend, passes=chosen, priority=priority, **defaults)
                    for kw in batch_kwargs]
-        if progress_bar:
-            from tqdm import tqdm
+        try:
+            if progress_bar:
+                from tqdm import tqdm
 
-            return [f.result() for f in tqdm(futures, desc=self.func.__name__)]
-        return [f.result() for f in futures]
+                return [f.result() for f in tqdm(futures, desc=self.func.__name__)]
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:  # the whole batch stops, not only the item waited on
+            for f in futures:
+                f.cancel()
+            raise
 
     def _prefill_shared_prefix(self, batch_kwargs: list[dict], backend,
                                priority: str) -> PassReport:

@@ -126,7 +126,7 @@ class Runtime:
         handles = [self.engine.submit(r, stream=stream) for r in reqs]
         if stream:
             return handles[0].chunks()
-        outs = [h.result() for h in handles]
+        outs = wait_all(handles)
         return outs if batch else outs[0]
 
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
@@ -139,6 +139,16 @@ class Runtime:
         req.gate, req.priority = gate, parse_priority(priority)
         req.program, req.node = program, node
         return self.engine.submit(req, stream=stream)
+
+    def abort(self, rid: int) -> bool:
+        """Abort request `rid` (a handle's `.req.rid`, or `out.meta["id"]`): it leaves the
+        batch before the next step and finishes with finish_reason "abort", its text so far
+        kept. False if it is not running or queued."""
+        return self.engine.abort(rid)
+
+    def cancel_program(self, program: int) -> None:
+        """Abort every request of one program (what `state.cancel()` asks of its backend)."""
+        self.engine.abort_program(program)
 
     def wake(self) -> None:
         """Re-check programs held by a step controller now (a step was granted)."""
@@ -171,7 +181,7 @@ class Runtime:
             req.index = i
             reqs.append(req)
         handles = [self.engine.submit(r) for r in reqs]
-        return [h.result().input_logprobs for h in handles]
+        return [out.input_logprobs for out in wait_all(handles)]
 
     def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None:
         """Raise GrammarError (a ValueError naming the pattern) if it does not compile."""
@@ -214,6 +224,18 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def wait_all(handles: list[RequestHandle]) -> list[GenerateOutput]:
+    """Each handle's output, in order. An interrupt while waiting (Ctrl-C, a Jupyter
+    interrupt) aborts them all before it propagates: nothing is left decoding for a caller
+    that has gone."""
+    try:
+        return [h.result() for h in handles]
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
 
 
 def _is_batch(prompt) -> bool:

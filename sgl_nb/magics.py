@@ -20,6 +20,7 @@ from IPython.display import display
 
 from sgl_nb.cell_program import compile_cell, parse_args
 from sgl_nb.function import get_default_backend, set_default_backend
+from sgl_nb.state import ProgramState
 
 PRIORITIES = ("interactive", "normal", "batch")
 
@@ -84,11 +85,21 @@ class SglMagics(Magics):
         if args.define:
             self.shell.user_ns[args.name or "_sgl"] = fn
             return None
+        if args.name:
+            self._cancel_previous(args.name)
         state, widget = self._run(fn, args)
         self.shell.user_ns[args.name or "_sgl"] = state
         if widget is not None:
             display(widget)
         return None
+
+    def _cancel_previous(self, name: str) -> None:
+        """Re-running `%%sgl NAME` while the previous NAME still runs cancels that run (its
+        output so far stays on its state and in its widget)."""
+        previous = self.shell.user_ns.get(name)
+        if isinstance(previous, ProgramState) and previous.cancel():
+            print(f"%%sgl {name}: cancelled the previous run (program {previous.id}), which "
+                  "was still running")
 
     def _backend(self, spec: str | None):
         """The backend a cell runs on: the default, a variable, or a server URL."""
@@ -282,7 +293,9 @@ class _ProgramEnd:
                 pass
             return self.state
         with self.cond:
-            ended = self.cond.wait_for(lambda: self.state.id in self.ended, timeout)
+            # An interrupt while it waits cancels the program (and then propagates).
+            ended = self.state._interruptible(
+                lambda: self.cond.wait_for(lambda: self.state.id in self.ended, timeout))
         if ended and self.trace_written is not None:
             ended = self.trace_written.wait(timeout)
         if not ended:

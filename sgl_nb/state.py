@@ -34,6 +34,11 @@ class ProgramError(RuntimeError):
     """An exception inside a program, with the program line it came from."""
 
 
+class ProgramCancelled(ProgramError):
+    """The program was cancelled (`state.cancel()`, `fut.cancel()`, an interrupt while
+    waiting on it). What it produced until then is kept on the state."""
+
+
 class ProgramState:
     def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
                  debug: StepController | None = None, passes: frozenset[str] = frozenset(),
@@ -57,6 +62,9 @@ class ProgramState:
         self._scopes: dict[str, int] = {}
         self._error: BaseException | None = None
         self._error_line: int | None = None
+        self._cancelled = False
+        self._inflight: set = set()  # backend handles of the Gen running now
+        self._children: list[ProgramState] = []  # fork branches, cancelled with it
         self.nodes: list[Node] = []
         self._cond = threading.Condition()
         self._pending = 0
@@ -75,6 +83,8 @@ class ProgramState:
         return self
 
     def _submit(self, expr, frame=None) -> None:
+        if self._cancelled:  # the program's Python stops at its next `s += ...`
+            raise ProgramCancelled(f"program {self.id} was cancelled")
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         for kind, name, detail, payload in self._to_nodes(expr):
             with self._submit_lock:
@@ -194,6 +204,7 @@ class ProgramState:
         children = [ProgramState(self.backend, self.defaults, self._text, parent=self,
                                  debug=self.debug, passes=self.passes, priority=self.priority)
                     for _ in range(n)]
+        self._children.extend(children)
         self._emit_instant(node, "fork", {"n": n, "children": [c.id for c in children]})
         for i, c in enumerate(children):
             c._emit("program_started", node=node.id, data={
@@ -220,11 +231,62 @@ class ProgramState:
         except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
             return None
 
+    # ---- cancelling ----------------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Stop the program: its running Gen or Select is aborted, its pending Nodes become
+        `cancelled`, its fork branches are cancelled too, and its Python stops at its next
+        `s += ...` or read. The text and variables produced so far are kept; `error()` is a
+        ProgramCancelled. Returns at once; False if the program had already ended."""
+        with self._cond:
+            if self._finished or self._cancelled:
+                return False
+            self._cancelled = True
+            if self._error is None:
+                self._error = ProgramCancelled(f"program {self.id} was cancelled")
+            handles = list(self._inflight)
+            self._cond.notify_all()
+        for child in self._children:
+            child.cancel()
+        for handle in handles:
+            handle.cancel()
+        self.backend.cancel_program(self.id)  # its Score requests, and any not seen yet
+        if self.debug is not None:
+            self.debug.continue_()  # a held program must not stay held: it has to end
+        return True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _interruptible(self, wait):
+        """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
+        cancels the program before it propagates, so nothing is left running for it."""
+        try:
+            return wait()
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def wait(self, timeout: float | None = None) -> ProgramState:
+        """Block until the program has ended (its body returned and everything it queued
+        ran, or it was cancelled); returns the state. TimeoutError after `timeout` s."""
+        def ended() -> bool:
+            with self._cond:
+                return self._cond.wait_for(lambda: self._finished, timeout)
+
+        if not self._interruptible(ended):
+            raise TimeoutError(f"program {self.id} still running after {timeout} s")
+        return self
+
     # ---- reading results ---------------------------------------------------------------
 
     def sync(self) -> None:
         """Wait until everything queued so far has run; from outside the program (a
         notebook cell reading a streamed run), until the program has finished."""
+        self._interruptible(self._sync)
+
+    def _sync(self) -> None:
         self._flush_text()
         if self._outside():
             self._wait_outside(lambda: False)
@@ -249,6 +311,9 @@ class ProgramState:
                 self._cond.wait(0.05)
 
     def __getitem__(self, name: str):
+        return self._interruptible(lambda: self._get(name))
+
+    def _get(self, name: str):
         self._flush_text()
         if self._outside():
             self._wait_outside(lambda: name in self._vars)
@@ -261,6 +326,9 @@ class ProgramState:
             self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
             if name in self._vars:
                 return self._vars[name]
+        if self._cancelled:
+            raise ProgramCancelled(f"variable {name!r} was not produced: program {self.id} "
+                                   "was cancelled")
         if self._error is not None:
             raise ProgramError(f"variable {name!r} was not produced: {self._error}")
         raise KeyError(f"unknown variable {name!r}; this program has {sorted(self._vars)}")
@@ -313,11 +381,13 @@ class ProgramState:
         return dot(f"program {self.id}", self.nodes)
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """Text as it is produced (only variable `var_name`'s, if given), until the end."""
+        """Text as it is produced (only variable `var_name`'s, if given), until the end.
+        An interrupt while it waits cancels the program."""
         i = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda i=i: len(self._stream) > i or self._finished)
+                self._interruptible(lambda i=i: self._cond.wait_for(
+                    lambda: len(self._stream) > i or self._finished))
                 items, done = self._stream[i:], self._finished and len(self._stream) <= i
             if done:
                 return
@@ -342,7 +412,8 @@ class ProgramState:
             self._set_error(error, frame_file)
         if self.parent is None:
             preds = [self.nodes[-1].id] if self.nodes else []
-            status = "done" if self._error is None else "error"
+            status = "cancelled" if self._cancelled else "done" if self._error is None \
+                else "error"
             self.nodes.append(Node("Return", self.id, preds, status=status))
         with self._cond:
             self._finished = True
@@ -358,6 +429,12 @@ class ProgramState:
     def error_line(self) -> int | None:
         return self._error_line
 
+    def _end_data(self) -> dict:
+        """The program_finished event's data."""
+        status = "cancelled" if self._cancelled else "error" if self._error else "done"
+        return {"error": repr(self._error) if self._error else None, "line": self._error_line,
+                "status": status}
+
     def __repr__(self) -> str:
         return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
 
@@ -370,43 +447,59 @@ class ProgramState:
     def _work(self) -> None:
         while True:
             node, payload = self._queue.get()
-            if self._error is not None:
+            if self._cancelled:
+                self._cancel_pending(node)
+            elif self._error is not None:
                 node.status = "skipped"
             else:
                 if self.debug is not None:
                     self.debug.before_node(node)
-                node.status = "running"
-                self._emit("node_started", node=node.id, data={
-                    "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
-                    "label": node.label(), "preds": list(node.preds),
-                    "stack": list(node.stack)})
-                # Decode and Score run on the engine, which reports them itself.
-                local = [i for i in lower(node) if i.kind not in ("Decode", "Score")]
-                for i, ins in enumerate(local):
-                    self._emit("instruction_started", node=node.id,
-                               data={"kind": ins.kind, "index": i})
-                start = len(self._text)
-                try:
-                    self._execute(node, payload)
-                    node.status = "done"
-                    for i, ins in enumerate(local):
-                        self._emit("instruction_finished", node=node.id,
-                                   data={"kind": ins.kind, "index": i})
-                except Exception as e:  # the program fails; the engine and others go on
-                    node.status = "error"
-                    self._set_error(e, node.file)
-                    self._error_line = node.line
-                    self._emit("error", node=node.id, data={"error": repr(e),
-                                                            "line": node.line})
-                done = {"status": node.status, "text": self._text[start:]}
-                if node.name is not None and node.name in self._vars:
-                    done["value"] = repr(self._vars[node.name])
-                self._emit("node_finished", node=node.id, data=done)
-                if self.debug is not None:
-                    self.debug.after_node(node)
+                if self._cancelled:  # cancelled while held before it
+                    self._cancel_pending(node)
+                else:
+                    self._run_node(node, payload)
+                    if self.debug is not None:
+                        self.debug.after_node(node)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
+
+    def _node_started(self, node: Node) -> None:
+        self._emit("node_started", node=node.id, data={
+            "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
+            "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)})
+
+    def _cancel_pending(self, node: Node) -> None:
+        """A Node queued before the program was cancelled: it never runs, and says so."""
+        node.status = "cancelled"
+        self._node_started(node)
+        self._emit("node_finished", node=node.id, data={"status": "cancelled", "text": ""})
+
+    def _run_node(self, node: Node, payload) -> None:
+        node.status = "running"
+        self._node_started(node)
+        # Decode and Score run on the engine, which reports them itself.
+        local = [i for i in lower(node) if i.kind not in ("Decode", "Score")]
+        for i, ins in enumerate(local):
+            self._emit("instruction_started", node=node.id, data={"kind": ins.kind, "index": i})
+        start = len(self._text)
+        try:
+            self._execute(node, payload)
+            node.status = "done"
+            for i, ins in enumerate(local):
+                self._emit("instruction_finished", node=node.id,
+                           data={"kind": ins.kind, "index": i})
+        except ProgramCancelled:  # aborted mid-way: what it produced is kept
+            node.status = "cancelled"
+        except Exception as e:  # the program fails; the engine and others go on
+            node.status = "error"
+            self._set_error(e, node.file)
+            self._error_line = node.line
+            self._emit("error", node=node.id, data={"error": repr(e), "line": node.line})
+        done = {"status": node.status, "text": self._text[start:]}
+        if node.name is not None and node.name in self._vars:
+            done["value"] = repr(self._vars[node.name])
+        self._emit("node_finished", node=node.id, data=done)
 
     def _append(self, text: str, var: str | None = None) -> None:
         with self._cond:
@@ -449,18 +542,29 @@ class ProgramState:
         prompt = self._text
         handle = self.backend.submit(prompt, stream=True, gate=gate, priority=self.priority,
                                      program=self.id, node=node.id, **node.detail)
-        for chunk in handle.chunks():
-            out += chunk
-            self._append(chunk, g.name)
-        result = handle.result()
+        with self._cond:
+            self._inflight.add(handle)
+            cancelled = self._cancelled  # cancelled before the handle could be seen
+        if cancelled:
+            handle.cancel()
+        try:
+            for chunk in handle.chunks():
+                out += chunk
+                self._append(chunk, g.name)
+            result = handle.result()
+        finally:
+            self._inflight.discard(handle)
+        aborted = result.meta.get("finish_reason") == "abort"
         if g.name is not None:
-            options = g.logprob_options(self.defaults)
+            options = {} if aborted else g.logprob_options(self.defaults)
             self._meta[g.name] = {**result.meta,
                                   **logprob_meta(result, options, self.backend, prompt)}
             if g.reasoning is not None:
                 reasoning, out = split_reasoning(out, g.reasoning)
                 self[g.name + "_reasoning_content"] = reasoning
-            self[g.name] = g.convert(out)
+            self[g.name] = out if aborted else g.convert(out)  # a cut-off value stays text
+        if aborted:
+            raise ProgramCancelled(f"gen {g.name!r} was aborted")
 
     def _select(self, node: Node, sel: Select) -> None:
         if "static_select" in self.passes and is_static_select(node):
@@ -475,9 +579,11 @@ class ProgramState:
         scores = self.backend.score(self._text, sel.choices, priority=self.priority,
                                     program=self.id, node=node.id)
         uncond = None
-        if sel.method == "unconditional_likelihood_normalized":
+        if sel.method == "unconditional_likelihood_normalized" and not self._cancelled:
             uncond = self.backend.score(self.backend.tokenizer.bos_token or "\n", sel.choices,
-                                        priority=self.priority)
+                                        priority=self.priority, program=self.id, node=node.id)
+        if self._cancelled:  # its scores may be cut short: no choice is made
+            raise ProgramCancelled(f"select {sel.name!r} was aborted")
         index, meta = choose(sel.method, scores, uncond)
         self._append(sel.choices[index], sel.name)
         if sel.name is not None:
@@ -533,8 +639,13 @@ class ForkGroup:
         p.nodes.append(node)
         errors = [s._error for s in self.states if s._error is not None]
         for s in self.states:
-            s._emit("program_finished", data={"error": repr(s._error) if s._error else None,
-                                              "line": s._error_line})
+            s._emit("program_finished", data=s._end_data())
+        if p._cancelled:  # the branches' variables are kept; the program goes no further
+            for k in {k for s in self.states for k in s._vars}:
+                p._vars[k] = [s._vars.get(k) for s in self.states]
+            node.status = "cancelled"
+            p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
+            raise ProgramCancelled(f"program {p.id} was cancelled")
         if errors:
             node.status = "error"
             p._set_error(errors[0])

@@ -74,8 +74,9 @@ def span_events(s: SpanRecord) -> list[Event]:
 
 def _program(a: dict):
     start = codec.from_attrs(a, "sgl.program.", skip=("id", "error", "implicit",
-                                                                "fork_node"))
-    return "program_started", "program_finished", start, {"error": a.get("sgl.program.error")}
+                                                                "fork_node", "status"))
+    end = {"error": a.get("sgl.program.error"), "status": a.get("sgl.program.status")}
+    return "program_started", "program_finished", start, end
 
 
 def _node(a: dict):

@@ -171,10 +171,13 @@ class SpanRecorder:
         o = self._program(e.program)
         if o is None:
             return
-        err = e.data.get("error")
+        err, status = e.data.get("error"), e.data.get("status")
+        if status:
+            o.span.set_attribute("sgl.program.status", status)
         if err:
             o.span.set_attribute("sgl.program.error", str(err))
-            o.span.set_status(Status(StatusCode.ERROR, str(err)))
+            if status != "cancelled":  # a cancel was asked for: not a fault
+                o.span.set_status(Status(StatusCode.ERROR, str(err)))
         self._end_children(e.program, e.ts)
         self._end(self._programs, e.program, e.ts, e.seq)
 

@@ -30,7 +30,7 @@ class InstructionView:
     node: int
     index: int
     request: int | None = None
-    status: str = "running"  # running -> done | error
+    status: str = "running"  # running -> done | error | cancelled
     start_ns: int | None = None
     end_ns: int | None = None
     attrs: dict = field(default_factory=dict)  # what instruction_finished reported
@@ -47,7 +47,7 @@ class NodeView:
     line: int | None = None
     file: str | None = None
     preds: list[int] = field(default_factory=list)
-    status: str = "running"  # running -> done | error | skipped
+    status: str = "running"  # running -> done | error | skipped | cancelled
     start_ns: int | None = None
     end_ns: int | None = None
     instructions: list[InstructionView] = field(default_factory=list)
@@ -149,7 +149,7 @@ class Timeline:
         if p is None:
             return
         p.error = e.data.get("error")
-        p.status = "error" if p.error else "done"
+        p.status = e.data.get("status") or ("error" if p.error else "done")
         p.end_ns = e.ts
 
     def _on_node_started(self, e: Event) -> None:
@@ -243,7 +243,7 @@ class Timeline:
 
     def _set_program_status(self, pid: int | None, status: str, reason: str | None = None):
         p = self.programs.get(pid) if pid is not None else None
-        if p is not None and p.status not in ("done", "error"):
+        if p is not None and p.status not in ("done", "error", "cancelled"):
             p.status, p.reason = status, reason
 
     def _on_fork(self, e: Event) -> None:

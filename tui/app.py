@@ -57,6 +57,7 @@ class DebuggerApp(App):
         Binding("c", "continue", "Continue"),
         Binding("p", "pause", "Pause"),
         Binding("b", "breakpoint", "Breakpoint"),
+        Binding("x", "cancel", "Cancel program"),
         Binding("N", "back_node", "Back node"),
         Binding("S", "back_instruction", "Back instruction"),
         Binding("q", "quit", "Quit"),
@@ -154,6 +155,8 @@ class DebuggerApp(App):
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action in ("back_node", "back_instruction"):
             return self.session.mode == "replay"  # hidden in a live run
+        if action == "cancel":
+            return self.session.mode == "live"  # nothing runs in a replay
         return True
 
     def _did(self, message: str) -> None:
@@ -171,6 +174,9 @@ class DebuggerApp(App):
 
     def action_pause(self) -> None:
         self._did(self.session.pause())
+
+    def action_cancel(self) -> None:
+        self._did(self.session.cancel())
 
     def action_back_node(self) -> None:
         self._did(self.session.back_node())
@@ -201,4 +207,5 @@ def describe(position: Position, row: NodeRow | None) -> str:
         "running": f"running {node}{line}" if row else "running",
         "done": "finished",
         "error": "failed",
+        "cancelled": "cancelled",
     }.get(position.where, position.where)

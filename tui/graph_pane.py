@@ -11,9 +11,10 @@ from textual.widgets.option_list import Option
 from sgl_nb.runtime.step_controller import Breakpoint
 from sgl_nb.tui.rows import NodeRow, Position
 
-GLYPH = {"pending": "○", "running": "◐", "done": "✓", "error": "✗", "skipped": "–"}
+GLYPH = {"pending": "○", "running": "◐", "done": "✓", "error": "✗", "skipped": "–",
+         "cancelled": "⊘"}
 STATUS_STYLE = {"pending": "dim", "running": "yellow", "done": "green", "error": "bold red",
-                "skipped": "dim strike"}
+                "skipped": "dim strike", "cancelled": "magenta"}
 
 
 class GraphPane(Vertical):

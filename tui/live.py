@@ -93,7 +93,7 @@ class LiveSession:
     def position(self) -> Position:
         p = self.timeline.programs.get(self.state.id)
         last = next(reversed(self.timeline.nodes), None)
-        if p is not None and p.status in ("done", "error"):
+        if p is not None and p.status in ("done", "error", "cancelled"):
             return Position(p.status, last)
         waiting, current = self.debug.waiting_at, self.debug.current
         if waiting in ("node", "decode") and current is not None:
@@ -152,6 +152,12 @@ class LiveSession:
             return "the program has finished"
         self.debug.pause()
         return "pausing at the next Node or token"
+
+    def cancel(self) -> str:
+        if self._finished():
+            return "the program has finished"
+        self.state.cancel()
+        return "cancelling: the running Node is aborted, the pending ones will not run"
 
     def back_node(self) -> str:
         return "a live run only goes forward: step backwards in a replay (sgl-nb replay)"

@@ -130,6 +130,9 @@ class ReplaySession:
     def pause(self) -> str:
         return "nothing runs in a replay: n/s step forward, N/S back, c to the next breakpoint"
 
+    def cancel(self) -> str:
+        return "nothing runs in a replay: there is nothing to cancel"
+
     def toggle_breakpoint(self, row: NodeRow) -> str:
         bp = row.breakpoint()
         if bp in self.breakpoints:

@@ -13,7 +13,7 @@ from sgl_nb.tracing.timeline import InstructionView, NodeView, Timeline
 #   "instruction"  (replay) before one of `node`'s Instructions starts
 #   "decode"       held inside a Gen or Select, before its next token
 #   "running"      the program runs (live)
-#   "done" / "error"  the program has finished
+#   "done" / "error" / "cancelled"  the program has finished
 #   "start"        nothing known yet (live, before the first event)
 
 
@@ -24,7 +24,7 @@ class Position:
 
     @property
     def finished(self) -> bool:
-        return self.where in ("done", "error")
+        return self.where in ("done", "error", "cancelled")
 
 
 @dataclass
@@ -36,7 +36,7 @@ class NodeRow:
     label: str
     line: int | None
     file: str | None
-    status: str  # pending | running | done | error | skipped
+    status: str  # pending | running | done | error | skipped | cancelled
     depth: int = 0  # fork branches are indented under their parent
     preds: list[int] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)

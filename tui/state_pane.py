@@ -61,7 +61,8 @@ class StatePane(VerticalScroll):
 
 
 def _status_style(status: str | None) -> str:
-    return {"done": "green", "error": "bold red", "suspended": "yellow"}.get(status or "", "")
+    return {"done": "green", "error": "bold red", "suspended": "yellow",
+            "cancelled": "magenta"}.get(status or "", "")
 
 
 def _section(t: Text, title: str, lines: list[str]) -> None:

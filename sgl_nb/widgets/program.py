@@ -43,13 +43,20 @@ class ProgramWidget(W.VBox):
         bus = getattr(backend, "events", None)
         self._queue = bus.subscribe() if bus is not None else None
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
+        # Stop cancels the program (state.cancel()): a click only asks, and returns.
+        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="cancel this program (what it produced is kept)",
+                                    layout=W.Layout(width="auto"), disabled=True)
+        self.stop_button.on_click(lambda _: self.stop())
         self.stream = StreamView()
         self.stepper = StepperView()
         self.stepper.on_command = self._poke
         self.cache = CacheTreeView()
         self.tabs = W.Tab(children=[self.stepper, self.cache])
         self.tabs.titles = ("Stepper", "Cache tree")
-        super().__init__(children=[self.title, self.stream, self.tabs], **kwargs)
+        header = W.HBox([self.title, self.stop_button],
+                        layout=W.Layout(justify_content="space-between", align_items="center"))
+        super().__init__(children=[header, self.stream, self.tabs], **kwargs)
 
     # ---- wiring ------------------------------------------------------------------------
 
@@ -57,6 +64,7 @@ class ProgramWidget(W.VBox):
         """Follow this program (its events may already be queued: nothing is lost)."""
         self.state = state
         self.program_id = state.id
+        self.stop_button.disabled = False
         self._family = {state.id}  # grows with the fork events
         self.stepper.bind(state.debug,
                           node_only=not getattr(state.backend, "instruction_stepping", True))
@@ -91,13 +99,18 @@ class ProgramWidget(W.VBox):
 
     def _finished(self) -> bool:
         p = self.timeline.programs.get(self.program_id)
-        return p is not None and p.status in ("done", "error")
+        return p is not None and p.status in ("done", "error", "cancelled")
 
     def _hold_changed(self) -> bool:
         c = self.state.debug if self.state is not None else None
         now = (c.waiting_at, getattr(c.current, "id", None), c.paused) if c else None
         changed, self._last_hold = now != self._last_hold, now
         return changed
+
+    def stop(self) -> bool:
+        """The Stop button: cancel the program; False if it had already ended."""
+        self._poke()
+        return self.state is not None and self.state.cancel()
 
     def _poke(self) -> None:
         self._last_hold = None  # a button was pressed: the pump renders on its next poll
@@ -138,6 +151,7 @@ class ProgramWidget(W.VBox):
                     self.stream.header.value += (
                         f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
                 self.stepper.update(rows, finished)
+                self.stop_button.disabled = finished
                 engine = getattr(self.backend, "engine", None)
                 self.cache.update(getattr(engine, "cache", None), self._tokenizer(),
                                   self._path_tokens(model, text))

@@ -25,7 +25,7 @@ _STYLE = """<style>
  font-weight:bold}.sgl-ins{padding-left:28px;color:#555;white-space:pre}
 .sgl-ins.sgl-current{background:#fcd34d;color:#000}.sgl-bp{color:#dc2626}
 .sgl-st-done{color:#15803d}.sgl-st-running{color:#2563eb}.sgl-st-pending{color:#888}
-.sgl-st-error{color:#b91c1c}.sgl-st-skipped{color:#888}
+.sgl-st-error{color:#b91c1c}.sgl-st-skipped{color:#888}.sgl-st-cancelled{color:#a21caf}
 </style>"""
 
 NODE_ONLY = "stepping by Node only: Instructions run on the server"
