@@ -84,6 +84,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from sgl_nb.bench_programs import run_programs_bench
 
         return run_programs_bench(args)
+    if args.what == "cancel":
+        from sgl_nb.bench_cancel import run_cancel_bench
+
+        return run_cancel_bench(args)
     from sgl_nb.bench_engine import run_engine_bench
 
     return run_engine_bench(args)
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run "
                        "(engine: each measurement in a fresh process)")
-    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler", "tracing"])
+    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler", "tracing",
+                                    "cancel"])
     b.add_argument("--model", default=None)
     b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
@@ -138,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--time-slice", type=int, default=8, help="scheduler: decode steps")
     b.add_argument("--programs", type=int, default=32, help="scheduler: throughput programs")
     b.add_argument("--program-tokens", type=int, default=64, help="scheduler: tokens each")
-    b.add_argument("--rounds", type=int, default=3, help="tracing: rounds of each mode")
+    b.add_argument("--rounds", type=int, default=3,
+                   help="tracing: rounds of each mode; cancel: interrupts")
+    b.add_argument("--cancel-tokens", type=int, default=3000,
+                   help="cancel: max_tokens of the generate that is interrupted")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "
