@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from sgl_nb.function import SglFunction
-from sgl_nb.state import ProgramState
+from sgl_nb.state import ProgramCancelled, ProgramState
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -170,3 +170,18 @@ def test_backend_option_runs_the_cell_on_a_server(shell, runtime):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_rerunning_a_cell_cancels_its_previous_run(shell, capsys):
+    body = "s += 'A long tale:' + gen('t', max_tokens=2000, ignore_eos=True)\n"
+    shell.run_cell_magic("sgl", "tale --no-widget", body)
+    first = shell.user_ns["tale"]
+    next(first.text_iter("t"))
+    capsys.readouterr()
+    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", body)
+    assert f"cancelled the previous run (program {first.id})" in capsys.readouterr().out
+    assert isinstance(first.wait(60).error(), ProgramCancelled) and first["t"]
+    second = shell.user_ns["tale"]
+    assert second is not first and second.wait(60).error() is None
+    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", body)
+    assert "cancelled" not in capsys.readouterr().out  # the previous run had ended

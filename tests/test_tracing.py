@@ -385,3 +385,35 @@ def test_events_of_no_program_are_kept_for_replay(default_backend, tmp_path):
     assert [e.seq for e in replay.cache_events] == [e.seq for e in live.cache_events]
     loose = [s for s in read_spans(path) if s.attributes.get("sgl.span") == "event"]
     assert loose and all(s.parent_span_id is None for s in loose)
+
+
+@pytest.mark.slow
+def test_a_cancelled_program_is_traced_and_replayed_as_cancelled(default_backend, tmp_path):
+    @sgl.function
+    def tale(s):
+        s += "A long tale:" + sgl.gen("t", max_tokens=2000, ignore_eos=True)
+        s += " The end." + sgl.gen("moral", max_tokens=8)
+
+    mem, path = InMemorySpanExporter(), tmp_path / "cancelled.jsonl"
+    sgl.enable_tracing(file=path, exporter=mem, runtime=default_backend)
+    try:
+        st = tale.run(stream=True)
+        next(st.text_iter("t"))
+        st.cancel()
+        st.wait(60)
+    finally:
+        sgl.disable_tracing()
+    spans = mem.get_finished_spans()
+    program = next(s for s in _of(spans, "program") if s.attributes["sgl.program.id"] == st.id)
+    assert program.attributes["sgl.program.status"] == "cancelled"
+    assert program.status.status_code.name != "ERROR"  # asked for, not a fault
+    nodes = {s.attributes["sgl.node.id"]: s for s in _of(spans, "node")}
+    statuses = [nodes[n.id].attributes["sgl.node.finished.status"]
+                for n in st.nodes if n.kind != "Return"]
+    # The text ran; the Gen was cut short; the Text and Gen queued after it never ran.
+    assert statuses == ["done", "cancelled", "cancelled", "cancelled"]
+    decode = next(s for s in spans if s.name == "Decode")
+    assert decode.attributes["sgl.instruction.finish_reason"] == "abort"
+    tl = load(path)  # the replay shows the same
+    assert tl.programs[st.id].status == "cancelled"
+    assert [tl.nodes[n.id].status for n in st.nodes if n.kind != "Return"] == statuses

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import sgl_nb as sgl
 from sgl_nb.tui.app import DebuggerApp
 from sgl_nb.tui.live import LiveSession
 from sgl_nb.tui.program_file import load_program
@@ -145,3 +146,20 @@ def test_error_inside_the_program(runtime):
         assert app.is_running
 
     debug(runtime, "broken", scenario)
+
+
+def test_cancel_key(runtime):
+    async def scenario(pilot, session):
+        app = pilot.app
+        await pilot.press("c")
+        await until(pilot, lambda: any(n.tokens for n in session.timeline.nodes.values()),
+                    "the first token")
+        await pilot.press("x")
+        await until(pilot, shown(pilot, "LIVE  cancelled"), "the cancel")
+        assert "⊘ Gen tale" in pane(app, "graph")
+        assert "long_story  cancelled" in pane(app, "state")
+        assert isinstance(session.state.error(), sgl.ProgramCancelled)
+        await pilot.press("x")
+        assert "the program has finished" in app.status_text
+
+    debug(runtime, "long_story", scenario)

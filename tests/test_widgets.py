@@ -298,3 +298,20 @@ def test_stepper_on_a_remote_backend_steps_by_node_only(runtime):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@slow
+def test_stop_button_cancels_the_program(default_backend):
+    @sgl.function
+    def tale(s):
+        s += "A long tale:" + sgl.gen("t", max_tokens=2000, ignore_eos=True)
+
+    w, st = watch(default_backend, tale)
+    assert not w.stop_button.disabled
+    next(st.text_iter("t"))
+    w.stop_button.click()  # what the browser's click does on the kernel side
+    st.wait(60)
+    assert w.wait(60)
+    assert isinstance(st.error(), sgl.ProgramCancelled) and st["t"]
+    assert w.status == "cancelled" and w.stop_button.disabled
+    assert w.stream.text.endswith(st["t"])  # what it produced stays in the view
