@@ -34,7 +34,8 @@ def parse_arg_value(text: str):
     string itself (so `--arg topic=cats` needs no quotes)."""
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    # TypeError: a literal that cannot be built ({[]: 1}); the others: nested too deeply.
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
 
 

@@ -8,18 +8,22 @@ import os
 
 from sgl_nb.runtime.events import EVENT_KINDS, Event
 from sgl_nb.tracing import codec
-from sgl_nb.tracing.otlp_json import SpanRecord, read_spans
+from sgl_nb.tracing.otlp_json import MALFORMED, SpanRecord, TraceFormatError, read_spans
 from sgl_nb.tracing.timeline import Timeline
 
-
-class TraceFormatError(ValueError):
-    """The file is not a trace this version of sgl-nb can replay."""
+__all__ = ["TraceFormatError", "load", "load_events", "span_events"]
 
 
 def load(path: str | os.PathLike) -> Timeline:
     """The Timeline of an exported OTLP/JSON trace file (programs, Nodes, Instructions,
-    tokens and cache changes), its events ordered by their recorded seq."""
-    return Timeline(load_events(path))
+    tokens and cache changes), its events ordered by their recorded seq. TraceFormatError,
+    naming the file and what is wrong, for anything that is not such a trace."""
+    events = load_events(path)
+    try:
+        return Timeline(events)
+    except MALFORMED as e:
+        raise TraceFormatError(f"{path}: its events cannot be replayed ({type(e).__name__}: "
+                               f"{e})") from None
 
 
 def load_events(path: str | os.PathLike) -> list[Event]:
@@ -29,8 +33,17 @@ def load_events(path: str | os.PathLike) -> list[Event]:
                                "this file; was it written by sgl.enable_tracing(file=...)?")
     for s in spans:
         _check_format(path, s)
-    events = [e for s in spans for e in span_events(s)]
-    events.sort(key=lambda e: e.seq)
+    events = []
+    for s in spans:
+        try:
+            events.extend(span_events(s))
+        except MALFORMED as e:
+            raise TraceFormatError(f"{path}: span {s.name!r} ({s.span_id}) is malformed "
+                                   f"({type(e).__name__}: {e})") from None
+    try:
+        events.sort(key=lambda e: e.seq)
+    except TypeError:
+        raise TraceFormatError(f"{path}: a span's {codec.SEQ} is not a number") from None
     return events
 
 

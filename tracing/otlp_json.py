@@ -93,6 +93,15 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
 # ---- decoding ------------------------------------------------------------------------------
 
 
+class TraceFormatError(ValueError):
+    """The file is not a trace this version of sgl-nb can replay (the message says why and
+    where)."""
+
+
+# What a field of the wrong shape raises while a span is read back.
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
 @dataclass
 class SpanRecord:
     """A span read back from OTLP/JSON."""
@@ -149,18 +158,29 @@ def decode(request: dict) -> Iterator[SpanRecord]:
 
 
 def read_spans(path) -> list[SpanRecord]:
-    """Every span of an OTLP/JSON lines file, in line order."""
+    """Every span of an OTLP/JSON lines file, in line order; TraceFormatError naming the
+    line for anything else."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceFormatError(f"{where}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 request = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not an OTLP/JSON line ({e.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                why = getattr(e, "msg", "nested too deeply")
+                raise TraceFormatError(f"{where}: not an OTLP/JSON line ({why})") from None
             if not isinstance(request, dict) or "resourceSpans" not in request:
-                raise ValueError(f"{path}:{lineno}: not an OTLP/JSON trace export "
-                                 "(no resourceSpans)")
-            out.extend(decode(request))
+                raise TraceFormatError(f"{where}: not an OTLP/JSON trace export "
+                                       "(no resourceSpans)")
+            try:
+                out.extend(decode(request))
+            except MALFORMED as e:
+                raise TraceFormatError(f"{where}: a malformed span ({type(e).__name__}: "
+                                       f"{e})") from None
     return out

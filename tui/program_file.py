@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import inspect
 import itertools
@@ -10,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sgl_nb.cell_program import parse_args
 from sgl_nb.function import SglFunction
 
 _module_ids = itertools.count(1)
@@ -33,20 +33,6 @@ def split_target(target: str) -> tuple[Path, str | None]:
     if not sep or not file or not func.isidentifier():
         return Path(target), None
     return Path(file), func
-
-
-def parse_args(pairs: list[str]) -> dict:
-    """`key=value` pairs; a value is a Python literal (3, 0.5, [1, 2], 'x') or else a string."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f"--arg must look like key=value, got {pair!r}")
-        try:
-            out[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key.strip()] = value
-    return out
 
 
 def load_program(target: str, pairs: list[str] = ()) -> ProgramFile:
