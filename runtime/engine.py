@@ -119,7 +119,14 @@ class RequestHandle:
         return self._engine.abort(self.req.rid)
 
     def result(self, timeout: float | None = None) -> GenerateOutput:
-        if not self._done.wait(timeout):
+        """The output once finished. An interrupt while waiting (Ctrl-C, a Jupyter
+        interrupt) aborts the request before it propagates."""
+        try:
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+        if not finished:
             raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
         if self.req.error is not None:
             err = self.req.error
