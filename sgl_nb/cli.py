@@ -151,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
     v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "
                        "/v1/completions, /v1/chat/completions and SGLang's /generate")
-    v.add_argument("--host", default="127.0.0.1", help="loopback by default (no auth)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="loopback by default; another host needs --api-key or "
+                   "--allow-unauthenticated")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on "
+                   "every route but /health (default: $SGL_NB_API_KEY)")
+    v.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key")
     v.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     v.add_argument("--model", default=None, help="checkpoint folder or .gguf (default model)")
     v.add_argument("--kv-pool-tokens", type=int, default=32768)

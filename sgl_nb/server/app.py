@@ -1,0 +1,79 @@
+"""The FastAPI app of `sgl-nb serve`: OpenAI's /v1 routes, SGLang's native ones, /health
+and Prometheus /metrics, over one Runtime."""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from sgl_nb.server import openai_routes, sglang_routes
+from sgl_nb.server.auth import ApiKeyMiddleware
+from sgl_nb.server.errors import Json, install_error_handlers
+from sgl_nb.server.metrics import exposition, metrics_registry
+from sgl_nb.server.replies import Answer, Served, Stream
+from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest
+from sgl_nb.server.requests_sglang import FlushCacheRequest, GenerateRequest
+from sgl_nb.server.streaming import EventStream, answer, in_thread
+
+MAX_BODY_BYTES = 32 * 2**20  # a context of token ids is well under 1 MiB
+# Each request in flight holds a worker thread while it waits on the engine; anyio's
+# default of 40 would queue requests the engine could already batch.
+WORKER_THREADS = 256
+
+
+def build_app(runtime, api_key: str | None = None) -> FastAPI:
+    served = Served(runtime)
+    app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=MAX_BODY_BYTES)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    limiter = anyio.CapacityLimiter(WORKER_THREADS)
+    registry = metrics_registry(runtime, served.log)
+
+    async def reply(request: Request, route, body) -> Response:
+        out: Answer | Stream = await in_thread(route, served, body, limiter=limiter)
+        if isinstance(out, Stream):
+            return EventStream(out, limiter)
+        return Json(await answer(request, out, limiter))
+
+    @app.get("/health")
+    async def health() -> Json:
+        return Json({})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Json:
+        return Json(openai_routes.models(served))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await reply(request, openai_routes.completion, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await reply(request, openai_routes.chat_completion, body)
+
+    @app.post("/generate")
+    async def generate(request: Request, body: GenerateRequest) -> Response:
+        return await reply(request, sglang_routes.generate, body)
+
+    @app.get("/get_model_info")
+    async def model_info() -> Json:
+        return Json(sglang_routes.model_info(served))
+
+    @app.get("/get_server_info")
+    async def server_info() -> Json:
+        return Json(await in_thread(runtime.get_server_info, limiter=limiter))
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request, body: FlushCacheRequest | None = None) -> Json:
+        out = sglang_routes.flush_cache(served)
+        return Json(await in_thread(out.build, limiter=limiter))
+
+    return app

@@ -1,0 +1,113 @@
+"""Sending a reply while watching the client: a client that disconnects, streaming or not,
+cancels its engine requests at once (they leave the batch before the next engine step).
+
+The engine's blocking calls (a handle's result, the next streamed chunk) run in worker
+threads so the event loop stays free. Those threads are abandoned on cancellation rather
+than waited for: after the cancel they return within one engine step anyway."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from sgl_nb.server.replies import Answer, Stream, cancel_all
+
+log = logging.getLogger("sgl_nb.serve")
+T = TypeVar("T")
+_END = object()
+
+
+async def in_thread(fn: Callable[..., T], *args, limiter: anyio.CapacityLimiter) -> T:
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=limiter)
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def answer(request: Request, reply: Answer, limiter: anyio.CapacityLimiter):
+    """The reply's body, built in a thread; the requests are cancelled if the client
+    disconnects first (or the server stops)."""
+    finished = False
+
+    async def watch() -> None:
+        await wait_for_disconnect(request.receive)
+        cancel_all(reply.handles)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            body = await in_thread(reply.build, limiter=limiter)
+            finished = True
+            tg.cancel_scope.cancel()
+    finally:
+        if not finished:
+            cancel_all(reply.handles)
+    return body
+
+
+class EventStream(Response):
+    """Server-sent events: `data: {json}` per event, then `data: [DONE]`. The client's
+    disconnect is watched the whole time, not only noticed at the next write, so a request
+    still queued or prefilling is cancelled as promptly as one that streams."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, reply: Stream, limiter: anyio.CapacityLimiter):
+        # No body, so no Content-Length: the events go out as chunks (as in
+        # StreamingResponse, which this replaces to watch the client throughout).
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.reply, self.limiter = reply, limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": self.raw_headers})
+        finished = False
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch() -> None:
+                    await wait_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                async for chunk in self._chunks():
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                finished = True
+                tg.cancel_scope.cancel()
+            if finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went while we wrote
+        finally:
+            if not finished:
+                cancel_all(self.reply.handles)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        events: Iterator[dict] = self.reply.events
+        while True:
+            try:
+                event = await in_thread(next, events, _END, limiter=self.limiter)
+            except Exception as e:  # noqa: BLE001 - the headers are sent: say it in the stream
+                log.exception("a streamed request failed")
+                yield _sse({"error": {"message": f"{type(e).__name__}: {e}",
+                                      "type": "server_error", "code": 500}})
+                break
+            if event is _END:
+                break
+            yield _sse(event)
+        yield b"data: [DONE]\n\n"
+
+
+def _sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
