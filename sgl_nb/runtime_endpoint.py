@@ -34,12 +34,13 @@ __all__ = ["RemoteError", "RemoteFeatureError", "RuntimeEndpoint"]
 class RuntimeEndpoint:
     """A backend that sends each gen/select of a program to a server.
 
-    base_url: e.g. "http://127.0.0.1:8000" (no /v1). api: "openai" (vLLM, SGLang's or
-    `sgl-nb serve`'s /v1/completions) or "sglang" (SGLang's native /generate). model: the
-    served model name (default: the first the server lists). tokenizer_path: a local folder
-    with the model's tokenizer (chat roles and select need it; default: the model folder
-    the server reports, when it exists on this machine). timeout: seconds any one read may
-    wait; connect_timeout: seconds to connect."""
+    base_url: e.g. "http://127.0.0.1:8000", or "http://127.0.0.1:8000/v1" as OpenAI's client
+    takes it. api: "openai" (vLLM, SGLang's or `sgl-nb serve`'s /v1/completions) or "sglang"
+    (SGLang's native /generate). model: the served model name (default: the first the
+    server lists). tokenizer_path: a local folder with the model's tokenizer (chat roles and
+    select need it; default: the model folder the server reports, when it exists on this
+    machine). timeout: seconds any one read may wait; connect_timeout: seconds to
+    connect."""
 
     instruction_stepping = False  # one token at a time happens on the server, out of reach
 
@@ -145,8 +146,9 @@ class RuntimeEndpoint:
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
                priority: int | str | None = None, program: int | None = None,
                node: int | None = None, **params) -> RemoteHandle:
-        """Send one generation request and return at once. `gate` (per-token stepping) and
-        `priority` do not reach a server and are ignored."""
+        """Send one generation request and return at once; the handle's `.cancel()` (or
+        leaving `.chunks()` early) closes the connection, and the server aborts the request.
+        `gate` (per-token stepping) and `priority` do not reach a server and are ignored."""
         sp = SamplingParams(**params)
         rid = next(_rids)
         return RemoteHandle(rid, lambda h: self._generate(h, prompt, sp, stream, program, node))
@@ -163,40 +165,49 @@ class RuntimeEndpoint:
         request = f"POST {path} (request {h.rid}{_where(program, node)})"
         # Logprobs come whole with the answer (streamed chunks differ between servers).
         stream = stream and not (sp.logprobs or sp.top_logprobs)
-        logprobs = (None, None)
+        got = _Received()
         self._emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
         try:
             with _naming(request):  # the model name may be asked for first
                 body = self.api.generate_body(prompt, sp, stream)
-            headers = _trace_headers(node)
-            if stream:
-                acc: dict = {}
-                pieces = []
-                for event in self.client.post_sse(path, body, headers, request):
-                    delta = self.api.stream_step(event, acc)
-                    if delta:
-                        pieces.append(delta)
-                        h.push(delta)
-                        self._emit("token", h.rid, program, node,
-                                   {"token": None, "text": delta, "logprob": None})
-                text, ids, meta = "".join(pieces), acc.get("token_ids", []), acc.get("meta", {})
-                if meta.get("finish_reason") is None:
-                    raise RemoteError(self.base_url, request,
-                                      "the stream ended without a finish reason")
-            else:
-                obj = self.client.request_json("POST", path, body, headers, request)
-                text, ids, meta = self.api.parse_answer(obj, request)
-                logprobs = self.api.parse_logprobs(obj)
-                h.push(text)
+            send = self._send_stream if stream else self._send_once
+            out = self._output(h, *send(h, path, body, request, got, program, node))
+            out.logprobs, out.top_logprobs = got.logprobs
         except BaseException as e:
-            self._emit("instruction_finished", h.rid, program, node,
-                       {"kind": "Decode", "index": 0, "error": repr(e)})
-            raise
-        out = self._output(h, text, ids, meta)
-        out.logprobs, out.top_logprobs = logprobs
+            if not h.cancelled:
+                self._emit("instruction_finished", h.rid, program, node,
+                           {"kind": "Decode", "index": 0, "error": repr(e)})
+                raise
+            # Cancelled: the connection was shut on purpose; keep what had arrived.
+            out = self._output(h, "".join(got.pieces), got.acc.get("token_ids", []),
+                               {**got.acc.get("meta", {}), "finish_reason": "abort"})
         self._emit("instruction_finished", h.rid, program, node,
                    {"kind": "Decode", "index": 0, **_counts(out.meta)})
         return out
+
+    def _send_stream(self, h: RemoteHandle, path: str, body: dict, request: str,
+                     got: _Received, program: int | None, node: int | None):
+        for event in self.client.post_sse(path, body, _trace_headers(node), request,
+                                          h.cancel_token):
+            delta = self.api.stream_step(event, got.acc)
+            if delta:
+                got.pieces.append(delta)
+                h.push(delta)
+                self._emit("token", h.rid, program, node,
+                           {"token": None, "text": delta, "logprob": None})
+        meta = got.acc.get("meta", {})
+        if meta.get("finish_reason") is None:
+            raise RemoteError(self.base_url, request, "the stream ended without a finish reason")
+        return "".join(got.pieces), got.acc.get("token_ids", []), meta
+
+    def _send_once(self, h: RemoteHandle, path: str, body: dict, request: str,
+                   got: _Received, program: int | None, node: int | None):
+        obj = self.client.request_json("POST", path, body, _trace_headers(node), request,
+                                       h.cancel_token)
+        text, ids, meta = self.api.parse_answer(obj, request)
+        got.logprobs = self.api.parse_logprobs(obj)
+        h.push(text)
+        return text, ids, meta
 
     def _output(self, h: RemoteHandle, text: str, ids: list[int], meta: dict) -> GenerateOutput:
         meta = {**meta, "server": self.base_url, "api": self.api_name, "request": h.rid,
@@ -250,6 +261,15 @@ class RuntimeEndpoint:
               data: dict) -> None:
         self.events.emit(kind, program=program, node=node, request=rid,
                          data={**data, "request": rid, "server": self.base_url})
+
+
+class _Received:
+    """What a request got before it ended: streamed pieces, ids and meta, logprobs."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+        self.acc: dict = {}
+        self.logprobs: tuple = (None, None)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -221,3 +222,79 @@ def test_remote_calls_are_spans_with_genai_attributes(ep):
     assert chat[0]["gen_ai.response.finish_reasons"] == ("length",)
     assert any(a.get("gen_ai.usage.input_tokens", 0) > 0 and "gen_ai.operation.name" in a
                and a.get("gen_ai.usage.output_tokens") == 0 for a in attrs)  # the select
+
+
+# ---- cancelling a remote request, and the base URL's forms ----------------------------
+
+def _engine_idle_after_abort(rt, before: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = rt.metrics()
+        if m["aborted"] > before and m["running"] == m["waiting"] == m["prefilling"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the server's engine did not abort: {m}"
+        time.sleep(0.02)
+
+
+LONG = {"max_tokens": 4000, "ignore_eos": True}  # minutes on a CPU unless aborted
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_cancel_a_long_remote_gen_mid_stream(server, runtime, api):
+    ep = sgl.RuntimeEndpoint(server.url, api=api)
+    before = runtime.metrics()["aborted"]
+    h = ep.submit("Once upon a time", stream=True, **LONG)
+    chunks = h.chunks()
+    pieces = [next(chunks) for _ in range(3)]
+    assert h.cancel() and not h.cancel()  # once
+    out = h.result(timeout=30)
+    assert out.meta["finish_reason"] == "abort"
+    assert out.text.startswith("".join(pieces)) and len(out.text) < 4000
+    assert "".join(pieces + list(chunks)) == out.text  # the rest of what had arrived
+    _engine_idle_after_abort(runtime, before)
+    assert ep.generate("Hi", max_tokens=2).text == runtime.generate("Hi", max_tokens=2).text
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_cancel_a_long_remote_gen_waiting_for_its_answer(server, runtime, api):
+    ep = sgl.RuntimeEndpoint(server.url, api=api)
+    before = runtime.metrics()["aborted"]
+    h = ep.submit("Once upon a time", **LONG)
+    deadline = time.monotonic() + 60
+    while runtime.metrics()["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    h.cancel()
+    out = h.result(timeout=30)
+    assert out.meta["finish_reason"] == "abort" and out.text == ""  # nothing had arrived
+    _engine_idle_after_abort(runtime, before)
+
+
+def test_leaving_chunks_early_cancels(server, runtime):
+    ep = sgl.RuntimeEndpoint(server.url)
+    before = runtime.metrics()["aborted"]
+    h = ep.submit("Once upon a time", stream=True, **LONG)
+    for i, _ in enumerate(h.chunks()):
+        if i == 2:
+            break
+    assert h.result(timeout=30).meta["finish_reason"] == "abort"
+    _engine_idle_after_abort(runtime, before)
+
+
+def test_cancel_before_the_request_is_sent(server, runtime):
+    ep = sgl.RuntimeEndpoint(server.url, model="m")
+    h = ep.submit("Once upon a time", stream=True, **LONG)
+    h.cancel()
+    assert h.result(timeout=30).meta["finish_reason"] == "abort"
+    deadline = time.monotonic() + 10  # if it reached the server, the server aborted it
+    while runtime.metrics()["running"] or runtime.metrics()["waiting"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_base_url_with_or_without_v1(server, runtime, suffix, api):
+    ep = sgl.RuntimeEndpoint(server.url + suffix, api=api)
+    assert ep.base_url == server.url
+    assert ep.generate("Hi", max_tokens=3).text == runtime.generate("Hi", max_tokens=3).text

@@ -1,5 +1,6 @@
 """One remote request in flight: a thread sends it and reads the answer (streamed or not);
-the program reads `.chunks()` and `.result()`, as from the in-kernel engine's handle."""
+the program reads `.chunks()` and `.result()` and may `.cancel()`, as with the in-kernel
+engine's handle."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from sgl_nb.remote.cancel import CancelToken
 from sgl_nb.runtime.request import GenerateOutput
 
 _DONE = object()
@@ -22,6 +24,7 @@ class RemoteHandle:
         self._error: BaseException | None = None
         self.created = time.monotonic()
         self.first_chunk_at: float | None = None
+        self.cancel_token = CancelToken()  # the sending thread's connection watches it
         threading.Thread(target=self._run, args=(run,), name=f"sgl-remote-{rid}",
                          daemon=True).start()
 
@@ -43,6 +46,18 @@ class RemoteHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_token.cancelled
+
+    def cancel(self) -> bool:
+        """Abort the request: its connection is shut, so the server aborts it too. The
+        handle then finishes with finish_reason "abort" and the text so far. Does not
+        wait; False if it had already finished."""
+        if self._done.is_set():
+            return False
+        return self.cancel_token.cancel()
+
     def result(self, timeout: float | None = None) -> GenerateOutput:
         # The sending thread always ends: every socket read has a timeout.
         if not self._done.wait(timeout):
@@ -53,7 +68,12 @@ class RemoteHandle:
         return self._out
 
     def chunks(self) -> Iterator[str]:
-        """Text pieces as the server streams them; raises if the request failed."""
-        while (item := self._chunks.get()) is not _DONE:
-            yield item
+        """Text pieces as the server streams them; raises if the request failed. Leaving
+        the loop early (break, an exception, dropping the iterator) cancels the request."""
+        try:
+            while (item := self._chunks.get()) is not _DONE:
+                yield item
+        finally:
+            if not self._done.is_set():
+                self.cancel()
         self.result()
