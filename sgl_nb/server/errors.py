@@ -109,7 +109,8 @@ def _one(err: dict) -> tuple[str, str]:
         return path, f"unknown field {ascii(path)} (not part of this API; check its spelling)"
     if kind == "missing":
         return path, "required"
-    msg = str(err.get("msg", "invalid"))
+    msg = str(err.get("msg", "invalid")).replace(
+        "a valid dictionary or object to extract fields from", "a JSON object")
     return path, msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
 
 
