@@ -1,15 +1,17 @@
 """The fused CPU decode step (cpu_decode.cpp), compiled once and cached.
 
 `load()` builds the extension with torch's C++ toolchain into
-`$SGL_NB_CACHE/ext/<hash of source and torch version>` (about a minute on 2 cores, printed),
-and returns the module, or None when it cannot be built (no compiler: a warning, and the
-torch path runs). SGL_NB_CPU_DECODE=0 turns it off.
+`$SGL_NB_CACHE/ext/<hash of source, torch version and CPU>` (about a minute on 2 cores,
+printed), and returns the module, or None when it cannot be built (no compiler: a warning,
+and the torch path runs). SGL_NB_CPU_DECODE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import re
 import sys
 import threading
 import warnings
@@ -34,9 +36,36 @@ def available() -> bool:
     return enabled() and load() is not None
 
 
+# The /proc/cpuinfo flags that name instruction sets (x86 and Arm): what -march=native turns on.
+_SIMD_FLAG = re.compile(r"^(sse|ssse|avx|amx|fma|f16c|bmi|gfni|vaes|vpclmul|pclmul|aes|sha|"
+                        r"popcnt|abm|lzcnt|movbe|adx|asimd|sve|fp|bf16|i8mm|dotprod)")
+
+
+def cpu_key() -> str:
+    """The CPU as native code sees it: model name and instruction-set flags (/proc/cpuinfo).
+
+    A cache folder shared by machines of different CPUs must never hand one the code built
+    for the other (-march=native: SIGILL), nor a kernel verdict measured on the other.
+    """
+    first: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:  # the first processor's block: the file grows with the cores
+                if not line.strip():
+                    break
+                name, _, value = line.partition(":")
+                first.setdefault(name.strip(), value.strip())
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    model = first.get("model name") or first.get("CPU part") or platform.machine()
+    flags = (first.get("flags") or first.get("Features") or "").split()
+    return f"{model} | {' '.join(sorted(f for f in flags if _SIMD_FLAG.match(f)))}"
+
+
 def build_dir() -> Path:
     # Keyed by everything that goes into the build: a change of any of it builds afresh.
     parts = [p.read_bytes() for p in (SOURCE, *HEADERS)] + [" ".join(CFLAGS).encode()]
+    parts.append(cpu_key().encode())
     key = hashlib.sha256(b"\0".join(parts) + torch.__version__.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SGL_NB_CACHE", Path.home() / ".cache" / "sgl_nb"))
     return cache / "ext" / f"cpu_decode-{key}"
