@@ -6,22 +6,28 @@ point). The quantized ones compute with 16-bit activations: torch's int8/int4 CP
 have no vectorised path for fp32 activations (measured 5-40x slower than bf16).
 
 `make_linear` builds one from a weight and, for int8/int4, its quantized form
-(runtime/quantize.py), checks the kernel against the dequantized weight once, and falls
-back to the dense layer, with a warning, when the kernel rejects the shape or disagrees.
+(runtime/quantize.py), with the kernel runtime/kernel_rules.py picks for its shape, once
+that kernel and shape have passed a check in a probe process (runtime/kernel_probe.py); it
+falls back to the dense layer, with a warning, when no kernel takes the shape or the check
+failed (a crash there kills the probe process, never the caller).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
 from sgl_nb.kernels import cpu_decode
+from sgl_nb.runtime import kernel_rules
+from sgl_nb.runtime.kernel_rules import OURS_INT4, OURS_INT8, aligned
 from sgl_nb.runtime.quantize import (
     INT4_GROUP,
     QUANTIZATIONS,
-    dequantize,
     int4_shape_error,
     unpack_int4,
+    weight_shape,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,30 +110,29 @@ def dense_panels(weight: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias).
 
-    On CPU with bf16 activations, an input size that is a multiple of 32 and an output size
-    that is a multiple of 8, every call takes kernels/cpu_quant_matmul.h's kernel (1.5-3x
-    torch's at 1 to 256 rows, measured), which gives each row the same bits in any batch;
-    the weight is then kept only in its interleaved layout (`panels`, `qweight` None).
-    torch's kernel otherwise.
+    `kernel` is runtime/kernel_rules.py's name (None: its choice for the shape). Ours,
+    kernels/cpu_quant_matmul.h (1.5-3x torch's at 1 to 256 rows, measured), gives each row
+    the same bits in any batch and keeps the weight only in its interleaved layout
+    (`panels`, `qweight` None). torch's gets both operands contiguous at a 64-byte boundary:
+    its AVX-512 path loads them with aligned loads.
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, kernel: str | None = None):
         self.out_features, self.in_features = qweight.shape
+        self.kernel = kernel or _chosen("int8", *qweight.shape, dtype, qweight.device)
         self.scale = scale.to(dtype).contiguous()
         self.bias = None if bias is None else bias.to(dtype).contiguous()
-        usable = (qweight.device.type == "cpu" and dtype == torch.bfloat16
-                  and self.in_features % INT4_GROUP == 0 and self.out_features % ROW_PANEL == 0)
-        self._ext = cpu_decode.load() if usable and cpu_decode.available() else None
+        self._ext = cpu_decode.load() if self.kernel == OURS_INT8 else None
         self.panels = None if self._ext is None else interleave_rows(qweight, INT4_GROUP)
-        self.qweight = qweight.contiguous() if self._ext is None else None
+        self.qweight = aligned(qweight) if self._ext is None else None
         self._no_bias = torch.empty(0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._ext is not None:
             bias = self._no_bias if self.bias is None else self.bias
             return self._ext.int8_linear(x, self.panels, self.scale, bias)
-        y = _int8_mm(x, self.qweight, self.scale)
+        y = _int8_mm(aligned(x), self.qweight, self.scale)
         if self.bias is not None:
             y += self.bias  # in place: no second output tensor
         return y
@@ -137,19 +142,21 @@ class Int8Linear:
 class Int4Linear:
     """int4 weights in groups of 32 inputs, each with a scale and a zero point.
 
-    On CPU with bf16 activations and an input size that is a multiple of 64 the weight is
-    kept in kernels/cpu_quant_matmul.h's layout (`small`: nibbles, scale, zero) and every
-    call takes that kernel: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it,
-    giving each row the same bits in any batch, so a request's tokens never depend on what
-    it ran with. torch's otherwise.
+    With our kernel (runtime/kernel_rules.py's choice on CPU for bf16 activations and an
+    input size that is a multiple of 64) the weight is also kept in
+    kernels/cpu_quant_matmul.h's layout (`small`: nibbles, scale, zero) and every call takes
+    it: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it, giving each row the
+    same bits in any batch, so a request's tokens never depend on what it ran with.
     """
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None, group: int = INT4_GROUP,
-                 small: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 small: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 kernel: str = kernel_rules.TORCH_INT4):
         self.packed = packed  # torch's kernel's own layout
         self.scale_zeros = scale_zeros  # [K / group, N, 2], the activations' dtype
         self.group = group
+        self.kernel = kernel
         self._out, self._in = out_features, scale_zeros.shape[0] * group
         self.bias = bias
         self._mm = _int4_mm_cuda if packed.is_cuda else _int4_mm_cpu
@@ -159,9 +166,11 @@ class Int4Linear:
 
     @classmethod
     def from_quantized(cls, t: dict[str, torch.Tensor], bias: torch.Tensor | None,
-                       dtype: torch.dtype, device: torch.device) -> Int4Linear:
+                       dtype: torch.dtype, device: torch.device,
+                       kernel: str | None = None) -> Int4Linear:
         q = t["qweight"].to(device)
         n = q.shape[0]
+        kernel = kernel or _chosen("int4", n, q.shape[1] * 2, dtype, device)
         if device.type == "cuda":
             # tinygemm takes the nibble-packed uint8 form directly; K must be a multiple of
             # 16 * inner_k_tiles (2, 4 or 8), and K % 32 == 0 already holds.
@@ -174,12 +183,10 @@ class Int4Linear:
         sz = sz.to(device=device, dtype=dtype).contiguous()
         b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         small = None
-        # Our kernel reads two groups at a time (K a multiple of 64); torch's otherwise.
-        pairs = (q.shape[1] * 2) % (2 * INT4_GROUP) == 0
-        if device.type == "cpu" and dtype == torch.bfloat16 and pairs and cpu_decode.available():
+        if kernel == OURS_INT4:
             small = (group_nibbles(q), padded_groups(t["scale"], dtype),
                      padded_groups(t["zero"], dtype))
-        return cls(packed, sz, n, b, small=small)
+        return cls(packed, sz, n, b, small=small, kernel=kernel)
 
     @property
     def out_features(self) -> int:
@@ -270,7 +277,8 @@ class LogitsHead:
 
 
 def shape_error(n: int, k: int, quantization: str) -> str | None:
-    """Why `quantization`'s kernel cannot take an [n, k] weight (None: it can)."""
+    """Why an [n, k] weight has no `quantization` form (None: it has); int4 groups 32 inputs
+    and its kernels take outputs in sixteens."""
     return int4_shape_error(n, k) if quantization == "int4" else None
 
 
@@ -287,7 +295,9 @@ def make_linear(
 
     With quantization, `quantized` is the weight's quantized form (None: the shape was
     rejected). `dense`, if given, is the weight already in `dtype` on `device`, for the
-    dense layer. Returns the layer and, when it fell back to dense, why.
+    dense layer. Returns the layer and, when it fell back to dense, why. On CPU a kernel
+    and shape not checked yet are checked first in a probe process (check_kernels does a
+    whole model's at once).
     """
     device = torch.device(device)
     dense_bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -298,48 +308,74 @@ def make_linear(
     if quantization is None:
         return dense_layer(), None
     n, k = weight.shape
-    why = shape_error(n, k, quantization)
-    if why is None and quantized is None:
-        why = "no quantized weight"
+    kernel, why = _kernel_for(quantization, quantized is not None, n, k, dtype, device)
     if why is None:
         try:
-            layer = _quantized_linear(quantized, bias, dtype, device, quantization)
-            why = _probe(layer, quantized, dense_bias, quantization, k, dtype, device)
+            layer = quantized_linear(quantized, bias, dtype, device, quantization, kernel)
+            if device.type != "cpu":  # no probe process there: checked here, on these weights
+                why = _check_here(layer, quantized, dense_bias, kernel, n, k, dtype, device)
         except RuntimeError as e:  # the kernel rejected the input: use the dense layer
-            why = f"{quantization} kernel error: {str(e).splitlines()[0]}"
+            why = (f"{kernel_rules.describe(kernel)} raised on "
+                   f"{kernel_rules.shape_text(n, k, dtype)}: {str(e).splitlines()[0]}")
         if why is None:
             return layer, None
     return dense_layer(), why
 
 
-def _quantized_linear(t, bias, dtype, device, quantization: str) -> Linear:
+def check_kernels(layers: Iterable[tuple[str, dict[str, torch.Tensor]]], dtype: torch.dtype,
+                  device: torch.device | str) -> None:
+    """Check, in one probe process, the CPU kernel of every (quantization, quantized form)
+    layer whose kernel and shape have no verdict yet, so that the make_linear calls after
+    it find theirs cached (one process per model load, not one per layer)."""
+    # Imported here, not with the module: were `import sgl_nb` to import kernel_probe,
+    # `python -m sgl_nb.runtime.kernel_probe` (the probe process) would run a second copy.
+    from sgl_nb.runtime.kernel_probe import Probe, verdicts
+
+    device = torch.device(device)
+    if device.type != "cpu":
+        return
+    probes = []
+    for quantization, t in layers:
+        n, k = weight_shape(t, quantization)
+        if shape_error(n, k, quantization) is None:
+            kernel, _ = kernel_rules.choose(quantization, n, k, dtype, device)
+            if kernel is not None:
+                probes.append(Probe.of(kernel, n, k, dtype))
+    verdicts(probes)
+
+
+def _kernel_for(quantization: str, have_weights: bool, n: int, k: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[str | None, str | None]:
+    """(kernel, None) for a quantized [n, k] layer, or why it stays dense: no quantized form,
+    no kernel that takes the shape, or a failed check in the probe process."""
+    why = shape_error(n, k, quantization) or (None if have_weights else "no quantized weight")
+    if why is not None:
+        return None, why
+    kernel, why = kernel_rules.choose(quantization, n, k, dtype, device)
+    if kernel is None or device.type != "cpu":
+        return kernel, why
+    from sgl_nb.runtime.kernel_probe import Probe, verdicts  # see check_kernels
+
+    probe = Probe.of(kernel, n, k, dtype)
+    return kernel, verdicts([probe])[probe]
+
+
+def _chosen(quantization: str, n: int, k: int, dtype: torch.dtype, device) -> str:
+    kernel, why = kernel_rules.choose(quantization, n, k, dtype, device)
+    if kernel is None:
+        raise ValueError(why)
+    return kernel
+
+
+def quantized_linear(t: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype,
+                     device: torch.device, quantization: str, kernel: str) -> Linear:
     if quantization == "int8":
         return Int8Linear(t["qweight"].to(device), t["scale"].to(device),
-                          None if bias is None else bias.to(device), dtype)
-    return Int4Linear.from_quantized(t, bias, dtype, device)
+                          None if bias is None else bias.to(device), dtype, kernel)
+    return Int4Linear.from_quantized(t, bias, dtype, device, kernel)
 
 
-def _probe(layer, t, bias, quantization: str, k: int, dtype, device) -> str | None:
-    """Compare the kernel once with the dequantized weight, so that a kernel that accepts a
-    shape but computes it wrongly is never used. None when it agrees."""
-    gen = torch.Generator().manual_seed(0)
-    weight = dequantize(t, quantization).to(device)
-    for rows in (3, 9):
-        x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
-        want = F.linear(x.float(), weight)
-        if bias is not None:
-            want += bias.float()
-        err = (layer(x).float() - want).abs()
-        # 16-bit outputs: a few ulps of bf16 relative to the output's size; plus, for our
-        # CPU kernels, which quantize x to int8 per group of 32 (cpu_decode.cpp), the most
-        # that rounding can move each output: sum |w| * half a step of x.
-        tol = 3e-2 * want.abs().max() + 1e-6
-        if layer._ext is not None:
-            half_step = x.float().view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254
-            tol = tol + half_step.expand(rows, k // 32, 32).reshape(rows, k) @ weight.abs().T
-        tol = tol.expand_as(err)
-        if not (err <= tol).all():  # also catches NaN
-            worst = (err - tol).argmax()
-            return (f"{quantization} kernel disagrees with the dequantized weight at {rows} "
-                    f"rows (error {err.view(-1)[worst]:.3g} > {tol.view(-1)[worst]:.3g})")
-    return None
+def _check_here(layer: Linear, t, bias, kernel: str, n: int, k: int, dtype, device) -> str | None:
+    from sgl_nb.runtime.kernel_probe import Probe, check_layer  # see check_kernels
+
+    return check_layer(layer, t, Probe.of(kernel, n, k, dtype), device=device, bias=bias)

@@ -24,6 +24,7 @@ from sgl_nb.runtime.linear import (
     Int8Linear,
     Linear,
     LogitsHead,
+    check_kernels,
     check_quantization,
     make_linear,
     resolve_dtype,
@@ -161,6 +162,10 @@ class Model:
         self.norm = w("model.norm.weight")
         linears: dict[str, Linear] = {}
         self.fallbacks: dict[str, str] = {}  # layer name -> why it stayed dense
+        if quantized:  # every layer's kernel and shape checked at once, in one probe process
+            head_q = lm_head_quantization(quantization, lm_head_weight(c, weights).shape)
+            check_kernels([(head_q if name == "lm_head" else quantization, t)
+                           for name, t in quantized.items()], dtype, self.device)
         for name, weight, bias in linear_weights(c, weights):
             q = None if quantized is None else quantized.get(name)
             linears[name], why = make_linear(weight, bias, dtype, self.device, quantization, q)

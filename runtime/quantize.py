@@ -40,6 +40,12 @@ def int4_shape_error(n: int, k: int, group: int = INT4_GROUP) -> str | None:
     return None
 
 
+def weight_shape(t: dict[str, torch.Tensor], quantization: str) -> tuple[int, int]:
+    """[N, K] of the weight whose quantized form is `t`."""
+    n, width = t["qweight"].shape
+    return (n, width * 2) if quantization == "int4" else (n, width)
+
+
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> dict[str, torch.Tensor]:
     n, k = w.shape
     assert int4_shape_error(n, k, group) is None, int4_shape_error(n, k, group)

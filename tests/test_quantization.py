@@ -4,12 +4,17 @@ On the default model: perplexity and greedy agreement under teacher forcing on a
 text (tests/data/eval_text.txt, ~2,500 tokens), determinism, batch == single and
 prefix-cache equality in every mode. On small random weights and a tiny random Qwen2
 (biases, a hidden size the int4 kernel rejects): the layers against their dequantized
-weights, the fallbacks and their warnings, the quantized cache, bad names.
+weights, the fallbacks and their warnings, the quantized cache, bad names. The tiny model's
+odd-shaped loads run in a child process (`python tests/test_quantization.py ...`), so that a
+kernel's crash fails the test instead of killing pytest.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_nb.runtime import linear as linear_mod
 from sgl_nb.runtime.forward_batch import build_batch
+from sgl_nb.runtime.kernel_rules import aligned
 from sgl_nb.runtime.linear import (
     DenseLinear,
     Int4Linear,
@@ -95,20 +100,18 @@ def test_shape_the_int4_kernel_rejects_falls_back_to_dense():
     assert isinstance(layer, DenseLinear) and "group size 32" in why
 
 
-def test_a_kernel_that_computes_wrongly_is_not_used(monkeypatch):
-    w = torch.randn(64, 96) * 0.05
+def test_torchs_int8_kernel_gets_its_operands_on_64_byte_boundaries():
+    """Its AVX-512 path reads weight and activation rows with aligned loads: a weight read
+    from a safetensors file sat 8 bytes off, and the first call at 4 rows segfaulted."""
+    w = torch.randn(90, 64, generator=torch.Generator().manual_seed(0)) * 0.05  # 90: not ours
     t = quantize(w, "int8")
-    monkeypatch.setattr(linear_mod.Int8Linear, "__call__", lambda self, x: torch.zeros(
-        x.shape[0], self.out_features, dtype=x.dtype))
-    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int8", t)
-    assert isinstance(layer, DenseLinear) and "disagrees" in why
-
-    def broken(self, x):
-        raise RuntimeError("expect K to be divisible by 64")
-
-    monkeypatch.setattr(linear_mod.Int8Linear, "__call__", broken)
-    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int8", t)
-    assert isinstance(layer, DenseLinear) and "divisible by 64" in why
+    odd = torch.empty(90 * 64 + 8, dtype=torch.int8)[8:].view(90, 64)
+    odd.copy_(t["qweight"])
+    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int8", {**t, "qweight": odd})
+    assert why is None and layer.kernel == "torch-int8"
+    assert layer.qweight.data_ptr() % 64 == 0 and torch.equal(layer.qweight, odd)
+    x = torch.randn(9 * 64 + 4).bfloat16()[4:].view(9, 64)
+    assert x.data_ptr() % 64 and aligned(x).data_ptr() % 64 == 0 and torch.equal(aligned(x), x)
 
 
 def test_bad_dtype_or_quantization_names_the_allowed_values():
@@ -164,43 +167,103 @@ def _last_logits(model, ids: list[int]) -> torch.Tensor:
     return model.forward(build_batch(False, [ids], [0], [slots], [slots], model.device), pool)[0]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_tiny_qwen2_quantized_falls_back_where_needed_and_caches(
-    tiny_odd_qwen2, quantization, tmp_path, monkeypatch
-):
+def _odd_load(folder: Path, quantization: str, mode: str, logits_file: Path) -> None:
+    """The tiny Qwen2's quantized load, checked in a child process (the tests below).
+
+    mode "fresh": its fallbacks, its logits against fp32's, its quantized cache, a second
+    load; "cached": a later process's load gives the same bits; "crash-head": the probe
+    process crashed on the int8 LM head ($SGL_NB_PROBE_FAULT), which stays dense.
+    """
     from sgl_nb.runtime import model as model_mod
     from sgl_nb.runtime.model import Model
 
-    monkeypatch.setenv("SGL_NB_CACHE", str(tmp_path / "cache"))
     ids = list(range(100, 140))
-    want = _last_logits(Model.load(tiny_odd_qwen2), ids)
-    if quantization == "int4":
-        with pytest.warns(UserWarning, match=r"int4: 6 linear layer\(s\) stay dense.*group size"):
-            m = Model.load(tiny_odd_qwen2, quantization="int4")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = Model.load(folder, quantization=quantization)
+    warned = [str(w.message) for w in caught]
+    if mode == "crash-head":
+        why = "torch's int8 kernel crashed on [49152, 80] bf16 in a probe process (signal 11)"
+        assert m.fallbacks == {"lm_head": why}, m.fallbacks
+        assert warned == [f"int8: 1 linear layer(s) stay dense (lm_head): {why}"], warned
+        assert isinstance(m.lm_head.linear, DenseLinear)
+        assert all(isinstance(layer.qkv, Int8Linear) for layer in m.layers)
+    elif quantization == "int4":
         assert sorted(m.fallbacks) == sorted(
             f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "o_proj", "gate_up"))
+        assert any(w.startswith("int4: 6 linear layer(s) stay dense") and "group size" in w
+                   for w in warned), warned
         assert all(isinstance(layer.down, Int4Linear) for layer in m.layers)
     else:
-        m = Model.load(tiny_odd_qwen2, quantization="int8")
-        assert not m.fallbacks
+        assert not m.fallbacks and not warned, warned
         assert all(isinstance(layer.qkv, Int8Linear) for layer in m.layers)
-    assert isinstance(m.lm_head.linear, Int8Linear) and m.dtype == torch.bfloat16
+    assert m.dtype == torch.bfloat16
+    assert mode == "crash-head" or isinstance(m.lm_head.linear, Int8Linear)
     got = _last_logits(m, ids)
+    _score_every_position(m, ids)
+    if mode == "cached":
+        assert torch.equal(got, torch.load(logits_file))
+        return
+    want = _last_logits(Model.load(folder), ids)
     assert F.cosine_similarity(got, want, dim=0) > 0.99
     assert got.argmax() == want.argmax()
+    if mode == "crash-head":
+        return
 
     # Quantized once: the second load reads the cache folder and quantizes nothing.
-    files = list((tmp_path / "cache" / "quantized").rglob("*.safetensors"))
+    files = list((Path(os.environ["SGL_NB_CACHE"]) / "quantized").rglob("*.safetensors"))
     assert len(files) == 1 and files[0].name.startswith(quantization)
 
     def no_quantizing(*args):
         raise AssertionError("quantized again")
 
-    monkeypatch.setattr(model_mod, "quantize_weights", no_quantizing)
+    model_mod.quantize_weights = no_quantizing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the same fallbacks, already checked above
-        again = Model.load(tiny_odd_qwen2, quantization=quantization)
+        again = Model.load(folder, quantization=quantization)
     assert torch.equal(_last_logits(again, ids), got)
+    _score_every_position(again, ids)
+    torch.save(got, logits_file)
+
+
+def _score_every_position(model, ids: list[int]) -> None:
+    """The LM head at 40 rows, its weights as loaded: from the cache file, the int8 head's sat
+    8 bytes off a 16-byte boundary, and torch's kernel (aligned loads from 4 rows on)
+    segfaulted on them."""
+    nll, _ = score_text(model, ids)
+    assert torch.isfinite(nll).all()
+
+
+def _run_odd_load(folder: Path, quantization: str, mode: str, tmp_path: Path,
+                  fault: str = "") -> str:
+    """_odd_load in a child process that must exit 0; its stderr."""
+    env = {**os.environ, "SGL_NB_PROBE_FAULT": fault}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(folder), quantization, mode, str(tmp_path / "cache"),
+         str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tiny_qwen2_quantized_falls_back_where_needed_and_caches(
+    tiny_odd_qwen2, quantization, tmp_path
+):
+    err = _run_odd_load(tiny_odd_qwen2, quantization, "fresh", tmp_path)
+    assert "in a probe process" in err
+    # A later process takes the kernels' verdicts from the cache folder: no probe process
+    # (one would crash on every shape here).
+    err = _run_odd_load(tiny_odd_qwen2, quantization, "cached", tmp_path, fault="* * crash")
+    assert "probe process" not in err
+
+
+@pytest.mark.slow
+def test_a_kernel_crashing_in_the_probe_process_leaves_its_layer_dense(tiny_odd_qwen2, tmp_path):
+    err = _run_odd_load(tiny_odd_qwen2, "int8", "crash-head", tmp_path,
+                        fault="torch-int8 49152x80 crash")
+    assert "died on torch's int8 kernel on [49152, 80] bf16 (signal 11)" in err
+    assert "(4 usable, 1 not)" in err
 
 
 # ---- the default model in each mode ---------------------------------------------------------
@@ -317,3 +380,11 @@ def test_cached_prefix_gives_the_same_tokens(mode_rt, prompts, alone):
         out = mode_rt.generate(p, max_tokens=NEW, ignore_eos=True)
         assert out.meta["cached_tokens"] >= half
         assert out.token_ids == want
+
+
+if __name__ == "__main__":  # _run_odd_load's child: folder quantization mode cache logits
+    from sgl_nb.kernels import cpu_decode
+
+    cpu_decode.load()  # from the usual cache folder, before it moves to the test's
+    os.environ["SGL_NB_CACHE"] = sys.argv[4]
+    _odd_load(Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[5]))

@@ -1,0 +1,163 @@
+"""The kernel probe process (runtime/kernel_probe.py) on single layers, with real children.
+
+Faults are real: $SGL_NB_PROBE_FAULT makes the child itself segfault, exit, hang, raise or
+return zeros on a given kernel and shape; the parent keeps that layer dense with the reason,
+caches the verdict and still checks the other shapes. Cached verdicts spawn no child in a
+later process, and a different CPU or torch version checks again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_nb.kernels import cpu_decode
+from sgl_nb.runtime.kernel_probe import FAULT_ENV, TIMEOUT_ENV
+from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, check_kernels, make_linear
+from sgl_nb.runtime.quantize import quantize
+
+BF16 = torch.bfloat16
+# (quantization, N, K): our int8 kernel, torch's int8 (90 outputs: no whole panel of 8 for
+# ours), torch's int4 (three groups of 32: ours takes pairs).
+SHAPES = [("int8", 64, 96), ("int8", 90, 64), ("int4", 32, 96)]
+KERNELS = {("int8", 90, 64): "torch-int8", ("int4", 32, 96): "torch-int4"}
+CHECKING = "quantized kernel shape(s) in a probe process"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache folder for the verdicts (our kernels built, or not, beforehand: the
+    build lives in the cache folder too)."""
+    cpu_decode.available()
+    monkeypatch.setenv("SGL_NB_CACHE", str(tmp_path))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    return tmp_path
+
+
+def _weights(quantization: str, n: int, k: int) -> tuple[torch.Tensor, dict]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    return w, quantize(w, quantization)
+
+
+def _layers(shapes=SHAPES) -> dict:
+    """(layer, why) of make_linear for each (quantization, N, K)."""
+    out = {}
+    for quantization, n, k in shapes:
+        w, t = _weights(quantization, n, k)
+        out[quantization, n, k] = make_linear(w, None, BF16, "cpu", quantization, t)
+    return out
+
+
+def _verdicts(cache) -> dict:
+    (path,) = (cache / "kernel_checks").glob("*.json")
+    return json.loads(path.read_text())["verdicts"]
+
+
+def test_one_probe_process_checks_every_new_shape_once(cache, capfd):
+    check_kernels([(q, _weights(q, n, k)[1]) for q, n, k in SHAPES], BF16, "cpu")
+    err = capfd.readouterr().err
+    assert err.count(CHECKING) == 1 and f"checking 3 {CHECKING}" in err
+    assert list(_verdicts(cache).values()) == [None, None, None]
+    layers = _layers()  # from the verdicts: no second process
+    assert CHECKING not in capfd.readouterr().err
+    assert all(why is None for _, why in layers.values())
+    assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][0]._ext is not None
+    assert layers[SHAPES[1]][0].kernel == "torch-int8"
+    assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][0].small is None
+
+
+def test_a_crash_in_the_probe_process_keeps_only_that_shape_dense(cache, monkeypatch, capfd):
+    monkeypatch.setenv(FAULT_ENV, "torch-int8 90x64 crash")  # the second of three
+    check_kernels([(q, _weights(q, n, k)[1]) for q, n, k in SHAPES], BF16, "cpu")
+    err = capfd.readouterr().err
+    assert ("died on torch's int8 kernel on [90, 64] bf16 (signal 11); checking the rest in a "
+            "new one") in err
+    crashed = "torch's int8 kernel crashed on [90, 64] bf16 in a probe process (signal 11)"
+    assert _verdicts(cache) == {
+        "ours-int8 64x96 bfloat16": None, "torch-int8 90x64 bfloat16": crashed,
+        "torch-int4 32x96 bfloat16": None,
+    }
+    layers = _layers()
+    assert isinstance(layers[SHAPES[1]][0], DenseLinear) and layers[SHAPES[1]][1] == crashed
+    assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][1] is None
+    assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][1] is None
+
+
+@pytest.mark.parametrize("fault,status", [("exit", "(exit status 3)"),
+                                          ("hang", "(no answer in 3 s)")])
+def test_a_probe_process_that_exits_or_hangs_is_a_crash(cache, monkeypatch, fault, status):
+    monkeypatch.setenv(FAULT_ENV, f"* 90x64 {fault}")
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    (layer, why), = _layers([("int8", 90, 64)]).values()
+    assert isinstance(layer, DenseLinear)
+    assert why == f"torch's int8 kernel crashed on [90, 64] bf16 in a probe process {status}"
+
+
+@pytest.mark.parametrize("fault,reason", [
+    ("wrong", "our int8 kernel disagrees with the dequantized weight on [64, 96] bf16 at 1 rows"),
+    ("raise", f"our int8 kernel raised on [64, 96] bf16: injected by {FAULT_ENV}"),
+])
+def test_a_kernel_that_raises_or_computes_wrongly_is_not_used(cache, monkeypatch, fault, reason):
+    monkeypatch.setenv(FAULT_ENV, f"ours-int8 * {fault}")
+    (layer, why), = _layers([("int8", 64, 96)]).values()
+    assert isinstance(layer, DenseLinear) and why.startswith(reason)
+
+
+def test_a_second_process_takes_the_cached_verdicts_and_spawns_none(cache, capfd):
+    _layers(SHAPES[:1])
+    assert CHECKING in capfd.readouterr().err
+    # A fresh process in which any probe process would crash: the verdict is the file's.
+    code = ("import test_kernel_probe as t\n"
+            "(layer, why), = t._layers(t.SHAPES[:1]).values()\n"
+            "assert why is None and layer._ext is not None, why\n")
+    again = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                           env={**os.environ, FAULT_ENV: "* * crash"}, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert CHECKING not in again.stderr
+
+
+@pytest.mark.parametrize("change", ["cpu", "torch"])
+def test_another_cpu_or_torch_version_checks_again(cache, monkeypatch, capfd, change):
+    _layers(SHAPES[:1])
+    monkeypatch.setenv(FAULT_ENV, "* * crash")  # from here on a probe crashes: it shows
+    if change == "cpu":
+        monkeypatch.setattr(cpu_decode, "cpu_key", lambda: "Another CPU | avx2 fma")
+    else:
+        monkeypatch.setattr(torch, "__version__", "2.99.0")
+    (layer, why), = _layers(SHAPES[:1]).values()
+    assert isinstance(layer, DenseLinear) and "crashed" in why
+    assert len(list((cache / "kernel_checks").glob("*.json"))) == 2
+    assert capfd.readouterr().err.count(CHECKING) == 2
+
+
+def test_a_probe_process_that_cannot_start_caches_nothing(cache, monkeypatch, tmp_path):
+    broken = tmp_path / "broken"
+    (broken / "sgl_nb").mkdir(parents=True)
+    (broken / "sgl_nb" / "__init__.py").write_text("raise SystemExit('no sgl_nb here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken))  # the child imports this one first
+    monkeypatch.chdir(tmp_path)  # not the checkout's own (python -m puts the cwd first)
+    (layer, why), = _layers(SHAPES[:1]).values()
+    assert isinstance(layer, DenseLinear)
+    assert why.startswith("the kernel probe process failed before checking a kernel "
+                          "(exit status 1: no sgl_nb here)")
+    assert not list((cache / "kernel_checks").glob("*.json"))
+    monkeypatch.delenv("PYTHONPATH")  # not cached: the next load checks it
+    (layer, why), = _layers(SHAPES[:1]).values()
+    assert why is None and isinstance(layer, Int8Linear)
+
+
+def test_the_extensions_build_folder_is_keyed_by_the_cpu(monkeypatch):
+    """Built with -march=native: another CPU sharing the cache folder builds its own."""
+    key = cpu_decode.cpu_key()
+    if os.uname().machine == "x86_64":  # every x86-64 CPU has SSE2
+        assert "sse2" in key.split(" | ")[1].split()
+    here = cpu_decode.build_dir()
+    monkeypatch.setattr(cpu_decode, "cpu_key", lambda: "Another CPU | avx2 fma")
+    assert cpu_decode.build_dir().parent == here.parent and cpu_decode.build_dir() != here
