@@ -59,6 +59,7 @@ class RuntimeEndpoint:
         self._tokenizer_path = tokenizer_path
         self.events = EventBus()
         self._lock = threading.Lock()
+        self._by_program: dict[int, set[RemoteHandle]] = {}  # requests in flight
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r}, api={self.api_name!r})"
@@ -151,7 +152,30 @@ class RuntimeEndpoint:
         `gate` (per-token stepping) and `priority` do not reach a server and are ignored."""
         sp = SamplingParams(**params)
         rid = next(_rids)
-        return RemoteHandle(rid, lambda h: self._generate(h, prompt, sp, stream, program, node))
+
+        def run(h: RemoteHandle) -> GenerateOutput:
+            try:
+                return self._generate(h, prompt, sp, stream, program, node)
+            finally:
+                with self._lock:
+                    self._by_program.get(program, set()).discard(h)
+
+        handle = RemoteHandle(rid, run)
+        with self._lock:
+            live = self._by_program.setdefault(program, set())
+            # A run that ended before this line could not let go of its handle: drop any
+            # that are done (so nothing piles up) before adding this one.
+            live.difference_update([h for h in live if h.done()])
+            live.add(handle)
+        return handle
+
+    def cancel_program(self, program: int) -> None:
+        """Cancel the requests of one program in flight (what `state.cancel()` asks of its
+        backend): their connections close and the server aborts them."""
+        with self._lock:
+            handles = list(self._by_program.pop(program, ()))
+        for h in handles:
+            h.cancel()
 
     def generate(self, prompt: str | list[int], stream: bool = False,
                  priority: int | str | None = None, **params) -> GenerateOutput | Iterator[str]:

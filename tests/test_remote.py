@@ -255,6 +255,23 @@ def test_cancel_a_long_remote_gen_mid_stream(server, runtime, api):
     assert ep.generate("Hi", max_tokens=2).text == runtime.generate("Hi", max_tokens=2).text
 
 
+def test_cancel_a_program_on_an_endpoint(server, runtime):
+    @sgl.function
+    def tale(s):
+        s += "A long tale:" + sgl.gen("t", **LONG)
+        s += " The end." + sgl.gen("moral", max_tokens=8)
+
+    ep = sgl.RuntimeEndpoint(server.url)
+    before = runtime.metrics()["aborted"]
+    state = tale.run(stream=True, backend=ep)
+    next(state.text_iter("t"))
+    assert state.cancel()
+    state.wait(timeout=30)
+    assert isinstance(state.error(), sgl.ProgramCancelled) and state["t"]
+    assert [n.status for n in state.nodes if n.kind == "Gen"] == ["cancelled", "cancelled"]
+    _engine_idle_after_abort(runtime, before)
+
+
 @pytest.mark.parametrize("api", ["openai", "sglang"])
 def test_cancel_a_long_remote_gen_waiting_for_its_answer(server, runtime, api):
     ep = sgl.RuntimeEndpoint(server.url, api=api)
