@@ -111,6 +111,10 @@ def test_malformed_bodies_are_named(http, path, raw, needle):
     ("/v1/completions", {"structured_outputs": {"regex": "("}}, ["invalid regex"]),
     ("/generate", {"sampling_params": {"json_schema": "{nope"}}, ["json_schema is not valid"]),
     ("/generate", {"text": None}, ["give text or input_ids"]),
+    # found by tests/test_serve_fuzz.py: a check inside the answer's worker was a 500
+    ("/generate", {"text": None, "input_ids": [1, 10**6], "return_logprob": True,
+                   "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}},
+     ["prompt token ids must be integers in"]),
 ])
 def test_bad_fields_are_named(http, server, path, change, needles):
     message = refused(http, path, {**OK[path], **change})

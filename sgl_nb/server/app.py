@@ -12,10 +12,10 @@ from sgl_nb.server import openai_routes, sglang_routes
 from sgl_nb.server.auth import ApiKeyMiddleware
 from sgl_nb.server.errors import Json, install_error_handlers
 from sgl_nb.server.metrics import exposition, metrics_registry
-from sgl_nb.server.replies import Answer, Served, Stream
+from sgl_nb.server.replies import Served, Stream
 from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest
 from sgl_nb.server.requests_sglang import FlushCacheRequest, GenerateRequest
-from sgl_nb.server.streaming import EventStream, answer, in_thread
+from sgl_nb.server.streaming import EventStream, answer, in_thread, submitted
 
 MAX_BODY_BYTES = 32 * 2**20  # a context of token ids is well under 1 MiB
 # Each request in flight holds a worker thread while it waits on the engine; anyio's
@@ -34,7 +34,7 @@ def build_app(runtime, api_key: str | None = None) -> FastAPI:
     registry = metrics_registry(runtime, served.log)
 
     async def reply(request: Request, route, body) -> Response:
-        out: Answer | Stream = await in_thread(route, served, body, limiter=limiter)
+        out = await submitted(lambda: route(served, body), limiter)
         if isinstance(out, Stream):
             return EventStream(out, limiter)
         return Json(await answer(request, out, limiter))

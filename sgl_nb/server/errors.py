@@ -41,6 +41,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(ValueError, _bad_value)  # BadRequest, and the engine's checks
+    # The engine failed (EngineError, shut down): a 500 that keeps the connection. A
+    # handler for Exception itself sends its answer and then re-raises, and uvicorn
+    # closes the connection under the client; it is left for what nothing else catches.
+    app.add_exception_handler(RuntimeError, _failed)
     app.add_exception_handler(Exception, _failed)
 
 

@@ -28,6 +28,25 @@ async def in_thread(fn: Callable[..., T], *args, limiter: anyio.CapacityLimiter)
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=limiter)
 
 
+async def submitted(route: Callable[[], Answer | Stream], limiter: anyio.CapacityLimiter
+                    ) -> Answer | Stream:
+    """The route's reply, from a thread that is waited for even when cancelled (it is
+    short: tokenize, compile a grammar, submit), so that the requests it submitted are
+    cancelled too, never left running for nobody."""
+    box: list[Answer | Stream] = []
+
+    def run() -> Answer | Stream:
+        box.append(route())
+        return box[0]
+
+    try:
+        return await anyio.to_thread.run_sync(run, limiter=limiter)
+    except BaseException:
+        for out in box:
+            cancel_all(out.handles)
+        raise
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (the request body was read before)."""
     while (await receive())["type"] != "http.disconnect":
@@ -37,7 +56,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
 async def answer(request: Request, reply: Answer, limiter: anyio.CapacityLimiter):
     """The reply's body, built in a thread; the requests are cancelled if the client
     disconnects first (or the server stops)."""
-    finished = False
+    finished, error = False, None
 
     async def watch() -> None:
         await wait_for_disconnect(request.receive)
@@ -46,12 +65,17 @@ async def answer(request: Request, reply: Answer, limiter: anyio.CapacityLimiter
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
-            body = await in_thread(reply.build, limiter=limiter)
-            finished = True
+            try:
+                body = await in_thread(reply.build, limiter=limiter)
+                finished = True
+            except Exception as e:  # noqa: BLE001 - raised below, not in an ExceptionGroup
+                error = e
             tg.cancel_scope.cancel()
     finally:
         if not finished:
             cancel_all(reply.handles)
+    if error is not None:
+        raise error
     return body
 
 
