@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 import time
 
 import pytest
@@ -294,6 +296,20 @@ def test_leaving_chunks_early_cancels(server, runtime):
     for i, _ in enumerate(h.chunks()):
         if i == 2:
             break
+    assert h.result(timeout=30).meta["finish_reason"] == "abort"
+    _engine_idle_after_abort(runtime, before)
+
+
+def test_an_interrupt_while_waiting_cancels_the_remote_request(server, runtime):
+    """A real SIGINT to the main thread, as Ctrl-C or a Jupyter interrupt delivers it."""
+    ep = sgl.RuntimeEndpoint(server.url)
+    before = runtime.metrics()["aborted"]
+    h = ep.submit("Once upon a time", **LONG)
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident,
+                                                       signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        h.result(timeout=60)
     assert h.result(timeout=30).meta["finish_reason"] == "abort"
     _engine_idle_after_abort(runtime, before)
 

@@ -59,8 +59,14 @@ class RemoteHandle:
         return self.cancel_token.cancel()
 
     def result(self, timeout: float | None = None) -> GenerateOutput:
-        # The sending thread always ends: every socket read has a timeout.
-        if not self._done.wait(timeout):
+        """The output once finished (the sending thread always ends: every socket read has
+        a timeout). An interrupt while waiting cancels the request before it propagates."""
+        try:
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+        if not finished:
             raise TimeoutError(f"remote request {self.rid} not finished after {timeout} s")
         if self._error is not None:
             raise self._error
