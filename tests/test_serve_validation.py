@@ -212,3 +212,24 @@ def test_what_sglang_clients_send_is_accepted(http, runtime):
     r = http.post("/generate", json={"text": ["Hello", "Hi"], "sampling_params": [
         {"max_new_tokens": 1}, {"max_new_tokens": 2}]})
     assert [x["meta_info"]["completion_tokens"] for x in r.json()] == [1, 2]
+
+
+def test_a_body_too_large_is_413_before_it_is_read_whole(http):
+    from sgl_nb.server.app import MAX_BODY_BYTES
+
+    r = http.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_a_chunked_body_too_large_is_413_too(http):
+    from sgl_nb.server.app import MAX_BODY_BYTES
+
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // 2**20 + 2):
+            yield b" " * 2**20
+
+    r = http.post("/v1/completions", content=chunks(),
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from sgl_nb.server import openai_routes, sglang_routes
 from sgl_nb.server.auth import ApiKeyMiddleware
+from sgl_nb.server.body_limit import BodyLimitMiddleware
 from sgl_nb.server.errors import Json, install_error_handlers
 from sgl_nb.server.metrics import exposition, metrics_registry
 from sgl_nb.server.replies import Served, Stream
@@ -25,10 +26,10 @@ WORKER_THREADS = 256
 
 def build_app(runtime, api_key: str | None = None) -> FastAPI:
     served = Served(runtime)
-    app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None,
-                  max_body_size=MAX_BODY_BYTES)
+    app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+    if api_key:  # added last, so checked first
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     limiter = anyio.CapacityLimiter(WORKER_THREADS)
     registry = metrics_registry(runtime, served.log)
@@ -72,8 +73,8 @@ def build_app(runtime, api_key: str | None = None) -> FastAPI:
         return Json(await in_thread(runtime.get_server_info, limiter=limiter))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request, body: FlushCacheRequest | None = None) -> Json:
-        out = sglang_routes.flush_cache(served)
+    async def flush_cache(body: FlushCacheRequest | None = None) -> Json:
+        out = sglang_routes.flush_cache(served)  # the body, if any, was checked: no fields
         return Json(await in_thread(out.build, limiter=limiter))
 
     return app

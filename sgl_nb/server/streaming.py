@@ -53,7 +53,8 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def answer(request: Request, reply: Answer, limiter: anyio.CapacityLimiter):
+async def answer(request: Request, reply: Answer, limiter: anyio.CapacityLimiter
+                 ) -> dict | list:
     """The reply's body, built in a thread; the requests are cancelled if the client
     disconnects first (or the server stops)."""
     finished, error = False, None
