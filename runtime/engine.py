@@ -22,14 +22,14 @@ from transformers import AutoTokenizer
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.events import EventBus
-from sgl_nb.runtime.grammar import GrammarCompilerCache
+from sgl_nb.runtime.grammar import GrammarCompilerCache, GrammarError
 from sgl_nb.runtime.model import Model
 from sgl_nb.runtime.model_loader import resolve_model_path
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import GenerateOutput, Request
-from sgl_nb.runtime.sampler import sample
+from sgl_nb.runtime.sampler import Sampled, sample
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
 
@@ -130,6 +130,8 @@ class RequestHandle:
             raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
         if self.req.error is not None:
             err = self.req.error
+            if isinstance(err, ValueError):  # its own input (a grammar no token continues)
+                raise err
             raise EngineError(f"request {self.req.rid} failed: {err}") from err
         return self.req.output()
 
@@ -235,6 +237,9 @@ class Engine:
                 f"prompt is {n} tokens, longer than the model's context of {self.context_len} "
                 "tokens (leave room for at least one new token)"
             )
+        if params.top_logprobs > self.config.vocab_size:
+            raise ValueError(f"top_logprobs must be at most the vocabulary size "
+                             f"({self.config.vocab_size}), got {params.top_logprobs}")
         max_new = min(params.max_tokens, self.context_len - n)
         if n + max_new > self.pool.capacity:
             raise ValueError(
@@ -335,11 +340,13 @@ class Engine:
                 continue
             try:
                 self._step(batch)
-            except Exception as e:  # e.g. detokenization: fail this batch, keep serving
+            except Exception as e:  # a bug past the forward pass: fail this batch, serve on
                 log.exception("engine step failed")
                 for req in batch.reqs:
+                    # Its KV was computed (a failed forward is handled in _step): nothing to
+                    # give back by hand. (Freeing slots a finished prefill had already put
+                    # into the radix tree freed them twice.)
                     if req.rid in self._handles:
-                        self.scheduler.drop_uncomputed(req, min(req.fill_len, req.seq_len - 1))
                         self._finish(req, error=e)
         self._fail_all(RuntimeError("the engine was shut down"))
 
@@ -427,30 +434,66 @@ class Engine:
         reqs = [r for _, r in ready]
         if len(ready) < logits.shape[0]:
             logits = logits[torch.tensor([i for i, _ in ready], device=logits.device)]
-        rows_logits = logits.float().cpu()
-        for i, r in enumerate(reqs):
-            if r.params.adjusts_logits:
-                stops = [*r.params.stop_token_ids, *(() if r.params.ignore_eos else self.eos_ids)]
-                adjust_logits(rows_logits[i], r.params, r.prompt_ids, r.output_ids, stops)
-            if r.grammar is not None:
-                r.grammar.mask(rows_logits[i])
-        sampled = sample(rows_logits, [r.params for r in reqs], [r.generator for r in reqs],
+        rows, reqs = self._masked_rows(logits.float().cpu(), reqs)
+        sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
                          all_logprobs=self.events.active)
-        self.generated_tokens += len(reqs)
         for req, s in zip(reqs, sampled):
+            self._take(req, s)
+
+    # A request whose own logits or grammar go wrong fails alone: the rest of its batch
+    # goes on, and its KV (all computed by then) is released as for any other end.
+
+    def _masked_rows(self, rows: torch.Tensor, reqs: list[Request]):
+        """Penalties and grammar masks applied to each request's row of logits; the rows
+        and requests that still have a token to sample."""
+        keep = []
+        for i, r in enumerate(reqs):
+            try:
+                self._adjust_row(rows[i], r)
+            except Exception as e:  # noqa: BLE001 - handed to the request's caller
+                self._finish(r, error=e)
+                continue
+            keep.append(i)
+        if len(keep) < len(reqs):
+            rows, reqs = rows[keep], [reqs[i] for i in keep]
+        return rows, reqs
+
+    def _adjust_row(self, row: torch.Tensor, r: Request) -> None:
+        p = r.params
+        if p.adjusts_logits:
+            stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
+            adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
+        if r.grammar is not None:
+            r.grammar.mask(row)
+            if r.grammar.allowed == 0:
+                what = f"regex {p.regex!r}" if p.regex is not None else "JSON schema"
+                raise GrammarError(
+                    f"request {r.rid}: its {what} allows no next token after "
+                    f"{len(r.output_ids)} generated ({r.text[-40:]!r}): no token of the "
+                    "model's vocabulary continues it")
+
+    def _take(self, req: Request, s: Sampled) -> None:
+        """One sampled token into its request: text, events, stream, finish."""
+        if s.error is not None:  # its own sampling parameters: a ValueError, like bad input
+            self._finish(req, error=ValueError(f"request {req.rid}: {s.error}"))
+            return
+        try:
             req.append(s, self.eos_ids, self.tokenizer)
-            if self.events.active:
-                self.events.emit("token", request=req.rid, program=req.program, node=req.node,
-                                 data={"token": s.token, "logprob": s.logprob,
-                                       "step": self.scheduler.step_no,
-                                       "text": self.tokenizer.decode([s.token]),
-                                       "forced": req.grammar is not None
-                                       and req.grammar.forced})
-            handle = self._handles.get(req.rid)
-            if handle is not None:
-                handle._push(req.take_delta())
-            if req.finished:
-                self._finish(req)
+        except Exception as e:  # noqa: BLE001 - e.g. a grammar that rejects the token
+            self._finish(req, error=e)
+            return
+        self.generated_tokens += 1
+        if self.events.active:
+            self.events.emit("token", request=req.rid, program=req.program, node=req.node,
+                             data={"token": s.token, "logprob": s.logprob,
+                                   "step": self.scheduler.step_no,
+                                   "text": self.tokenizer.decode([s.token]),
+                                   "forced": req.grammar is not None and req.grammar.forced})
+        handle = self._handles.get(req.rid)
+        if handle is not None:
+            handle._push(req.take_delta())
+        if req.finished:
+            self._finish(req)
 
     def _record_scores(self, batch: ScheduledBatch, last, scored_logits) -> torch.Tensor:
         logp = torch.log_softmax(scored_logits.float(), -1)

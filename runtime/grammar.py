@@ -52,14 +52,17 @@ class Grammar:
         self._xgr, self.matcher, self.vocab_size = xgr, matcher, vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.forced = False  # was the last masked step left with a single token?
+        self.allowed = -1  # tokens the last mask left (-1: not masked yet)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [vocab] float32 on the CPU; masked in place and returned."""
         self.matcher.fill_next_token_bitmask(self._bitmask)
         row = logits[None, :]
         self._xgr.apply_token_bitmask_inplace(row, self._bitmask)
-        # One token left: the grammar, not the model, chose it (views colour it so).
-        self.forced = int(torch.isfinite(logits).sum()) == 1
+        # One token left: the grammar, not the model, chose it (views colour it so). None
+        # left: no token of the vocabulary continues the pattern (the request fails).
+        self.allowed = int(torch.isfinite(logits).sum())
+        self.forced = self.allowed == 1
         return logits
 
     def accept(self, token: int) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this a temperature is greedy decoding (SGLang's rule): dividing logits by it would
+# overflow fp32 and leave nothing to sample.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: whole vocabulary
     min_p: float = 0.0
@@ -34,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def adjusts_logits(self) -> bool:
@@ -48,8 +53,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -73,5 +78,5 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")

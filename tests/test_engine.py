@@ -245,3 +245,26 @@ def test_hub_id_loads_from_the_local_hugging_face_cache_only(tmp_path, model_pat
             want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert out.token_ids == want
+
+
+@pytest.mark.slow
+def test_a_grammar_no_token_continues_fails_its_request_alone(runtime):
+    """U+526CB: no token sequence of this vocabulary spells it. Its request fails by name,
+    at any temperature and again and again; the request batched beside it is untouched."""
+    alone = runtime.generate("The capital of France is", max_tokens=12, ignore_eos=True)
+    for temperature in (1.0, 0.0, 1.0):
+        bad = runtime.submit("Hello", regex="\U000526cb", max_tokens=2, temperature=temperature)
+        good = runtime.submit("The capital of France is", max_tokens=12, ignore_eos=True)
+        with pytest.raises(ValueError, match="allows no next token"):
+            bad.result(timeout=60)
+        assert good.result(timeout=60).token_ids == alone.token_ids
+    assert runtime.cache_stats()["protected_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_a_temperature_too_small_to_divide_by_is_greedy(runtime):
+    greedy = runtime.generate("The capital of France is", max_tokens=8)
+    tiny = runtime.generate("The capital of France is", max_tokens=8, temperature=1e-9, seed=1)
+    assert tiny.token_ids == greedy.token_ids
+    with pytest.raises(ValueError, match="temperature"):
+        runtime.generate("Hi", temperature=float("nan"))
