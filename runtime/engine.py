@@ -276,6 +276,10 @@ class Engine:
         self._inbox.put(handle)
         return handle
 
+    def alive(self) -> bool:
+        """Whether the engine thread is serving (a health check reads it)."""
+        return self._thread.is_alive() and not self._stopping
+
     def abort(self, rid: int) -> bool:
         """Abort request `rid` (from any thread): before the next step it leaves the batch,
         its KV is unlocked (its tokens stay in the radix tree as evictable cache) and it

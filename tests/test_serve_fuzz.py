@@ -254,6 +254,9 @@ def test_a_regex_the_vocabulary_cannot_spell_is_not_a_500(model_path):
             r = c.post("/generate", json={"text": "Hello", "sampling_params": {
                 "max_new_tokens": 2}})
             assert r.status_code == 200
+            assert c.get("/health").status_code == 200
+            rt.engine.shutdown()  # an engine that has stopped is not healthy
+            assert c.get("/health").status_code == 503
     finally:
         srv.shutdown()
         rt.shutdown()

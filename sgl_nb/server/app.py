@@ -42,6 +42,8 @@ def build_app(runtime, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Json:
+        if not served.runtime.engine.alive():  # a load balancer must stop sending here
+            return Json({"error": "the engine thread has stopped"}, status_code=503)
         return Json({})
 
     @app.get("/metrics")
