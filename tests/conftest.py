@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from sgl_nb.runtime.model_loader import resolve_model_path
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT raises KeyboardInterrupt, as in a script or a kernel, whatever an earlier test
+    of this process installed (the browser test's driver replaces the handler)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture(scope="session")
+def ipython_shell():
+    """IPython's one global test shell (a second start_ipython() returns None), with the
+    magics loaded."""
+    from IPython.testing import globalipapp
+
+    globalipapp.start_ipython()
+    ip = globalipapp.get_ipython()
+    ip.run_line_magic("load_ext", "sgl_nb")
+    return ip
 
 
 @pytest.fixture(scope="session")

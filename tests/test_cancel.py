@@ -13,7 +13,7 @@ import pytest
 
 import sgl_nb as sgl
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend", "python_sigint")]
 
 PROMPT = "Once upon a time, in a faraway land,"
 LONG = 2000  # tokens a cancelled request would otherwise run for

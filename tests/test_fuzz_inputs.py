@@ -215,12 +215,8 @@ OPTIONS = ["--arg", "--step", "--trace", "--priority", "--temperature", "--max-t
 
 
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "sgl_nb")
-    return ip
+def shell(ipython_shell):
+    return ipython_shell
 
 
 @pytest.mark.slow

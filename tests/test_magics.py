@@ -12,12 +12,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
 
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "sgl_nb")
-    return ip
+def shell(ipython_shell):
+    return ipython_shell
 
 
 def test_cell_binds_the_state_and_the_function(shell):

@@ -300,7 +300,7 @@ def test_leaving_chunks_early_cancels(server, runtime):
     _engine_idle_after_abort(runtime, before)
 
 
-def test_an_interrupt_while_waiting_cancels_the_remote_request(server, runtime):
+def test_an_interrupt_while_waiting_cancels_the_remote_request(server, runtime, python_sigint):
     """A real SIGINT to the main thread, as Ctrl-C or a Jupyter interrupt delivers it."""
     ep = sgl.RuntimeEndpoint(server.url)
     before = runtime.metrics()["aborted"]
