@@ -15,12 +15,12 @@ import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
 from sgl_nb.kernels import cpu_decode
+from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache, GrammarError
 from sgl_nb.runtime.model import Model
@@ -150,38 +150,20 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(
-        self,
-        model_path: str | Path | None = None,
-        kv_pool_tokens: int = 32768,
-        max_prefill_tokens: int = 512,
-        max_running: int = 64,
-        dtype: torch.dtype | str | None = None,
-        device: str | None = None,
-        quantization: str | None = None,
-        time_slice: int = 8,
-        preemption: bool = True,
-        starvation_steps: int = 256,
-        schedule_policy: str = "lpm",
-    ):
-        if kv_pool_tokens <= 0:
-            raise ValueError(f"kv_pool_tokens must be positive, got {kv_pool_tokens}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model_path = off_main_thread(lambda: resolve_model_path(model_path))
+    def __init__(self, settings: EngineConfig | None = None):
+        self.settings = s = settings or EngineConfig()
+        self.device = s.torch_device
+        self.model_path = off_main_thread(lambda: resolve_model_path(s.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.model = off_main_thread(lambda: Model.load(
-            self.model_path, dtype=dtype, device=self.device, quantization=quantization
+            self.model_path, dtype=s.dtype, device=self.device, quantization=s.quantization
         ))
         self.config = self.model.config
         self.context_len = self.config.max_position_embeddings
         self.eos_ids = self._eos_ids()
-        self.pool = off_main_thread(lambda: self.model.new_kv_pool(kv_pool_tokens))
+        self.pool = off_main_thread(lambda: self.model.new_kv_pool(s.kv_pool_tokens))
         self.cache = RadixCache(self.pool)
-        self.scheduler = Scheduler(
-            self.pool, self.cache, self.device, max_prefill_tokens, max_running,
-            time_slice=time_slice, preemption=preemption, starvation_steps=starvation_steps,
-            schedule_policy=schedule_policy,
-        )
+        self.scheduler = Scheduler(self.pool, self.cache, self.device, s)
         self.events = EventBus()
         self.scheduler.events = self.events
         self._grammars: GrammarCompilerCache | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.priority import priority_name
@@ -40,7 +41,6 @@ IN_BATCH_SHARE_MIN = 32
 # first ("lpm"), so requests sharing a prefix run together while it is still cached. Past
 # LPM_MAX_QUEUE the ranking costs more than it saves and the queue goes in arrival order.
 LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
-SCHEDULE_POLICIES = ("lpm", "fifo")
 
 
 @dataclass
@@ -65,30 +65,13 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        pool: KVPool,
-        cache: RadixCache,
-        device: torch.device,
-        max_prefill_tokens: int = 512,
-        max_running: int = 64,
-        time_slice: int = 8,
-        preemption: bool = True,
-        starvation_steps: int = 256,
-        schedule_policy: str = "lpm",
-    ):
-        if time_slice <= 0:
-            raise ValueError(f"time_slice must be a positive number of decode steps, got "
-                             f"{time_slice}")
-        if starvation_steps <= 0:
-            raise ValueError(f"starvation_steps must be positive, got {starvation_steps}")
-        if schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
-                             f"{schedule_policy!r}")
+    def __init__(self, pool: KVPool, cache: RadixCache, device: torch.device,
+                 config: EngineConfig | None = None):
+        c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
-        self.max_prefill_tokens, self.max_running = max_prefill_tokens, max_running
-        self.time_slice, self.preemption = time_slice, preemption
-        self.starvation_steps, self.schedule_policy = starvation_steps, schedule_policy
+        self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
+        self.time_slice, self.preemption = c.time_slice, c.preemption
+        self.starvation_steps, self.schedule_policy = c.starvation_steps, c.schedule_policy
         self.waiting: list[Request] = []
         self.prefilling: list[Request] = []  # admitted, prompt not fully computed yet
         self.running: list[Request] = []  # decoding

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
 from sgl_nb.runtime.engine import Engine, RequestHandle
-from sgl_nb.runtime.linear import resolve_dtype
+from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.priority import parse_priority
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -20,49 +19,22 @@ class Runtime:
     """A model loaded in this process with a paged KV pool, a radix prefix cache and a
     background engine thread. `generate` may be called from any thread, several at once."""
 
-    def __init__(
-        self,
-        model_path: str | Path | None = None,
-        kv_pool_tokens: int = 32768,
-        max_prefill_tokens: int = 512,
-        max_running: int = 64,
-        dtype: str | None = None,
-        device: str | None = None,
-        quantization: str | None = None,
-        time_slice: int = 8,
-        preemption: bool = True,
-        starvation_steps: int = 256,
-        schedule_policy: str = "lpm",
-    ):
-        """dtype: "float32", "bfloat16" or "float16" for activations and the KV cache; None
-        picks bfloat16 on CUDA or with quantization, float32 otherwise. quantization: None,
-        "int8" or "int4" (weight-only; quantized once and kept in the cache folder).
-
-        kv_pool_tokens: the KV pool's capacity in tokens. time_slice: decode steps a request
-        runs before it yields to waiting higher-priority work; preemption=False turns that
-        off (priorities then only order the queue). starvation_steps: after waiting this
-        many steps, any request runs one slice at the top level. schedule_policy: "lpm"
-        (a long queue admits the longest cached prefix first) or "fifo"."""
-        if time_slice <= 0:
-            raise ValueError(f"time_slice must be a positive number of decode steps, got "
-                             f"{time_slice}")
-        # Checked before anything loads, so a typo fails at once, naming the allowed values.
-        torch_dtype = resolve_dtype(
-            dtype, device or ("cuda" if torch.cuda.is_available() else "cpu"), quantization
-        )
-        self.engine = Engine(
-            model_path,
-            kv_pool_tokens=kv_pool_tokens,
-            max_prefill_tokens=max_prefill_tokens,
-            max_running=max_running,
-            dtype=torch_dtype,
-            device=device,
-            quantization=quantization,
-            time_slice=time_slice,
-            preemption=preemption,
-            starvation_steps=starvation_steps,
-            schedule_policy=schedule_policy,
-        )
+    def __init__(self, model_path: str | Path | None = None, **settings):
+        """`settings` are EngineConfig's fields (runtime/engine_config.py), checked before
+        anything loads: kv_pool_tokens (the KV pool's capacity in tokens),
+        max_prefill_tokens, max_running, dtype ("float32", "bfloat16", "float16"; None:
+        bfloat16 on CUDA or with quantization, float32 otherwise), device, quantization
+        (None, "int8" or "int4", weight-only, quantized once into the cache folder),
+        time_slice (decode steps a request runs before it yields to waiting
+        higher-priority work), preemption (False: priorities only order the queue),
+        starvation_steps (after waiting this long any request runs one slice at the top
+        level), schedule_policy ("lpm": a long queue admits the longest cached prefix
+        first; or "fifo"). An unknown setting is a TypeError naming it."""
+        names = [f.name for f in dataclasses.fields(EngineConfig)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise TypeError(f"Runtime() got unknown settings {unknown}; it takes {names}")
+        self.engine = Engine(EngineConfig(model_path, **settings))
 
     @property
     def tokenizer(self):

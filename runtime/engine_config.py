@@ -1,0 +1,50 @@
+"""The engine's settings, declared once: `sgl.Runtime(**settings)` takes them as keywords,
+the Engine and its Scheduler take this dataclass. Every value is checked here, before
+anything loads, so a typo fails at once and names the allowed values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_nb.runtime.linear import resolve_dtype
+
+SCHEDULE_POLICIES = ("lpm", "fifo")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # A checkpoint folder (Llama family or Qwen2), a .gguf file, a hub id already in the
+    # local Hugging Face cache, or None for the default model.
+    model_path: str | Path | None = None
+    kv_pool_tokens: int = 32768  # the KV pool's capacity, in tokens
+    max_prefill_tokens: int = 512  # tokens prefilled per step (longer prompts: in chunks)
+    max_running: int = 64  # requests decoding together at most
+    # Activations and KV cache: "float32", "bfloat16" or "float16"; None picks bf16 on
+    # CUDA or with quantization, fp32 otherwise (runtime/linear.py resolve_dtype).
+    dtype: str | torch.dtype | None = None
+    device: str | None = None  # None: CUDA when there is one, else the CPU
+    quantization: str | None = None  # None, "int8" or "int4" (weight-only)
+    time_slice: int = 8  # decode steps before yielding to waiting higher-priority work
+    preemption: bool = True  # False: priorities only order the queue
+    starvation_steps: int = 256  # after waiting this long, work runs one top-level slice
+    schedule_policy: str = "lpm"  # "lpm": a long queue admits the longest cached prefix first
+
+    def __post_init__(self) -> None:
+        for name in ("kv_pool_tokens", "max_prefill_tokens", "max_running", "time_slice",
+                     "starvation_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
+                             f"{self.schedule_policy!r}")
+        # Resolved once here: a bad dtype or quantization name fails before the model loads.
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.torch_device,
+                                                        self.quantization))
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
