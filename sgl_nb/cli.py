@@ -69,26 +69,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "scheduler":
-        from sgl_nb.bench_scheduler import run_scheduler_bench
+        from sgl_nb.bench.scheduler import run_scheduler_bench
 
         return run_scheduler_bench(args)
     if args.what == "remote":
-        from sgl_nb.bench_remote import run_remote_bench
+        from sgl_nb.bench.remote import run_remote_bench
 
         return run_remote_bench(args)
     if args.what == "tracing":
-        from sgl_nb.bench_tracing import run_tracing_bench
+        from sgl_nb.bench.tracing import run_tracing_bench
 
         return run_tracing_bench(args)
     if args.what == "programs":
-        from sgl_nb.bench_programs import run_programs_bench
+        from sgl_nb.bench.programs import run_programs_bench
 
         return run_programs_bench(args)
     if args.what == "cancel":
-        from sgl_nb.bench_cancel import run_cancel_bench
+        from sgl_nb.bench.cancel import run_cancel_bench
 
         return run_cancel_bench(args)
-    from sgl_nb.bench_engine import run_engine_bench
+    from sgl_nb.bench.engine import run_engine_bench
 
     return run_engine_bench(args)
 

