@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -93,20 +93,39 @@ class RequestHandle:
     """A submitted request: `.result()` waits for its output, `.chunks()` streams its text,
     `.cancel()` aborts it (what it generated so far is kept, finish_reason "abort")."""
 
-    def __init__(self, req: Request, stream: bool, engine: Engine | None = None):
+    def __init__(self, req: Request, stream: bool, engine: Engine | None = None,
+                 on_chunk: Callable[[str], None] | None = None,
+                 on_done: Callable[[RequestHandle], None] | None = None):
+        """on_chunk / on_done, if given, are called on the engine thread with each text
+        chunk and once at the end: they must return at once (the executor's only post)."""
         self.req = req
         self._engine = engine
         self._done = threading.Event()
-        self._chunks: queue.Queue | None = queue.Queue() if stream else None
+        self._on_chunk, self._on_done = on_chunk, on_done
+        self._chunks: queue.Queue | None = queue.Queue() if stream and not on_chunk else None
+
+    @property
+    def rid(self) -> int:
+        return self.req.rid
 
     def _push(self, delta: str) -> None:
-        if self._chunks is not None and delta:
+        if not delta:
+            return
+        if self._on_chunk is not None:
+            self._on_chunk(delta)
+        elif self._chunks is not None:
             self._chunks.put(delta)
 
     def _finish(self) -> None:
         self._done.set()
         if self._chunks is not None:
             self._chunks.put(_DONE)
+        if self._on_done is not None:
+            self._on_done(self)
+
+    def usage(self) -> dict:
+        """What its instruction_finished event reports of the request."""
+        return request_usage(self.req)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -147,6 +166,15 @@ class RequestHandle:
             if not self._done.is_set():
                 self.cancel()
         self.result()
+
+
+def request_usage(req: Request) -> dict:
+    """A finished request's figures, as its instruction_finished event carries them."""
+    return {"input_tokens": len(req.prompt_ids), "cached_tokens": max(req.prompt_cached_tokens, 0),
+            "new_tokens": req.prefill_tokens, "output_tokens": len(req.output_ids),
+            "batch_size": req.max_batch, "preempted": req.preemptions + req.retractions,
+            "finish_reason": req.finish_reason,
+            "error": None if req.error is None else repr(req.error)}
 
 
 class Engine:
@@ -251,10 +279,11 @@ class Engine:
         req.logprob_start = start
         return req
 
-    def submit(self, req: Request, stream: bool = False) -> RequestHandle:
+    def submit(self, req: Request, stream: bool = False, on_chunk=None,
+               on_done=None) -> RequestHandle:
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
-        handle = RequestHandle(req, stream, self)
+        handle = RequestHandle(req, stream, self, on_chunk, on_done)
         self._inbox.put(handle)
         return handle
 
@@ -349,7 +378,8 @@ class Engine:
                 elif item is not _WAKE:
                     self._handles[item.req.rid] = item
                     self.scheduler.add(item.req)
-                    self._emit_instruction("instruction_started", item.req)
+                    if item.req.instruction is None:  # else the executor reports it
+                        self._emit_instruction("instruction_started", item.req)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -495,24 +525,20 @@ class Engine:
         if error is not None:
             req.error, req.finish_reason = error, "error"
         self.scheduler.release(req)
-        self._emit_instruction("instruction_finished", req)
+        if req.instruction is None:
+            self._emit_instruction("instruction_finished", req)
         handle = self._handles.pop(req.rid, None)
         if handle is not None:
             handle._push(req.take_delta())
             handle._finish()
 
     def _emit_instruction(self, kind: str, req: Request) -> None:
-        """A request is one Decode (a gen) or Score (a select) instruction of its node."""
+        """A request submitted bare (rt.generate, rt.score: no program's Instruction) is
+        reported as the Decode or Score it is."""
         data = {"kind": "Score" if req.logprob_start is not None else "Decode",
                 "index": req.index}
         if kind == "instruction_finished":
-            data.update(
-                input_tokens=len(req.prompt_ids), cached_tokens=max(req.prompt_cached_tokens, 0),
-                new_tokens=req.prefill_tokens, output_tokens=len(req.output_ids),
-                batch_size=req.max_batch, preempted=req.preemptions + req.retractions,
-                finish_reason=req.finish_reason,
-                error=None if req.error is None else repr(req.error),
-            )
+            data.update(request_usage(req))
         self.events.emit(kind, request=req.rid, program=req.program, node=req.node, data=data)
 
     def _fail_all(self, error: BaseException) -> None:

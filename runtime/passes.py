@@ -25,16 +25,31 @@ def check_passes(passes) -> frozenset[str]:
     return chosen
 
 
+def run_passes(nodes: list[Node], chosen: frozenset[str]) -> tuple[list[Node], list[PassReport]]:
+    """The passes stage: the chosen passes, in order, over the Nodes a program recorded
+    since its last flush (sgl_nb/state.py); what they return is what gets lowered."""
+    reports = []
+    if "fuse_text" in chosen:
+        nodes, report = fuse_text(nodes)
+        reports.append(report)
+    if "static_select" in chosen:
+        reports.append(decide_selects(nodes))
+    return nodes, reports
+
+
 def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
     """Adjacent Text nodes of one program become one (one Extend instead of several)."""
     out: list[Node] = []
     merged = 0
+    renamed: dict[int, int] = {}  # a fused Node's id -> the Node it went into
     for n in nodes:
+        n.preds = [renamed.get(p, p) for p in n.preds]
         prev = out[-1] if out else None
         if (n.kind == "Text" and prev is not None and prev.kind == "Text"
                 and prev.program == n.program and n.preds == [prev.id]):
             prev.detail["text"] += n.detail["text"]
             prev.detail["fused"] = prev.detail.get("fused", 1) + 1
+            renamed[n.id] = prev.id
             merged += 1
             continue
         out.append(n)
@@ -46,8 +61,14 @@ def is_static_select(node: Node) -> bool:
     return node.kind == "Select" and len(node.detail["choices"]) == 1
 
 
-def static_selects(nodes: list[Node]) -> PassReport:
-    n = sum(is_static_select(x) for x in nodes)
+def decide_selects(nodes: list[Node]) -> PassReport:
+    """Selects decided at compile time: they lower to an Extend of their choice, no Score."""
+    n = 0
+    for node in nodes:
+        if is_static_select(node):
+            node.detail["decided"] = node.detail["choices"][0]
+            node.detail["resolved"] = "static"
+            n += 1
     return PassReport("static_select", n)
 
 

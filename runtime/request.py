@@ -66,6 +66,9 @@ class Request:
     program: int | None = None
     node: int | None = None
     index: int = 0  # which Instruction of its node it is (a Select scores each choice apart)
+    # The program's Instruction it runs (runtime/instructions.py), if a program sent it:
+    # the executor, not the engine, then reports its start and end.
+    instruction: object | None = None
     preemptions: int = 0  # times suspended (KV kept) for higher-priority work
     slice_used: int = 0  # decode steps since it last started or resumed
     waiting_since: int = 0  # scheduler step at which it last began to wait (queued/suspended)

@@ -1,8 +1,10 @@
 """Stepping one program: run, pause, step one Node, step one Instruction, breakpoints.
 
-It sits where the program's Nodes are dispatched (before each Node) and where the engine
-picks its decode batch (before each token of a Gen, one Decode instruction): a paused
-program waits there, and only it; the engine keeps serving every other program.
+It sits where the executor dispatches a program's Nodes (before each Node) and where the
+engine picks its decode batch (before each token of a Gen, one Decode instruction): a paused
+program waits there, and only it; the executor and the engine keep serving every other
+program. Nothing here blocks them: they ask (`enter_node`, `may_decode`) and are woken when a
+step is granted.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class StepController:
         self.current: Node | None = None
         self.waiting_at: str | None = None  # "node" or "decode" when held
         self._on_change = on_change  # called (without the lock) on pause/resume
-        self._wake_engine = None  # set by the state: wakes the engine after a grant
+        self._wakers: list = []  # the executor's and the engine's wake(), called on a grant
+        self._holding_node = False  # held before `current` (the paused event was sent)
         # Called with "node" / "decode" when the program becomes held there, and with None
         # when it goes on (events: paused / resumed). Runs under the lock: must not block.
         self.on_hold = None
@@ -101,26 +104,35 @@ class StepController:
         with self._cond:
             return self._cond.wait_for(lambda: self.waiting_at is not None, timeout)
 
-    # ---- called by the program's worker and by the engine ---------------------------------
+    # ---- called by the executor and by the engine -----------------------------------------
 
-    def before_node(self, node: Node) -> None:
+    def add_waker(self, wake) -> None:
+        """Call `wake()` whenever a step is granted (the executor's, the engine's)."""
+        if wake not in self._wakers:
+            self._wakers.append(wake)
+
+    def enter_node(self, node: Node) -> bool:
+        """The executor, before it starts `node`: may it start now? If not, the program is
+        held there (and `wake` is called when a step is granted)."""
         with self._cond:
-            self.current = node
-            if any(bp.hits(node) for bp in self.breakpoints):
-                self._paused = True
-            held = False
-            while self._paused and self._node_steps == 0:
-                if not held:
-                    held = True
+            if self.current is not node:  # asked for the first time
+                self.current = node
+                if any(bp.hits(node) for bp in self.breakpoints):
+                    self._paused = True
+            if self._paused and self._node_steps == 0:
+                if not self._holding_node:
+                    self._holding_node = True
                     self._held("node")
                 self.waiting_at = "node"
                 self._cond.notify_all()
-                self._cond.wait()
-            self.waiting_at = None
-            if held:
+                return False
+            if self._holding_node:  # a grant cleared waiting_at already: say it goes on
+                self._holding_node = False
                 self._held(None)
+            self.waiting_at = None
             if self._paused:
                 self._node_steps -= 1
+            return True
 
     def after_node(self, node: Node) -> None:
         with self._cond:
@@ -150,5 +162,5 @@ class StepController:
             self.on_hold(at, self.current)
 
     def _wake(self) -> None:
-        if self._wake_engine is not None:
-            self._wake_engine()
+        for wake in list(self._wakers):
+            wake()

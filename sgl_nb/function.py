@@ -9,6 +9,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 
+from sgl_nb.body_pool import BodyPool
 from sgl_nb.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
 from sgl_nb.runtime.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.priority import parse_priority, priority_name
@@ -48,25 +49,26 @@ def get_server_info(backend=None) -> dict:
 
 # run()'s sampling options, SGLang's names: defaults for every gen of the program.
 _RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
-# SGLang's threading options: every program here runs on its own thread anyway.
+# SGLang's threading options: run_batch honours num_threads (its bodies' pool); use_thread
+# is accepted (every body runs on a pool thread anyway).
 _THREAD_OPTIONS = ("use_thread", "num_threads")
+# Threads for the bodies of run() / run_async() programs, and run_batch's default.
+DEFAULT_BODY_THREADS = 64
+_bodies = BodyPool(DEFAULT_BODY_THREADS)
 
 
 class ProgramFuture:
     """A program running in the background: .result(), .done(), .stream(), `await fut`."""
 
-    def __init__(self, state: ProgramState, thread: threading.Thread):
-        self.state, self._thread = state, thread
+    def __init__(self, state: ProgramState):
+        self.state = state
 
     def result(self, timeout: float | None = None) -> ProgramState:
         """The state once the program has ended; an interrupt while waiting cancels it."""
-        self.state._interruptible(lambda: self._thread.join(timeout))
-        if self._thread.is_alive():
-            raise TimeoutError(f"program still running after {timeout} s")
-        return self.state
+        return self.state.wait(timeout)
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self.state._ended.is_set()
 
     def cancel(self) -> bool:
         """Cancel the program (see ProgramState.cancel); False if it had already ended."""
@@ -92,7 +94,8 @@ class SglFunction:
         functools.update_wrapper(self, func)
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
-               passes=None, priority: str = "normal", **defaults) -> ProgramFuture:
+               passes=None, priority: str = "normal", pool: BodyPool | None = None,
+               **defaults) -> ProgramFuture:
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
@@ -103,14 +106,11 @@ class SglFunction:
                              passes=check_passes(passes), priority=priority)
         file = self.func.__code__.co_filename
         if controller is not None:
-            controller.on_hold = lambda at, node: state._emit(
+            controller.on_hold = lambda at, node: state.emit(
                 "paused" if at else "resumed", node=getattr(node, "id", None),
                 data={"at": at, "reason": "step controller"})
 
         def body() -> None:
-            state._emit("program_started", data={
-                "function": self.func.__name__, "priority": priority, "parent": None,
-                "model": state._model_name()})
             state._body_thread = threading.current_thread()
             state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
             try:
@@ -119,11 +119,10 @@ class SglFunction:
                 state._finish(e, file)
             else:
                 state._finish()
-            state._emit("program_finished", data=state._end_data())
 
-        thread = threading.Thread(target=body, name=f"sgl-{self.func.__name__}", daemon=True)
-        thread.start()
-        return ProgramFuture(state, thread)
+        state.begin(self.func.__name__)
+        (pool or _bodies).submit(body)
+        return ProgramFuture(state)
 
     def run(self, *args, stream: bool = False, backend=None, debug: bool = False,
             step: bool = False, passes=None, priority: str = "normal",
@@ -174,6 +173,10 @@ class SglFunction:
         unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS}
         if unknown:
             raise TypeError(f"run_batch() got unexpected options {sorted(unknown)}")
+        threads = defaults.pop("num_threads", "auto")
+        defaults.pop("use_thread", None)
+        if threads == "auto":  # SGLang's default
+            threads = max(1, min(len(batch_kwargs), DEFAULT_BODY_THREADS))
         backend = backend or get_default_backend()
         parse_priority(priority)
         chosen = check_passes(passes)
@@ -181,8 +184,10 @@ class SglFunction:
         if "shared_prefix" in chosen and len(batch_kwargs) > 1:
             self.last_batch_report = self._prefill_shared_prefix(batch_kwargs, backend,
                                                                  priority)
-        futures = [self._start(dict(kw), backend, passes=chosen, priority=priority, **defaults)
-                   for kw in batch_kwargs]
+        pool = BodyPool(threads, name=f"sgl-batch-{self.func.__name__}")
+        futures = [self._start(dict(kw), backend, passes=chosen, priority=priority, pool=pool,
+                               **defaults) for kw in batch_kwargs]
+        pool.close()  # its threads end when the last body has run
         try:
             if progress_bar:
                 from tqdm import tqdm

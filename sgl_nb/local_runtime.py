@@ -103,14 +103,18 @@ class Runtime:
 
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
                priority: str | int | None = None, program: int | None = None,
-               node: int | None = None, **params) -> RequestHandle:
+               node: int | None = None, instruction=None, on_chunk=None, on_done=None,
+               **params) -> RequestHandle:
         """Start one request and return at once; the handle's .result() waits for it.
         `gate`, if given, is asked before each decode step whether the request may go on;
-        program/node say which program Node it runs for (carried on its events)."""
+        program/node say which program Node it runs for (carried on its events), and
+        `instruction` the Instruction (the executor reports it; the engine does not).
+        on_chunk(text) / on_done(handle) are called on the engine thread and must return
+        at once."""
         req = self.engine.make_request(self._token_ids(prompt), SamplingParams(**params))
         req.gate, req.priority = gate, parse_priority(priority)
-        req.program, req.node = program, node
-        return self.engine.submit(req, stream=stream)
+        req.program, req.node, req.instruction = program, node, instruction
+        return self.engine.submit(req, stream=stream, on_chunk=on_chunk, on_done=on_done)
 
     def abort(self, rid: int) -> bool:
         """Abort request `rid` (a handle's `.req.rid`, or `out.meta["id"]`): it leaves the
@@ -140,20 +144,38 @@ class Runtime:
               node: int | None = None) -> list[list[float]]:
         """Logprob of each token of each continuation after `prefix` (prefix and continuation
         tokenized separately). The continuations run as one batch; the prefix is computed once."""
+        reqs = [self._score_request(prefix, c, priority, program, node, i)
+                for i, c in enumerate(continuations)]
+        handles = [self.engine.submit(r) for r in reqs]
+        return [out.input_logprobs for out in wait_all(handles)]
+
+    def submit_scores(self, prefix: str | list[int], continuations: list[str | list[int]],
+                      priority: str | int | None = None, program: int | None = None,
+                      node: int | None = None, instructions: list | None = None,
+                      on_done: list | None = None) -> list[RequestHandle]:
+        """Each continuation's score, at once, one request each (what a Select's Score
+        Instructions run, batched by the engine; the prefix is computed once): a handle's
+        result has input_logprobs. on_done[i] as in `submit`."""
+        reqs = [self._score_request(prefix, c, priority, program, node, i)
+                for i, c in enumerate(continuations)]  # all checked before any is sent
+        handles = []
+        for i, req in enumerate(reqs):
+            if instructions is not None:
+                req.instruction, req.index = instructions[i], instructions[i].index
+            handles.append(self.engine.submit(req, on_done=on_done[i] if on_done else None))
+        return handles
+
+    def _score_request(self, prefix, continuation, priority, program, node, index: int):
         pre = self._token_ids(prefix)
         if not pre:
             raise ValueError("score needs a non-empty prefix")
-        reqs = []
-        for i, c in enumerate(continuations):
-            ids = self._token_ids(c)
-            if not ids:
-                raise ValueError(f"empty continuation to score: {c!r}")
-            req = self.engine.make_score_request(pre + ids, len(pre))
-            req.priority, req.program, req.node = parse_priority(priority), program, node
-            req.index = i
-            reqs.append(req)
-        handles = [self.engine.submit(r) for r in reqs]
-        return [out.input_logprobs for out in wait_all(handles)]
+        ids = self._token_ids(continuation)
+        if not ids:
+            raise ValueError(f"empty continuation to score: {continuation!r}")
+        req = self.engine.make_score_request(pre + ids, len(pre))
+        req.priority, req.program, req.node = parse_priority(priority), program, node
+        req.index = index
+        return req
 
     def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None:
         """Raise GrammarError (a ValueError naming the pattern) if it does not compile."""

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
-from sgl_nb.remote.handle import RemoteHandle
+from sgl_nb.remote.handle import RemoteHandle, ScoreShare, usage_of
 from sgl_nb.remote.http import HttpClient, RemoteError, RemoteFeatureError, Timeouts
 from sgl_nb.remote.openai_api import OpenAIApi
 from sgl_nb.remote.sglang_api import SGLangApi
@@ -146,21 +146,27 @@ class RuntimeEndpoint:
 
     def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
                priority: int | str | None = None, program: int | None = None,
-               node: int | None = None, **params) -> RemoteHandle:
+               node: int | None = None, instruction=None, on_chunk=None, on_done=None,
+               **params) -> RemoteHandle:
         """Send one generation request and return at once; the handle's `.cancel()` (or
         leaving `.chunks()` early) closes the connection, and the server aborts the request.
-        `gate` (per-token stepping) and `priority` do not reach a server and are ignored."""
+        `gate` (per-token stepping) and `priority` do not reach a server and are ignored.
+        With `instruction` the executor reports the request's start and end, not this."""
         sp = SamplingParams(**params)
-        rid = next(_rids)
+        return self._start(lambda h: self._generate(h, prompt, sp, stream, program, node,
+                                                    instruction is None),
+                           program, on_chunk, on_done)
 
+    def _start(self, send, program: int | None, on_chunk=None, on_done=None) -> RemoteHandle:
+        """A request in flight on its own thread, findable by cancel_program."""
         def run(h: RemoteHandle) -> GenerateOutput:
             try:
-                return self._generate(h, prompt, sp, stream, program, node)
+                return send(h)
             finally:
                 with self._lock:
                     self._by_program.get(program, set()).discard(h)
 
-        handle = RemoteHandle(rid, run)
+        handle = RemoteHandle(next(_rids), run, on_chunk, on_done)
         with self._lock:
             live = self._by_program.setdefault(program, set())
             # A run that ended before this line could not let go of its handle: drop any
@@ -184,13 +190,14 @@ class RuntimeEndpoint:
         return handle.chunks() if stream else handle.result()
 
     def _generate(self, h: RemoteHandle, prompt, sp: SamplingParams, stream: bool,
-                  program: int | None, node: int | None) -> GenerateOutput:
+                  program: int | None, node: int | None, report: bool = True) -> GenerateOutput:
         path = "/v1/completions" if self.api_name == "openai" else "/generate"
         request = f"POST {path} (request {h.rid}{_where(program, node)})"
         # Logprobs come whole with the answer (streamed chunks differ between servers).
         stream = stream and not (sp.logprobs or sp.top_logprobs)
         got = _Received()
-        self._emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
+        emit = self._emit if report else _silent
+        emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
         try:
             with _naming(request):  # the model name may be asked for first
                 body = self.api.generate_body(prompt, sp, stream)
@@ -199,14 +206,14 @@ class RuntimeEndpoint:
             out.logprobs, out.top_logprobs = got.logprobs
         except BaseException as e:
             if not h.cancelled:
-                self._emit("instruction_finished", h.rid, program, node,
-                           {"kind": "Decode", "index": 0, "error": repr(e)})
+                emit("instruction_finished", h.rid, program, node,
+                     {"kind": "Decode", "index": 0, "error": repr(e)})
                 raise
             # Cancelled: the connection was shut on purpose; keep what had arrived.
             out = self._output(h, "".join(got.pieces), got.acc.get("token_ids", []),
                                {**got.acc.get("meta", {}), "finish_reason": "abort"})
-        self._emit("instruction_finished", h.rid, program, node,
-                   {"kind": "Decode", "index": 0, **_counts(out.meta)})
+        emit("instruction_finished", h.rid, program, node,
+             {"kind": "Decode", "index": 0, **usage_of(out.meta)})
         return out
 
     def _send_stream(self, h: RemoteHandle, path: str, body: dict, request: str,
@@ -247,6 +254,34 @@ class RuntimeEndpoint:
               node: int | None = None) -> list[list[float]]:
         """Logprob of each token of each choice after `prefix`, read from the server's
         prompt logprobs (prefix and choice tokenized separately, as locally)."""
+        return self._score(next(_rids), prefix, choices, program, node, True)[0]
+
+    def submit_scores(self, prefix: str | list[int], continuations: list[str | list[int]],
+                      priority: int | str | None = None, program: int | None = None,
+                      node: int | None = None, instructions: list | None = None,
+                      on_done: list | None = None) -> list[ScoreShare]:
+        """Every continuation's score in one request (what a Select's Score Instructions
+        run; the executor reports them): one share of it per continuation, each a handle
+        whose result has that continuation's input_logprobs."""
+        def send(h: RemoteHandle) -> GenerateOutput:
+            scores, usage = self._score(h.rid, prefix, continuations, program, node, False)
+            meta = {**usage, "completion_tokens": 0, "finish_reason": "score",
+                    "server": self.base_url}
+            return GenerateOutput("", [], meta, input_logprobs=scores)
+
+        shares = [ScoreShare(i) for i in range(len(continuations))]
+
+        def finished(h: RemoteHandle) -> None:
+            for share, done in zip(shares, on_done or [None] * len(shares)):
+                if done is not None:
+                    done(share)
+
+        handle = self._start(send, program, on_done=finished)
+        for share in shares:
+            share.handle = handle
+        return shares
+
+    def _score(self, rid: int, prefix, choices, program, node, report: bool):
         pre = self._ids(prefix)
         if not pre:
             raise ValueError("score needs a non-empty prefix")
@@ -254,23 +289,23 @@ class RuntimeEndpoint:
         for c, i in zip(choices, ids):
             if not i:
                 raise ValueError(f"empty continuation to score: {c!r}")
-        rid = next(_rids)
         path = "/v1/completions" if self.api_name == "openai" else "/generate"
         request = f"POST {path} (select, request {rid}{_where(program, node)})"
-        self._emit("instruction_started", rid, program, node, {"kind": "Score", "index": 0})
+        emit = self._emit if report else _silent
+        emit("instruction_started", rid, program, node, {"kind": "Score", "index": 0})
         try:
             with _naming(request):
                 body = self.api.score_body(pre, ids)
             obj = self.client.request_json("POST", path, body, _trace_headers(node), request)
             scores, usage = self.api.parse_score(obj, pre, ids, request)
         except BaseException as e:
-            self._emit("instruction_finished", rid, program, node,
-                       {"kind": "Score", "index": 0, "error": repr(e)})
+            emit("instruction_finished", rid, program, node,
+                 {"kind": "Score", "index": 0, "error": repr(e)})
             raise
-        self._emit("instruction_finished", rid, program, node,
-                   {"kind": "Score", "index": 0, **_counts({**usage, "completion_tokens": 0,
-                                                           "finish_reason": "score"})})
-        return scores
+        emit("instruction_finished", rid, program, node,
+             {"kind": "Score", "index": 0, **usage_of({**usage, "completion_tokens": 0,
+                                                       "finish_reason": "score"})})
+        return scores, usage
 
     def _ids(self, text: str | list[int]) -> list[int]:
         if isinstance(text, str):
@@ -305,12 +340,8 @@ def _naming(request: str):
         raise type(e)(e.server, f"{request}, at {e.request}", e.problem, e.status) from e
 
 
-def _counts(meta: dict) -> dict:
-    prompt, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
-    return {"input_tokens": prompt, "cached_tokens": cached,
-            "new_tokens": None if prompt is None or cached is None else prompt - cached,
-            "output_tokens": meta.get("completion_tokens"), "batch_size": None,
-            "preempted": 0, "finish_reason": meta.get("finish_reason")}
+def _silent(*_args) -> None:
+    """A request the executor reports: no events of its own."""
 
 
 def _where(program: int | None, node: int | None) -> str:

@@ -1,24 +1,31 @@
-"""ProgramState: the `s` of a program. `s += expr` records a Node and queues it; a worker
-thread per state runs the queue in order on the backend, so the program's Python goes on
-at once and fork branches run side by side. Reading `s["x"]` waits for x."""
+"""ProgramState: the `s` of a program.
+
+The program's Python (a body thread from sgl_nb/body_pool.py) is the interpreter: `s += ...`
+records Nodes. Wherever something depends on them (a gen, a select, a fork, a read, the end)
+the Nodes recorded since the last such point go through the passes (runtime/passes.py), are
+lowered to Instructions (runtime/lowering.py) and handed to the executor
+(runtime/executor.py), which runs them in order on its own thread; what they do to the text
+and the variables is in sgl_nb/effects.py. The Python goes on at once and blocks only where
+it reads a generated value (`s["x"]`, `s.text()`)."""
 
 from __future__ import annotations
 
 import itertools
-import queue
 import sys
 import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from sgl_nb.effects import ProgramEffects
 from sgl_nb.expressions import Concat, Gen, Role, RoleBlock, Select
-from sgl_nb.logprob_meta import logprob_meta
-from sgl_nb.reasoning import split_reasoning
-from sgl_nb.runtime.ir import Node, dot, listing, lower
-from sgl_nb.runtime.passes import is_static_select
+from sgl_nb.runtime.executor import get_executor
+from sgl_nb.runtime.instructions import Cancelled
+from sgl_nb.runtime.ir import Node, dot
+from sgl_nb.runtime.listing import listing
+from sgl_nb.runtime.lowering import lower
+from sgl_nb.runtime.passes import run_passes
 from sgl_nb.runtime.step_controller import StepController
-from sgl_nb.select_scoring import choose
 
 _state_ids = itertools.count(1)
 
@@ -34,24 +41,25 @@ class ProgramError(RuntimeError):
     """An exception inside a program, with the program line it came from."""
 
 
-class ProgramCancelled(ProgramError):
+class ProgramCancelled(ProgramError, Cancelled):
     """The program was cancelled (`state.cancel()`, `fut.cancel()`, an interrupt while
     waiting on it). What it produced until then is kept on the state."""
 
 
-class ProgramState:
+class ProgramState(ProgramEffects):
     def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
                  debug: StepController | None = None, passes: frozenset[str] = frozenset(),
                  priority: str = "normal"):
         self.id = next(_state_ids)
         self.priority = priority  # the scheduler's level for this program's requests
         self.passes = passes
-        self.pass_counts: dict[str, int] = {}
-        self._held_text: Node | None = None  # a Text node not queued yet (fuse_text)
-        self._submit_lock = threading.RLock()  # the program and a reader may both flush
+        self.pass_counts: dict[int, int] = {}
         self.backend, self.defaults, self.parent = backend, defaults, parent
         self.debug = debug  # the step controller, when the program runs under the debugger
         self.events = getattr(backend, "events", None)
+        self._executor = get_executor()
+        if debug is not None:
+            debug.add_waker(self._executor.wake)
         self._text = text
         self._fork_point = len(text)
         self._vars: dict = {}
@@ -63,18 +71,39 @@ class ProgramState:
         self._error: BaseException | None = None
         self._error_line: int | None = None
         self._cancelled = False
-        self._inflight: set = set()  # backend handles of the Gen running now
+        self._inflight: set = set()  # engine requests running for it now
         self._children: list[ProgramState] = []  # fork branches, cancelled with it
-        self.nodes: list[Node] = []
+        self.nodes: list[Node] = []  # handed to the executor, in order
+        self._buffer: list[Node] = []  # recorded, not yet through the passes
+        self._payloads: dict[int, object] = {}  # node id -> the expression it came from
+        self._nodes_by_id: dict[int, Node] = {}
+        self._node_start: dict[int, int] = {}  # node id -> where its text starts
+        self._scores: dict[int, dict] = {}  # select node id -> the scores of its choices
+        self._forked: dict[int, list[ProgramState]] = {}  # fork node id -> its branches
+        self._lock = threading.RLock()  # the program and a reader may both flush
         self._cond = threading.Condition()
-        self._pending = 0
+        self._pending = 0  # Nodes handed to the executor that have not ended
         self._stream: list[tuple[str | None, str]] = []  # (variable, text) as it is produced
-        self._finished = False  # set when the program body has returned and the queue drained
+        self._finished = False  # its Return ran
+        self._ended = threading.Event()
         # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
         self._body_thread: threading.Thread | None = None  # the thread running the program
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._work, name=f"sgl-state-{self.id}", daemon=True).start()
+        self._has_body = False  # a body runs (or will): a fork branch has none
+
+    def begin(self, function: str) -> None:
+        """A program's start: its program_started event and its Init Instruction, on the
+        executor, ahead of anything it will queue."""
+        def init() -> None:
+            self.emit("program_started", data={
+                "function": function, "priority": self.priority, "parent": None,
+                "model": self._model_name()})
+            self.emit("instruction_started", data={"kind": "Init", "index": 0})
+            self.emit("instruction_finished", data={"kind": "Init", "index": 0})
+
+        self.function = function
+        self._has_body = True
+        self._executor.post(init)
 
     # ---- the program side ----------------------------------------------------------------
 
@@ -86,41 +115,40 @@ class ProgramState:
         if self._cancelled:  # the program's Python stops at its next `s += ...`
             raise ProgramCancelled(f"program {self.id} was cancelled")
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
-        for kind, name, detail, payload in self._to_nodes(expr):
-            with self._submit_lock:
-                if kind == "Text" and self._fuse_text(detail["text"]):
-                    continue
-                node = Node(kind, self.id, [self.nodes[-1].id] if self.nodes else [], name,
-                            detail, file, line,
-                            stack=tuple(f["function"] for f in self.call_stack))
-                self.nodes.append(node)
-                self._flush_text()
-                if kind == "Text" and "fuse_text" in self.passes:
-                    self._held_text = node  # more text may join it before it is queued
-                    continue
-                self._enqueue(node, payload)
+        stack = tuple(f["function"] for f in self.call_stack)
+        with self._lock:
+            for kind, name, detail, payload in self._to_nodes(expr):
+                self._record(Node(kind, self.id, self._preds(), name, detail, file, line,
+                                  stack=stack), payload)
 
-    def _fuse_text(self, text: str) -> bool:
-        """The fuse_text pass, as the program runs: text added right after text becomes one
-        Text node (one Extend instead of several)."""
-        held = self._held_text
-        if held is None:
-            return False
-        held.detail["text"] += text
-        held.detail["fused"] = held.detail.get("fused", 1) + 1
-        self.pass_counts["fuse_text"] = self.pass_counts.get("fuse_text", 0) + 1
-        return True
+    def _record(self, node: Node, payload=None) -> None:
+        with self._lock:
+            self._buffer.append(node)
+            self._payloads[node.id] = payload
+            if node.kind != "Text":  # text may still fuse with what follows
+                self._flush()
 
-    def _flush_text(self) -> None:
-        with self._submit_lock:
-            held, self._held_text = self._held_text, None
-            if held is not None:
-                self._enqueue(held, held.detail["text"])
+    def _preds(self) -> list[int]:
+        last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
+        return [last.id] if last is not None else []
 
-    def _enqueue(self, node: Node, payload) -> None:
-        with self._cond:
-            self._pending += 1
-        self._queue.put((node, payload))
+    def _flush(self) -> None:
+        """The Nodes recorded since the last flush: passes, lowering, the executor."""
+        with self._lock:
+            if not self._buffer:
+                return
+            nodes, reports = run_passes(self._buffer, self.passes)
+            self._buffer = []
+            for r in reports:
+                if r.changed:
+                    self.pass_counts[r.name] = self.pass_counts.get(r.name, 0) + r.changed
+            for n in nodes:
+                n.instructions = lower(n)
+                self._nodes_by_id[n.id] = n
+            self.nodes.extend(nodes)
+            with self._cond:
+                self._pending += len(nodes)
+            self._executor.add(self, nodes)
 
     def _to_nodes(self, expr):
         if isinstance(expr, str):
@@ -196,32 +224,21 @@ class ProgramState:
     def _fork(self, n: int, caller) -> ForkGroup:
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
-        self.sync()
-        node = Node("Fork", self.id, [self.nodes[-1].id] if self.nodes else [], None, {"n": n},
+        node = Node("Fork", self.id, self._preds(), None, {"n": n},
                     caller.f_code.co_filename, caller.f_lineno)
-        node.status = "done"
-        self.nodes.append(node)
-        children = [ProgramState(self.backend, self.defaults, self._text, parent=self,
-                                 debug=self.debug, passes=self.passes, priority=self.priority)
-                    for _ in range(n)]
-        self._children.extend(children)
-        self._emit_instant(node, "fork", {"n": n, "children": [c.id for c in children]})
-        for i, c in enumerate(children):
-            c._emit("program_started", node=node.id, data={
-                "function": f"branch {i}", "priority": self.priority, "parent": self.id,
-                "model": self._model_name()})
-        return ForkGroup(self, children, node)
+        self._record(node)
+        self._wait_node(node)  # the branches start from the text the parent has then
+        return ForkGroup(self, self._forked[node.id], node)
 
-    def _emit_instant(self, node: Node, kind: str, data: dict) -> None:
-        """Fork and Join run in the program's own thread, at once: their Node, their one
-        Instruction and the fork/join event, in that order."""
-        self._emit("node_started", node=node.id, data={
-            "kind": node.kind, "name": None, "line": node.line, "file": node.file,
-            "label": node.label(), "preds": list(node.preds)})
-        self._emit("instruction_started", node=node.id, data={"kind": node.kind, "index": 0})
-        self._emit(kind, node=node.id, data=data)
-        self._emit("instruction_finished", node=node.id, data={"kind": node.kind, "index": 0})
-        self._emit("node_finished", node=node.id, data={"status": node.status})
+    def _wait_node(self, node: Node) -> None:
+        """Until the executor has run `node`; raises if it did not run to its end."""
+        with self._cond:
+            self._interruptible(lambda: self._cond.wait_for(
+                lambda: node.status not in ("pending", "running")))
+        if node.status == "cancelled" or self._cancelled:
+            raise ProgramCancelled(f"program {self.id} was cancelled")
+        if node.status != "done":
+            raise ProgramError(f"{node.kind} did not run: {self._error}")
 
     def _model_name(self) -> str | None:
         """For the events and spans only: never lets a backend's attribute error out."""
@@ -250,14 +267,18 @@ class ProgramState:
             child.cancel()
         for handle in handles:
             handle.cancel()
-        self.backend.cancel_program(self.id)  # its Score requests, and any not seen yet
+        self.backend.cancel_program(self.id)  # anything submitted and not seen yet
         if self.debug is not None:
             self.debug.continue_()  # a held program must not stay held: it has to end
+        self._executor.wake()
         return True
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled
+
+    def _cancel_error(self, what: str) -> ProgramCancelled:
+        return ProgramCancelled(what)
 
     def _interruptible(self, wait):
         """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
@@ -271,11 +292,8 @@ class ProgramState:
     def wait(self, timeout: float | None = None) -> ProgramState:
         """Block until the program has ended (its body returned and everything it queued
         ran, or it was cancelled); returns the state. TimeoutError after `timeout` s."""
-        def ended() -> bool:
-            with self._cond:
-                return self._cond.wait_for(lambda: self._finished, timeout)
-
-        if not self._interruptible(ended):
+        self._flush()
+        if not self._interruptible(lambda: self._ended.wait(timeout)):
             raise TimeoutError(f"program {self.id} still running after {timeout} s")
         return self
 
@@ -287,7 +305,7 @@ class ProgramState:
         self._interruptible(self._sync)
 
     def _sync(self) -> None:
-        self._flush_text()
+        self._flush()
         if self._outside():
             self._wait_outside(lambda: False)
             return
@@ -297,8 +315,7 @@ class ProgramState:
     def _outside(self) -> bool:
         """Called from a thread that is not the program's own body? (Its body may not have
         queued the Nodes yet, so "nothing pending" does not mean "done".)"""
-        return self._body_thread is not None and threading.current_thread() is not \
-            self._body_thread
+        return self._has_body and threading.current_thread() is not self._body_thread
 
     def _held(self) -> bool:
         return self.debug is not None and self.debug.waiting_at is not None
@@ -314,7 +331,7 @@ class ProgramState:
         return self._interruptible(lambda: self._get(name))
 
     def _get(self, name: str):
-        self._flush_text()
+        self._flush()
         if self._outside():
             self._wait_outside(lambda: name in self._vars)
             if name in self._vars:
@@ -371,9 +388,11 @@ class ProgramState:
         return self._error
 
     def graph(self) -> str:
-        """The Nodes this program ran, each with its Instructions (Init ... Return)."""
+        """The Nodes this program ran, each with the Instructions it ran (Init ... Return)."""
         self.sync()
-        return listing(self.nodes, program=self.id)
+        return listing(self.nodes, program=self.id, function=getattr(self, "function", ""))
+
+    listing = graph
 
     def dot(self) -> str:
         """The graph this program ran, as Graphviz DOT."""
@@ -383,6 +402,7 @@ class ProgramState:
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """Text as it is produced (only variable `var_name`'s, if given), until the end.
         An interrupt while it waits cancels the program."""
+        self._flush()
         i = 0
         while True:
             with self._cond:
@@ -407,17 +427,11 @@ class ProgramState:
             yield chunk
 
     def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
-        self.sync()  # what the program queued before it failed still runs: nothing is lost
-        if error is not None and self._error is None:
-            self._set_error(error, frame_file)
-        if self.parent is None:
-            preds = [self.nodes[-1].id] if self.nodes else []
-            status = "cancelled" if self._cancelled else "done" if self._error is None \
-                else "error"
-            self.nodes.append(Node("Return", self.id, preds, status=status))
-        with self._cond:
-            self._finished = True
-            self._cond.notify_all()
+        """The body has returned (or raised `error`): what it queued runs, then Return."""
+        if self.parent is not None:
+            self._flush()
+            return
+        self._record(Node("Return", self.id, self._preds()), (error, frame_file))
 
     def _set_error(self, error: BaseException, file: str | None = None) -> None:
         tb = traceback.extract_tb(error.__traceback__)
@@ -438,163 +452,11 @@ class ProgramState:
     def __repr__(self) -> str:
         return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
 
-    # ---- the worker ----------------------------------------------------------------------
-
-    def _emit(self, kind: str, **fields) -> None:
-        if self.events is not None:
-            self.events.emit(kind, program=self.id, **fields)
-
-    def _work(self) -> None:
-        while True:
-            node, payload = self._queue.get()
-            if self._cancelled:
-                self._cancel_pending(node)
-            elif self._error is not None:
-                node.status = "skipped"
-            else:
-                if self.debug is not None:
-                    self.debug.before_node(node)
-                if self._cancelled:  # cancelled while held before it
-                    self._cancel_pending(node)
-                else:
-                    self._run_node(node, payload)
-                    if self.debug is not None:
-                        self.debug.after_node(node)
-            with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
-
-    def _node_started(self, node: Node) -> None:
-        self._emit("node_started", node=node.id, data={
-            "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
-            "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)})
-
-    def _cancel_pending(self, node: Node) -> None:
-        """A Node queued before the program was cancelled: it never runs, and says so."""
-        node.status = "cancelled"
-        self._node_started(node)
-        self._emit("node_finished", node=node.id, data={"status": "cancelled", "text": ""})
-
-    def _run_node(self, node: Node, payload) -> None:
-        node.status = "running"
-        self._node_started(node)
-        # Decode and Score run on the engine, which reports them itself.
-        local = [i for i in lower(node) if i.kind not in ("Decode", "Score")]
-        for i, ins in enumerate(local):
-            self._emit("instruction_started", node=node.id, data={"kind": ins.kind, "index": i})
-        start = len(self._text)
-        try:
-            self._execute(node, payload)
-            node.status = "done"
-            for i, ins in enumerate(local):
-                self._emit("instruction_finished", node=node.id,
-                           data={"kind": ins.kind, "index": i})
-        except ProgramCancelled:  # aborted mid-way: what it produced is kept
-            node.status = "cancelled"
-        except Exception as e:  # the program fails; the engine and others go on
-            node.status = "error"
-            self._set_error(e, node.file)
-            self._error_line = node.line
-            self._emit("error", node=node.id, data={"error": repr(e), "line": node.line})
-        done = {"status": node.status, "text": self._text[start:]}
-        if node.name is not None and node.name in self._vars:
-            done["value"] = repr(self._vars[node.name])
-        self._emit("node_finished", node=node.id, data=done)
-
     def _append(self, text: str, var: str | None = None) -> None:
         with self._cond:
             self._text += text
             self._stream.append((var, text))
             self._cond.notify_all()
-
-    def _execute(self, node: Node, payload) -> None:
-        if node.kind == "Text":
-            self._append(node.detail["text"])
-        elif node.kind in ("RoleBegin", "RoleEnd"):
-            self._role_marker(node, payload)
-        elif node.kind == "Gen":
-            self._gen(node, payload)
-        elif node.kind == "Select":
-            self._select(node, payload)
-        elif node.kind == "VarScope":
-            self._scope(payload)
-
-    def _role_marker(self, node: Node, mark: Role) -> None:
-        roles = self.backend.chat_roles
-        start = len(self._text)
-        if mark.begin:
-            if not self._messages and mark.role != "system" and self._text == "":
-                self._append(roles.default_system)
-            self._append(roles.prefix[mark.role])
-            self._role_start = len(self._text)
-        else:
-            content = self._text[self._role_start:]
-            self._messages.append({"role": mark.role, "content": content})
-            self._append(roles.suffix[mark.role])
-        node.detail["text"] = self._text[start:]  # the default system prompt included
-
-    def _gen(self, node: Node, g: Gen) -> None:
-        out = ""
-        gate = None
-        if self.debug is not None:
-            gate = self.debug.may_decode
-            self.debug._wake_engine = getattr(self.backend, "wake", None)
-        prompt = self._text
-        handle = self.backend.submit(prompt, stream=True, gate=gate, priority=self.priority,
-                                     program=self.id, node=node.id, **node.detail)
-        with self._cond:
-            self._inflight.add(handle)
-            cancelled = self._cancelled  # cancelled before the handle could be seen
-        if cancelled:
-            handle.cancel()
-        try:
-            for chunk in handle.chunks():
-                out += chunk
-                self._append(chunk, g.name)
-            result = handle.result()
-        finally:
-            self._inflight.discard(handle)
-        aborted = result.meta.get("finish_reason") == "abort"
-        if g.name is not None:
-            options = {} if aborted else g.logprob_options(self.defaults)
-            self._meta[g.name] = {**result.meta,
-                                  **logprob_meta(result, options, self.backend, prompt)}
-            if g.reasoning is not None:
-                reasoning, out = split_reasoning(out, g.reasoning)
-                self[g.name + "_reasoning_content"] = reasoning
-            self[g.name] = out if aborted else g.convert(out)  # a cut-off value stays text
-        if aborted:
-            raise ProgramCancelled(f"gen {g.name!r} was aborted")
-
-    def _select(self, node: Node, sel: Select) -> None:
-        if "static_select" in self.passes and is_static_select(node):
-            # Decided without the model: no Score instruction runs.
-            self.pass_counts["static_select"] = self.pass_counts.get("static_select", 0) + 1
-            node.detail["resolved"] = "static"
-            self._append(sel.choices[0], sel.name)
-            if sel.name is not None:
-                self._meta[sel.name] = {"choices": sel.choices, "resolved": "static"}
-                self[sel.name] = sel.choices[0]
-            return
-        scores = self.backend.score(self._text, sel.choices, priority=self.priority,
-                                    program=self.id, node=node.id)
-        uncond = None
-        if sel.method == "unconditional_likelihood_normalized" and not self._cancelled:
-            uncond = self.backend.score(self.backend.tokenizer.bos_token or "\n", sel.choices,
-                                        priority=self.priority, program=self.id, node=node.id)
-        if self._cancelled:  # its scores may be cut short: no choice is made
-            raise ProgramCancelled(f"select {sel.name!r} was aborted")
-        index, meta = choose(sel.method, scores, uncond)
-        self._append(sel.choices[index], sel.name)
-        if sel.name is not None:
-            self._meta[sel.name] = {"choices": sel.choices, **meta}
-            self[sel.name] = sel.choices[index]
-
-    def _scope(self, mark: _ScopeMark) -> None:
-        if mark.begin:
-            self._scopes[mark.name] = len(self._text)
-        else:
-            self[mark.name] = self._text[self._scopes.pop(mark.name):]
 
 
 class ForkGroup:
@@ -628,35 +490,17 @@ class ForkGroup:
                 f"join mode must be gather_variable or concate_and_append, got {mode!r}"
             )
         for s in self.states:
-            s.sync()
+            s._flush()  # every branch Node is queued before the Join that waits for them
         p = self.parent
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
         caller = sys._getframe(1)
-        node = Node("Join", p.id, preds, None, {"mode": mode}, caller.f_code.co_filename,
-                    caller.f_lineno)
-        for s in self.states:
-            p.nodes.extend(s.nodes)  # the branches' Nodes belong to the parent's graph
-        p.nodes.append(node)
-        errors = [s._error for s in self.states if s._error is not None]
-        for s in self.states:
-            s._emit("program_finished", data=s._end_data())
-        if p._cancelled:  # the branches' variables are kept; the program goes no further
-            for k in {k for s in self.states for k in s._vars}:
-                p._vars[k] = [s._vars.get(k) for s in self.states]
-            node.status = "cancelled"
-            p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
-            raise ProgramCancelled(f"program {p.id} was cancelled")
-        if errors:
-            node.status = "error"
-            p._set_error(errors[0])
-            p._error_line = next(s._error_line for s in self.states if s._error is not None)
-            p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
-            return
-        if mode == "concate_and_append":
-            p._submit("".join(s._text[s._fork_point:] for s in self.states))
-        else:
-            names = {k for s in self.states for k in s._vars}
-            for k in names:
-                p[k] = [s._vars.get(k) for s in self.states]
-        node.status = "done"
-        p._emit_instant(node, "join", {"mode": mode, "children": [s.id for s in self.states]})
+        node = Node("Join", p.id, preds, None,
+                    {"mode": mode, "branches": [s.id for s in self.states]},
+                    caller.f_code.co_filename, caller.f_lineno)
+        p._record(node)
+        try:
+            p._wait_node(node)
+        except ProgramError as e:
+            if isinstance(e, ProgramCancelled):
+                raise
+            raise p._error from None  # a branch's own error, at its line

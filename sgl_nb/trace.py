@@ -6,7 +6,8 @@ generated value (reading `s["x"]`, `s.text()`) ends the static part.
 
 from __future__ import annotations
 
-from sgl_nb.runtime.ir import Node, dot, listing
+from sgl_nb.runtime.ir import Node, dot
+from sgl_nb.runtime.listing import listing
 from sgl_nb.state import ForkGroup, ProgramState
 
 

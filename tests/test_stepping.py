@@ -88,9 +88,12 @@ def test_events_follow_the_program(runtime):
     got = [e for e in _drain(events) if e.program in (st.id, None)]
     kinds = [e.kind for e in got if e.program == st.id]
     assert kinds[0] == "program_started" and kinds[-1] == "program_finished"
-    ran = [n for n in st.nodes if n.kind != "Return"]  # Return is recorded, not run
+    # Return is the program's, as Init is: an Instruction, no Node in the views.
+    ran = [n for n in st.nodes if n.kind != "Return"]
     assert kinds.count("node_started") == kinds.count("node_finished") == len(ran)
-    assert kinds.count("instruction_started") == len(ran)  # one Instruction per Node
+    started = [e.data["kind"] for e in got if e.kind == "instruction_started"]
+    assert started == ["Init", *[i.kind for n in st.nodes for i in n.instructions]]
+    assert started[-1] == "Return" and len(started) == len(ran) + 2  # one per Node
     tokens = [e for e in got if e.kind == "token"]
     assert len(tokens) == 6 + 4  # the two gens' tokens
     seqs = [e.seq for e in got]

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import sgl_nb as sgl
-from sgl_nb.runtime.ir import lower
+from sgl_nb.runtime.lowering import lower
 from sgl_nb.tracing import TraceFormatError, load, load_events, traceparent_for
 from sgl_nb.tracing.otlp_json import read_spans
 from sgl_nb.tracing.timeline import Timeline
@@ -102,7 +102,15 @@ def test_one_span_per_program_node_and_instruction(traced):
     assert len(programs) == 3 + 2  # three programs and two fork branches
     ins_by_node: dict = {}
     for s in _of(traced.spans, "instruction"):
-        ins_by_node.setdefault(s.attributes["sgl.node.id"], []).append(s)
+        ins_by_node.setdefault(s.attributes.get("sgl.node.id"), []).append(s)
+    # Init and Return are the programs' own: under each top-level program's span.
+    own = ins_by_node.pop(None)
+    program_spans = _by(traced.spans, "program", "sgl.program.id")
+    for st in traced.states:
+        names = [s.name for s in own if s.attributes["sgl.program.id"] == st.id]
+        assert names == ["Init", "Return"]
+        assert all(s.parent.span_id == program_spans[st.id].context.span_id for s in own
+                   if s.attributes["sgl.program.id"] == st.id)
     for n in nodes:
         got = sorted(ins_by_node.get(n.id, []), key=lambda s: s.attributes["sgl.seq"])
         ran = [e.data["kind"] for e in started if e.node == n.id]

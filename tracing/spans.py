@@ -275,15 +275,16 @@ class SpanRecorder:
     # ---- instructions ------------------------------------------------------------------
 
     def _on_instruction_started(self, e: Event) -> None:
-        node = self._nodes.get(e.node) if e.node is not None else None
-        if node is None:
+        # A program's own Instructions (Init, Return) have no Node: they go under its span.
+        host = self._nodes.get(e.node) if e.node is not None else self._program(e.program)
+        if host is None:
             return
         index = e.data.get("index", 0)
         attrs = {codec.SPAN_TYPE: "instruction", codec.SEQ: e.seq,
                  **codec.id_attrs(e.program, e.node, e.request),
                  **codec.to_attrs(e.data, "sgl.instruction.")}
         attrs.setdefault("sgl.instruction.index", index)
-        span = self._start(str(e.data.get("kind")), e.ts, node.span.get_span_context(), attrs)
+        span = self._start(str(e.data.get("kind")), e.ts, host.span.get_span_context(), attrs)
         # Keyed by request too: a Select scores each choice as its own request.
         key = (e.node, index, e.request)
         self._instructions[key] = _Open(span, e.data.get("kind"), e.ts, e.program)

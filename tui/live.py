@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable
 
 from sgl_nb.runtime.events import Event
-from sgl_nb.runtime.ir import Node, lower
+from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.lowering import lower
 from sgl_nb.runtime.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.program_file import ProgramFile
@@ -105,7 +106,7 @@ class LiveSession:
         seen = {r.id for r in rows}
         # Nodes the program has recorded but not run yet: its Python runs ahead of them.
         rows += [_pending(n) for n in list(self.state.nodes)
-                 if n.status == "pending" and n.id not in seen]
+                 if n.status == "pending" and n.id not in seen and n.kind != "Return"]
         return number_rows(rows)
 
     def source_file(self) -> str | None:

@@ -15,9 +15,23 @@ from sgl_nb.runtime.request import GenerateOutput
 _DONE = object()
 
 
+def usage_of(meta: dict) -> dict:
+    """A remote answer's figures, as an instruction_finished event carries them."""
+    prompt, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
+    return {"input_tokens": prompt, "cached_tokens": cached,
+            "new_tokens": None if prompt is None or cached is None else prompt - cached,
+            "output_tokens": meta.get("completion_tokens"), "batch_size": None,
+            "preempted": 0, "finish_reason": meta.get("finish_reason")}
+
+
 class RemoteHandle:
-    def __init__(self, rid: int, run: Callable[[RemoteHandle], GenerateOutput]):
+    def __init__(self, rid: int, run: Callable[[RemoteHandle], GenerateOutput],
+                 on_chunk: Callable[[str], None] | None = None,
+                 on_done: Callable[[RemoteHandle], None] | None = None):
+        """on_chunk / on_done, if given, are called on the sending thread with each text
+        piece and once at the end (the executor's only post)."""
         self.rid = rid
+        self._on_chunk, self._on_done = on_chunk, on_done
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._out: GenerateOutput | None = None
@@ -36,15 +50,27 @@ class RemoteHandle:
         finally:
             self._done.set()
             self._chunks.put(_DONE)
+            if self._on_done is not None:
+                self._on_done(self)
 
     def push(self, delta: str) -> None:
         if delta:
             if self.first_chunk_at is None:
                 self.first_chunk_at = time.monotonic()
-            self._chunks.put(delta)
+            if self._on_chunk is not None:
+                self._on_chunk(delta)
+            else:
+                self._chunks.put(delta)
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def usage(self) -> dict:
+        """What its instruction_finished event reports (the server and its request id too)."""
+        if self._out is None:
+            return {}
+        meta = self._out.meta
+        return {**usage_of(meta), "server": meta.get("server"), "request": self.rid}
 
     @property
     def cancelled(self) -> bool:
@@ -83,3 +109,29 @@ class RemoteHandle:
             if not self._done.is_set():
                 self.cancel()
         self.result()
+
+
+class ScoreShare:
+    """One continuation's part of a remote request that scored several: the handle a
+    Select's Score Instruction holds (its result: that continuation's input_logprobs)."""
+
+    def __init__(self, index: int, handle: RemoteHandle | None = None):
+        self.index, self.handle = index, handle
+
+    @property
+    def rid(self) -> int:
+        return self.handle.rid
+
+    def cancel(self) -> bool:
+        return self.handle.cancel()
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def usage(self) -> dict:
+        return self.handle.usage()
+
+    def result(self, timeout: float | None = None) -> GenerateOutput:
+        out = self.handle.result(timeout)
+        return GenerateOutput(out.text, out.token_ids, out.meta,
+                              input_logprobs=out.input_logprobs[self.index])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import ipywidgets as W
 from traitlets import Int, List, Unicode
 
-from sgl_nb.runtime.ir import lower
+from sgl_nb.runtime.lowering import lower
 from sgl_nb.runtime.step_controller import Breakpoint, StepController
 from sgl_nb.tracing.timeline import Timeline
 

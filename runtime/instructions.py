@@ -1,0 +1,125 @@
+"""Instructions: what a program's Nodes lower to and what the executor runs, one kind each.
+
+A program runs as Init, then each Node's Instructions in order, then Return. Text and role
+markers are Extends (their tokens are computed as the prefill of the next Decode or Score,
+or hoisted by a pass); a Gen is one Decode (one engine request: its prefill, then a token a
+step); a Select is one Score per choice (and per choice again, unconditioned, for
+`unconditional_likelihood_normalized`), submitted together. The step controller steps
+these, the events name them, the listings print them: one source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+
+class Op(str, Enum):
+    INIT = "Init"
+    EXTEND = "Extend"
+    DECODE = "Decode"
+    SCORE = "Score"
+    FORK = "Fork"
+    JOIN = "Join"
+    RETURN = "Return"
+
+
+class Cancelled(Exception):  # noqa: N818 - the name the language layer's error extends
+    """An Instruction (and its program) was cancelled; what it produced is kept."""
+
+
+# Instructions that run on the engine (or a server): they carry a request.
+ENGINE_OPS = (Op.DECODE, Op.SCORE)
+
+
+@dataclass(eq=False)
+class Instruction:
+    op: ClassVar[Op]
+    program: int
+    node: int | None  # the Node it came from (None for Init)
+    index: int = 0  # its place among its Node's Instructions
+    status: str = "pending"  # pending -> running -> done | error | cancelled | skipped
+    request: int | None = None  # the engine request that runs it (Decode, Score)
+
+    @property
+    def kind(self) -> str:
+        return self.op.value
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    def __str__(self) -> str:
+        args = " ".join(f"{k}={_short(v)}" for k, v in self.args().items() if v is not None)
+        return f"{self.kind:<7} node={self.node or 0:<5} {args}".rstrip()
+
+
+@dataclass(eq=False)
+class Init(Instruction):
+    op: ClassVar[Op] = Op.INIT
+    function: str = ""
+
+    def args(self) -> dict[str, Any]:
+        return {"program": self.program, "function": self.function or None}
+
+
+@dataclass(eq=False)
+class Extend(Instruction):
+    op: ClassVar[Op] = Op.EXTEND
+    text: str = ""
+    name: str | None = None  # a select decided at compile time binds its choice here
+
+    def args(self) -> dict[str, Any]:
+        return {"text": self.text, "name": self.name}
+
+
+@dataclass(eq=False)
+class Decode(Instruction):
+    op: ClassVar[Op] = Op.DECODE
+    name: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # the request's sampling params
+
+    def args(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
+
+
+@dataclass(eq=False)
+class Score(Instruction):
+    op: ClassVar[Op] = Op.SCORE
+    name: str | None = None
+    choice: str = ""
+    choice_index: int = 0
+    unconditional: bool = False  # scored after a bare start token, not the program's text
+
+    def args(self) -> dict[str, Any]:
+        return {"name": self.name, "choice": self.choice,
+                "unconditional": self.unconditional or None}
+
+
+@dataclass(eq=False)
+class Fork(Instruction):
+    op: ClassVar[Op] = Op.FORK
+    n: int = 1
+
+    def args(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+
+@dataclass(eq=False)
+class Join(Instruction):
+    op: ClassVar[Op] = Op.JOIN
+    mode: str = "gather_variable"
+    branches: tuple[int, ...] = ()  # the fork branches' program ids it waits for
+
+    def args(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+
+@dataclass(eq=False)
+class Return(Instruction):
+    op: ClassVar[Op] = Op.RETURN
+
+
+def _short(v, n: int = 40) -> str:
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= n else s[: n - 3] + "..."

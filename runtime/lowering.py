@@ -1,0 +1,43 @@
+"""Lowering: a Node to the Instructions it runs as (runtime/instructions.py)."""
+
+from __future__ import annotations
+
+from sgl_nb.runtime.instructions import Decode, Extend, Fork, Instruction, Join, Return, Score
+from sgl_nb.runtime.ir import Node
+
+UNCONDITIONAL = "unconditional_likelihood_normalized"
+
+
+def lower(node: Node) -> list[Instruction]:
+    """The Instructions of `node`, numbered within it. VarScope has none: it only marks
+    where a variable's text starts and ends."""
+    d, p, n = node.detail, node.program, node.id
+    if node.kind in ("Text", "RoleBegin", "RoleEnd"):
+        out: list[Instruction] = [Extend(p, n, text=d.get("text", ""))]
+    elif node.kind == "Gen":
+        out = [Decode(p, n, name=node.name, params={k: v for k, v in d.items() if k != "text"})]
+    elif node.kind == "Select":
+        out = _select(node)
+    elif node.kind == "Fork":
+        out = [Fork(p, n, n=d["n"])]
+    elif node.kind == "Join":
+        out = [Join(p, n, mode=d["mode"], branches=tuple(d.get("branches", ())))]
+    elif node.kind == "Return":
+        out = [Return(p, None)]  # the program's, as Init is: no Node of its own in the views
+    else:
+        out = []
+    for i, ins in enumerate(out):
+        ins.index = i
+    return out
+
+
+def _select(node: Node) -> list[Instruction]:
+    d, p, n = node.detail, node.program, node.id
+    if "decided" in d:  # a pass fixed the choice: no Score runs
+        return [Extend(p, n, text=d["decided"], name=node.name)]
+    scores: list[Instruction] = [Score(p, n, name=node.name, choice=c, choice_index=k)
+                                 for k, c in enumerate(d["choices"])]
+    if d.get("method") == UNCONDITIONAL:
+        scores += [Score(p, n, name=node.name, choice=c, choice_index=k, unconditional=True)
+                   for k, c in enumerate(d["choices"])]
+    return scores
