@@ -174,10 +174,11 @@ def test_rerunning_a_cell_cancels_its_previous_run(shell, capsys):
     first = shell.user_ns["tale"]
     next(first.text_iter("t"))
     capsys.readouterr()
-    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", body)
+    short = "s += 'A short tale:' + gen('t', ignore_eos=True)\n"  # --max-tokens applies
+    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", short)
     assert f"cancelled the previous run (program {first.id})" in capsys.readouterr().out
     assert isinstance(first.wait(60).error(), ProgramCancelled) and first["t"]
     second = shell.user_ns["tale"]
     assert second is not first and second.wait(60).error() is None
-    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", body)
+    shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", short)
     assert "cancelled" not in capsys.readouterr().out  # the previous run had ended
