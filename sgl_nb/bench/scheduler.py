@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+from sgl_nb.bench import add_json_argument, add_model_argument
 from sgl_nb.local_runtime import Runtime
 
 BATCH_TOPICS = ("cat", "dog", "ship", "tree", "robot", "river", "castle", "violin",
@@ -97,7 +98,20 @@ def throughput_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def run_scheduler_bench(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--batch-jobs", type=int, default=8, help="long batch jobs")
+    parser.add_argument("--batch-tokens", type=int, default=128, help="tokens per batch job")
+    parser.add_argument("--interactive-tokens", type=int, default=32,
+                        help="tokens of the interactive request")
+    parser.add_argument("--time-slice", type=int, default=8, help="decode steps")
+    parser.add_argument("--programs", type=int, default=32, help="throughput programs")
+    parser.add_argument("--program-tokens", type=int, default=64,
+                        help="tokens per throughput program")
+    add_json_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     print(f"interactive request ({args.interactive_tokens} tokens) alone and under "
           f"{args.batch_jobs} batch jobs of {args.batch_tokens} tokens, time slice "
           f"{args.time_slice} ...", flush=True)

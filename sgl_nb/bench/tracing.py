@@ -1,7 +1,10 @@
 """`sgl-nb bench tracing`: what tracing costs. The few-shot workload of `sgl-nb bench
 programs` (a 5-shot prefix, one select per question) with tracing off, to an OTLP/JSON
-file, and to a real receiver (Arize Phoenix over OTLP/HTTP, when `make phoenix` installed
-it), in one process, rounds interleaved; the best round of each counts."""
+file, and to a real receiver (a running Arize Phoenix over OTLP/HTTP, given by --phoenix
+URL), in one process, rounds interleaved; the best round of each counts.
+
+`make bench-tracing` starts Phoenix (from .venv-phoenix), passes its URL, and stops it
+afterwards."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import os
 import statistics
 import tempfile
 import time
+import urllib.request
 
+from sgl_nb.bench import add_json_argument, add_model_argument
 from sgl_nb.bench.programs import QUESTIONS, few_shot_program
-from sgl_nb.phoenix_server import PhoenixServer
 
 TARGET_FILE_COST = 0.05  # file tracing may cost at most 5% of throughput
 
@@ -48,8 +52,34 @@ def _round(program, questions: list[str], rt, mode: str, dest: dict) -> dict:
             "tracing_cpu": own / 1e9 / cpu}
 
 
-def run_tracing_bench(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--questions", type=int, default=32, help="few-shot questions a round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
+    parser.add_argument("--phoenix", default=None, metavar="URL",
+                        help="a running Phoenix (e.g. http://127.0.0.1:6006) to export to; "
+                        "without it the receiver is not measured (make bench-tracing "
+                        "starts one and passes its URL)")
+    add_json_argument(parser)
+
+
+def check_phoenix(url: str) -> str:
+    """Phoenix's OTLP/HTTP traces endpoint, once its health check answers; else SystemExit,
+    before any round runs."""
+    url = url.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=10) as r:
+            r.read()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--phoenix: no Phoenix answers at {url}/healthz ({e}); start one, "
+                         "or run `make bench-tracing`") from None
+    return f"{url}/v1/traces"
+
+
+def run(args: argparse.Namespace) -> int:
     import sgl_nb as sgl
+
+    endpoint = check_phoenix(args.phoenix) if args.phoenix else None
 
     questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
     print("loading the engine ...", flush=True)
@@ -57,26 +87,21 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
     sgl.set_default_backend(rt)  # the programs run on the runtime being traced
     program = few_shot_program()
     program.run_batch([{"question": q} for q in questions[:4]])  # warm up
-    px = PhoenixServer()
     # The receiver runs in its own process and keeps working (ingesting) after each export:
-    # the file rounds are measured before it starts, the receiver rounds against "off"
-    # rounds taken while it is up. Modes alternate, so drift hits both alike.
+    # the file rounds are measured before anything is sent to it, the receiver rounds
+    # against "off" rounds taken after. Modes alternate, so drift hits both alike.
     phases, note = [("off", "file")], ""
-    if px.available:
+    if endpoint:
         phases.append(("off, receiver up", "receiver"))
     else:
-        note = (f"receiver: not measured, Phoenix is not installed at {px.exe} (run `make "
-                "phoenix`); an OTLP receiver inside this process would share its CPU and "
-                "is not a fair stand-in")
+        note = ("receiver: not measured, no --phoenix URL (`make bench-tracing` starts "
+                "Phoenix from .venv-phoenix and passes it); an OTLP receiver inside this "
+                "process would share its CPU and is not a fair stand-in")
     tmp = tempfile.mkdtemp(prefix="sgl-nb-bench-tracing-")
-    dest = {"file": os.path.join(tmp, "trace.jsonl"), "endpoint": px.traces_url}
+    dest = {"file": os.path.join(tmp, "trace.jsonl"), "endpoint": endpoint}
     rounds: dict[str, list[dict]] = {m: [] for phase in phases for m in phase}
     try:
         for phase in phases:
-            if "receiver" in phase:
-                print("starting Phoenix (the receiver) ...", flush=True)
-                px.start()
-                dest["endpoint"] = px.traces_url  # its port is known once it runs
             for r in range(args.rounds):
                 for mode in phase:
                     got = _round(program, questions, rt, mode.split(",")[0], dest)
@@ -85,7 +110,6 @@ def run_tracing_bench(args: argparse.Namespace) -> int:
                           f"{got['per_cpu']:6.2f} per CPU second, tracing's own CPU "
                           f"{got['tracing_cpu']:6.2%}", flush=True)
     finally:
-        px.stop()
         rt.shutdown()
     size = os.path.getsize(dest["file"]) if os.path.exists(dest["file"]) else 0
     best = {m: {"qps": max(r["qps"] for r in rs), "per_cpu": max(r["per_cpu"] for r in rs),

@@ -1,23 +1,21 @@
 """Start vLLM's OpenAI-compatible server (the CPU build, from its own venv) on a model
-folder, wait until it serves, stop it. Used by the remote-backend tests and
-`sgl-nb bench remote`."""
+folder, wait until it serves, stop it. Used by the remote-backend tests and by
+`make bench-remote` (through with_server.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from support import REPO
+from support.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 class VllmServer:

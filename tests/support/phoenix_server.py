@@ -1,18 +1,20 @@
 """Start and stop a local Arize Phoenix (`phoenix serve`) from its own venv: the real OTLP
-receiver that the tracing tests and `sgl-nb bench tracing` export to."""
+receiver that the tracing tests and `make bench-tracing` (through with_server.py) export
+to."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+from support.ports import free_port
+
 DEFAULT_VENV = REPO / ".venv-phoenix"
 
 
@@ -31,12 +33,6 @@ while True:
     time.sleep(0.5)
 print(json.dumps(spans, default=str))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PhoenixServer:
@@ -66,9 +62,9 @@ class PhoenixServer:
         if not self.available:
             raise FileNotFoundError(f"no Phoenix at {self.exe}: run `make phoenix`")
         self._dir = tempfile.TemporaryDirectory(prefix="sgl-nb-phoenix-")
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "PHOENIX_WORKING_DIR": self._dir.name, "PHOENIX_HOST": "127.0.0.1",
-               "PHOENIX_PORT": str(self.port), "PHOENIX_GRPC_PORT": str(_free_port()),
+               "PHOENIX_PORT": str(self.port), "PHOENIX_GRPC_PORT": str(free_port()),
                "PHOENIX_TELEMETRY_ENABLED": "false"}
         log = open(Path(self._dir.name) / "phoenix.log", "w")  # noqa: SIM115 - Popen keeps it
         self.proc = subprocess.Popen([str(self.exe), "serve"], env=env, stdout=log,

@@ -1,0 +1,95 @@
+"""`sgl-nb bench NAME`: each bench its own subcommand with its own flags (no model loaded)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from support.ports import free_port
+
+from sgl_nb.bench import BENCHES
+from sgl_nb.cli import main
+
+# Every bench's flags and their defaults: those of the one shared parser these subcommands
+# replaced, but that the remote bench takes a running server's URL (it started vLLM itself
+# from --vllm-python) and the tracing bench a running Phoenix's.
+DEFAULTS = {
+    "engine": {"model": None, "new_tokens": 256, "requests": 16, "prefix_tokens": 400,
+               "shared_new_tokens": 32, "dtype": [], "quantization": [], "repeat": 2,
+               "json": None},
+    "programs": {"model": None, "questions": 32, "fork_tokens": 64, "json_items": 4,
+                 "sessions": 8, "turns": 4, "chat_tokens": 24, "json": None},
+    "remote": {"model": None, "new_tokens": 256, "requests": 16, "prefix_tokens": 400,
+               "shared_new_tokens": 32, "questions": 32, "fork_tokens": 64, "json_items": 4,
+               "sessions": 8, "turns": 4, "chat_tokens": 24, "server": "http://x:1",
+               "json": None},
+    "scheduler": {"model": None, "batch_jobs": 8, "batch_tokens": 128,
+                  "interactive_tokens": 32, "time_slice": 8, "programs": 32,
+                  "program_tokens": 64, "json": None},
+    "tracing": {"model": None, "questions": 32, "rounds": 3, "phoenix": None, "json": None},
+    "cancel": {"model": None, "rounds": 3, "cancel_tokens": 3000},
+}
+REQUIRED = {"remote": ["--server", "http://x:1"]}
+
+
+def parsed(monkeypatch, name: str, *flags: str) -> dict:
+    """The flags `sgl-nb bench NAME ...` hands to the bench's run()."""
+    got = {}
+    monkeypatch.setattr(importlib.import_module(f"sgl_nb.bench.{name}"), "run",
+                        lambda args: got.update(vars(args)) or 0)
+    assert main(["bench", name, *REQUIRED.get(name, []), *flags]) == 0
+    return {k: v for k, v in got.items() if k not in ("command", "bench", "func")}
+
+
+def test_bench_help_lists_every_bench(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert set(BENCHES) == set(DEFAULTS)
+    for name in BENCHES:
+        assert f"    {name}" in out
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_each_bench_has_its_own_flags_and_defaults(monkeypatch, name):
+    assert parsed(monkeypatch, name) == DEFAULTS[name]
+
+
+def test_bench_help_lists_only_its_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--help"])
+    out = capsys.readouterr().out
+    assert "--dtype" in out and "--repeat" in out
+    assert "--questions" not in out and "--batch-jobs" not in out
+
+
+def test_a_flag_of_another_bench_is_an_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "engine", "--questions", "4"])
+    assert e.value.code == 2
+    assert "sgl-nb bench engine: error: unrecognized arguments: --questions" in \
+        capsys.readouterr().err
+
+
+def test_flags_reach_the_bench(monkeypatch):
+    got = parsed(monkeypatch, "engine", "--dtype", "bfloat16", "--repeat", "1")
+    assert got["dtype"] == ["bfloat16"] and got["repeat"] == 1
+
+
+def test_remote_needs_a_server(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "remote"])
+    assert e.value.code == 2
+    assert "--server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["remote", "--server"], "no OpenAI-compatible server answers at"),
+    (["tracing", "--phoenix"], "--phoenix: no Phoenix answers at"),
+])
+def test_a_server_that_does_not_answer_fails_before_the_model_loads(argv, says):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv, url])
+    assert str(e.value.code).startswith(says) and "make bench-" in str(e.value.code)
