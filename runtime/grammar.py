@@ -87,4 +87,9 @@ class Grammar:
         text = self.matcher.find_jump_forward_string()
         if not text:
             return []
-        return tokenizer.encode(text, add_special_tokens=False)[:limit]
+        # A special token's text ("<|im_end|>" in a regex) is the grammar's characters,
+        # which the mask never lets the special token itself spell.
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = ids[:limit]
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), len(ids))
+        return ids[:bad]  # an id past the model's vocabulary would fail the whole step

@@ -115,6 +115,12 @@ def stop_inside_forced_text(s):
 
 
 @sgl.function
+def special_token_text(s):
+    s += "Write the end marker as text: "
+    s += sgl.gen("marker", regex=r"<\|im_end\|> (done|over)", max_tokens=16)
+
+
+@sgl.function
 def forked_json(s):
     s += "Two records as JSON.\n"
     forks = s.fork(2)
@@ -125,7 +131,7 @@ def forked_json(s):
 
 PROGRAMS = [person_json, movie_json, order_json, chat_json, literal_runs, dates_and_phones,
             typed_values, choices, sampled_json, unicode_enum, stop_inside_forced_text,
-            forked_json]
+            special_token_text, forked_json]
 
 
 def _run_recorded(rt, run) -> tuple[object, dict, list]:
@@ -155,10 +161,10 @@ def _run_recorded(rt, run) -> tuple[object, dict, list]:
 def _state_view(st) -> tuple:
     assert st.error() is None, st.error()
     return st.text(), {k: st[k] for k in ("json", "facts", "born", "phone", "age", "height",
-                                          "pilot", "name", "role", "colour") if k in st}
+                                          "pilot", "name", "role", "colour", "marker") if k in st}
 
 
-def test_same_output_as_token_by_token_over_twelve_programs(default_backend):
+def test_same_output_as_token_by_token_over_thirteen_programs(default_backend):
     rt = default_backend
     totals = {"off": defaultdict(int), "on": defaultdict(int)}
     for prog in PROGRAMS:
