@@ -55,8 +55,8 @@ class ScheduledBatch:
     forward: ForwardBatch
     # Scoring requests: (request, first scored position, number of rows) in score_rows order.
     scored: list[tuple[Request, int, int]]
-    # Jump-forward: (request, first row, number of rows) of the rows after the scored ones
-    # whose logits check its draft tokens (its last row is the usual one, at logits_at).
+    # Jump-forward: (request, first row, number of rows) in score_rows order (after the
+    # scored ones) whose logits check its draft tokens (its last row is at logits_at).
     drafts: list[tuple[Request, int, int]]
 
     @property
@@ -380,14 +380,13 @@ class Scheduler:
     def _draft_rows(reqs, starts, lens, rows: list[int]) -> list[tuple[Request, int, int]]:
         """Append to rows the rows whose logits check a jump's draft tokens: from its last
         output token's position to the one before its last new token (that one's logits
-        come anyway). Returns (request, first row after the scored ones, rows)."""
+        come anyway). Returns (request, index of its first row in rows, rows)."""
         drafts = []
-        n_scored = len(rows)
         offset = 0
         for r, start, n in zip(reqs, starts, lens):
             first, last = max(start, r.committed_len - 1), start + n - 1
             if r.draft_ids and last > first:
-                drafts.append((r, len(rows) - n_scored, last - first))
+                drafts.append((r, len(rows), last - first))
                 rows.extend(range(offset + first - start, offset + last - start))
             offset += n
         return drafts

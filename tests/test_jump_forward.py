@@ -202,6 +202,34 @@ def test_programs_side_by_side_same_outputs(default_backend):
     assert t_on == t_off and m_on["jump_forward_tokens"] > 0
 
 
+def test_a_jump_and_a_score_in_one_step(default_backend):
+    """A select's Score request submitted at each token of a JSON gen joins the next extend
+    step beside the gen's jump: the rows of both are read from the one forward pass."""
+    rt, engine = default_backend, default_backend.engine
+    prompt = "Describe a person as JSON (beside scores).\n"
+    expected = rt.submit(prompt, max_tokens=80, json_schema=PERSON, jump_forward=False)
+    expected = expected.result()
+    ids = rt.tokenizer.encode("The capital of France is Paris, and of Spain Madrid.")
+    alone = engine.submit(engine.make_score_request(ids, 2)).result().input_logprobs
+    gen, scores = [], []
+
+    def on_event(e) -> None:  # on the engine thread: submitting does not block
+        if gen and e.kind == "token" and e.request == gen[0].req.rid and len(scores) < 12:
+            scores.append(engine.submit(engine.make_score_request(ids, 2)))
+
+    sub = rt.events.subscribe(on_event)
+    try:
+        before = rt.metrics()["jump_forward_tokens"]
+        gen.append(rt.submit(prompt, max_tokens=80, json_schema=PERSON))
+        out = gen[0].result()
+    finally:
+        rt.events.unsubscribe(sub)
+    assert out.token_ids == expected.token_ids
+    assert rt.metrics()["jump_forward_tokens"] > before and len(scores) == 12
+    for h in scores:
+        assert h.result().input_logprobs == pytest.approx(alone, abs=1e-4)
+
+
 def test_forced_tokens_marked_in_events_and_metrics(default_backend):
     rt = default_backend
     q = rt.events.subscribe()
