@@ -206,6 +206,9 @@ class Engine:
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
         self.generated_tokens = 0
+        # Tokens the grammar chose (one allowed, or a jump-forward draft the model agreed
+        # with), draft tokens proposed and taken, and decode steps the jumps saved.
+        self.forced = {"tokens": 0, "drafted": 0, "accepted": 0, "steps_saved": 0}
         self.started = time.monotonic()
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
         # On CPU the torch decode path (~35 small ops per layer, each its own OpenMP region)
@@ -434,27 +437,82 @@ class Engine:
         kind = "decode" if batch.is_decode else "extend"
         self.steps[kind] += 1
         self.step_seconds[kind] += time.perf_counter() - t0
+        last, extra = logits if isinstance(logits, tuple) else (logits, None)
         if batch.scored:
-            logits = self._record_scores(batch, *logits)
-        ready = [
-            (i, r) for i, r in enumerate(batch.reqs)
-            if batch.is_decode or self.scheduler.prefill_done(r)
-        ]
-        for _, r in ready:
+            self._record_scores(batch, extra)
+        # Requests with draft tokens (jump-forward) are checked row by row; a prompt chunk
+        # that is not the last has nothing to sample.
+        drafted = [(i, r) for i, r in enumerate(batch.reqs) if r.draft_ids]
+        ready = []
+        for i, r in enumerate(batch.reqs):
+            if r.draft_ids or not (batch.is_decode or self.scheduler.prefill_done(r)):
+                continue
             if r.logprob_start is not None:  # scored, nothing to generate: done
                 r.finish_reason = "score"
                 self._finish(r)
-        ready = [(i, r) for i, r in ready if r.logprob_start is None]
-        if not ready:
-            return
+            else:
+                ready.append((i, r))
+        if ready:
+            self._sample_ready(last, ready)
+        rows_of = {r.rid: (first, n) for r, first, n in batch.drafts}
+        for i, r in drafted:
+            first, n = rows_of.get(r.rid, (0, 0))
+            rows = last[i : i + 1] if n == 0 else torch.cat([extra[first : first + n],
+                                                               last[i : i + 1]])
+            self._take_drafted(r, rows.float().cpu())
+
+    def _sample_ready(self, last: torch.Tensor, ready: list[tuple[int, Request]]) -> None:
+        """One token for each request from its last row of logits, sampled together."""
         reqs = [r for _, r in ready]
-        if len(ready) < logits.shape[0]:
-            logits = logits[torch.tensor([i for i, _ in ready], device=logits.device)]
-        rows, reqs = self._masked_rows(logits.float().cpu(), reqs)
+        if len(ready) < last.shape[0]:
+            last = last[torch.tensor([i for i, _ in ready], device=last.device)]
+        rows, reqs = self._masked_rows(last.float().cpu(), reqs)
         sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
                          all_logprobs=self.events.active)
         for req, s in zip(reqs, sampled):
             self._take(req, s)
+            self._propose_drafts(req)
+
+    def _take_drafted(self, req: Request, rows: torch.Tensor) -> None:
+        """A request that had draft tokens: rows[j] are the logits after its j-th new token.
+        Each row picks the next token exactly as a decode step would (penalties, grammar
+        mask, sampler, seeded generator in the same order), so the output is the one token
+        by token decoding gives. While the pick is the next draft, the draft is taken
+        (forced); the first pick that differs is taken instead, and the drafts after it are
+        dropped with their KV."""
+        taken = 0
+        for row in rows:
+            try:
+                self._adjust_row(row, req)
+            except Exception as e:  # noqa: BLE001 - handed to the request's caller
+                self._finish(req, error=e)
+                return
+            s = sample(row[None], [req.params], [req.generator],
+                       all_logprobs=self.events.active)[0]
+            s.forced = s.token == req.draft_ids[0] if req.draft_ids else False
+            if s.forced:
+                req.draft_ids.pop(0)
+                self.forced["accepted"] += 1
+            else:
+                self.scheduler.drop_drafts(req)
+            self._take(req, s)
+            taken += 1
+            if req.finished or not s.forced:
+                break  # the rows after a pick of its own belong to dropped drafts
+        self.forced["steps_saved"] += max(taken - 1, 0)
+        if not req.draft_ids:
+            self._propose_drafts(req)
+
+    def _propose_drafts(self, req: Request) -> None:
+        """Jump-forward: the tokens of the text req's grammar forces next become its drafts,
+        computed by its next step together with its last token."""
+        on = req.params.jump_forward
+        if req.grammar is None or req.finished or not (
+                self.settings.jump_forward if on is None else on):
+            return
+        req.draft_ids = req.grammar.jump_forward(
+            self.tokenizer, req.max_new_tokens - len(req.output_ids))
+        self.forced["drafted"] += len(req.draft_ids)
 
     # A request whose own logits or grammar go wrong fails alone: the rest of its batch
     # goes on, and its KV (all computed by then) is released as for any other end.
@@ -499,27 +557,29 @@ class Engine:
             self._finish(req, error=e)
             return
         self.generated_tokens += 1
+        forced = s.forced or (req.grammar is not None and req.grammar.forced)
+        self.forced["tokens"] += forced
         if self.events.active:
             self.events.emit("token", request=req.rid, program=req.program, node=req.node,
                              data={"token": s.token, "logprob": s.logprob,
                                    "step": self.scheduler.step_no,
                                    "text": self.tokenizer.decode([s.token]),
-                                   "forced": req.grammar is not None and req.grammar.forced})
+                                   "forced": forced})
         handle = self._handles.get(req.rid)
         if handle is not None:
             handle._push(req.take_delta())
         if req.finished:
             self._finish(req)
 
-    def _record_scores(self, batch: ScheduledBatch, last, scored_logits) -> torch.Tensor:
-        logp = torch.log_softmax(scored_logits.float(), -1)
+    def _record_scores(self, batch: ScheduledBatch, scored_logits: torch.Tensor) -> None:
+        n_scored = sum(n for _, _, n in batch.scored)  # jump-forward's rows come after
+        logp = torch.log_softmax(scored_logits[:n_scored].float(), -1)
         row = 0
         for req, first, n in batch.scored:
             targets = torch.tensor(req.all_ids[first + 1 : first + 1 + n], device=logp.device)
             got = logp[row : row + n].gather(1, targets[:, None])[:, 0]
             req.input_logprobs.extend(got.tolist())
             row += n
-        return last
 
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if error is not None:
@@ -562,6 +622,10 @@ class Engine:
             "retractions": sch.retractions, "aborted": self.aborted,
             "forks": self.events.counts["fork"], "joins": self.events.counts["join"],
             "generated_tokens": self.generated_tokens,
+            "forced_tokens": self.forced["tokens"],
+            "jump_forward_drafted": self.forced["drafted"],
+            "jump_forward_tokens": self.forced["accepted"],
+            "jump_forward_steps_saved": self.forced["steps_saved"],
             "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
             "steps": dict(self.steps), "busy_seconds": round(busy, 3),
             "uptime_seconds": round(time.monotonic() - self.started, 3),

@@ -31,6 +31,9 @@ class EngineConfig:
     preemption: bool = True  # False: priorities only order the queue
     starvation_steps: int = 256  # after waiting this long, work runs one top-level slice
     schedule_policy: str = "lpm"  # "lpm": a long queue admits the longest cached prefix first
+    # Text a grammar forces (a JSON key, a closing quote) is computed in one extend step
+    # and checked against the model's own choices, instead of one decode step a token.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kv_pool_tokens", "max_prefill_tokens", "max_running", "time_slice",
@@ -38,6 +41,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
                              f"{self.schedule_policy!r}")

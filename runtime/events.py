@@ -38,7 +38,8 @@ EVENT_KINDS = (
 #                     decode batch it ran in), preempted (times suspended or retracted),
 #                     finish_reason (stop | length | abort | error | score).
 #   token             token (id), text (its characters, may be ""), logprob, forced (True
-#                     when the grammar allowed only this token), step (the scheduler's step
+#                     when the grammar allowed only this token, or it is a jump-forward
+#                     draft of the grammar's forced text), step (the scheduler's step
 #                     counter: batches scheduled so far); program/node/request set
 #   cache_hit         cached_tokens, prompt_tokens           (request, program, node)
 #   cache_insert      tokens (newly added to the radix tree) (request, program, node)

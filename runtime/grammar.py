@@ -1,5 +1,6 @@
 """Constrained decoding: a regex or JSON schema compiled by xgrammar into a matcher that
-masks, at every step, the tokens that cannot continue a valid output."""
+masks, at every step, the tokens that cannot continue a valid output, and that proposes
+the text the grammar forces next (jump-forward) as draft tokens."""
 
 from __future__ import annotations
 
@@ -71,3 +72,24 @@ class Grammar:
 
     def done(self) -> bool:
         return self.matcher.is_terminated()
+
+    def jump_forward(self, tokenizer, limit: int) -> list[int]:
+        """Draft tokens for the string the grammar forces from here (at most `limit`; []
+        when the next character is the model's choice). The matcher is not changed.
+
+        The string is tokenized on its own, as the tokenizer would encode it: that is the
+        split the model was trained on, and so the one it most likely picks token by token.
+        The drafts are only proposals: the engine keeps the ones the model's own logits
+        choose (runtime/engine.py, _take_drafted), so no other split is ever forced on it.
+        """
+        if limit <= 0:
+            return []
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        # A special token's text ("<|im_end|>" in a regex) is the grammar's characters,
+        # which the mask never lets the special token itself spell.
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = ids[:limit]
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), len(ids))
+        return ids[:bad]  # an id past the model's vocabulary would fail the whole step

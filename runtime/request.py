@@ -36,9 +36,13 @@ class Request:
     logprob_start: int | None = None
     rid: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
-    # KV: slots[i] holds the K/V of all_ids[i]. Invariant between steps: len(slots) == fill_len;
-    # slots[:cached_len] belong to the radix tree (kept alive by the lock on last_node), the
-    # rest to this request.
+    # Jump-forward: tokens of the text the grammar forces next, proposed after the last
+    # output token and not yet output. A step computes them with it; each one the model's
+    # own logits choose joins output_ids, the first it does not is dropped with the rest.
+    draft_ids: list[int] = field(default_factory=list)
+    # KV: slots[i] holds the K/V of all_ids[i]. Invariant between steps: len(slots) == fill_len
+    # <= committed_len; slots[:cached_len] belong to the radix tree (kept alive by the lock
+    # on last_node), the rest to this request.
     slots: torch.Tensor = field(default_factory=lambda: EMPTY_SLOTS)
     cached_len: int = 0
     last_node: object | None = None
@@ -84,7 +88,8 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt, output and draft tokens: everything the next step may compute."""
+        return self.prompt_ids + self.output_ids + self.draft_ids
 
     @property
     def fill_len(self) -> int:
@@ -92,6 +97,11 @@ class Request:
 
     @property
     def seq_len(self) -> int:
+        return self.committed_len + len(self.draft_ids)
+
+    @property
+    def committed_len(self) -> int:
+        """Prompt and output tokens (drafts not counted)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property

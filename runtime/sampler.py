@@ -15,6 +15,7 @@ class Sampled:
     logprob: float | None = None  # log-softmax of the raw logits (before temperature)
     top: list[tuple[int, float]] | None = None  # (token, logprob) alternatives, most likely first
     error: str | None = None  # why this row could not be sampled (its request fails alone)
+    forced: bool = False  # a jump-forward draft token the model's logits chose too
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -29,6 +29,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this x how often a token is in the output so far
     presence_penalty: float = 0.0  # minus this once a token is in the output
     repetition_penalty: float = 1.0  # a token of prompt or output: logit / this if > 0, else x
+    # Text a regex / json_schema forces is computed in one step, not one step a token
+    # (the output is the same either way); None: the engine's setting (on by default).
+    jump_forward: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,5 +81,7 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
+            bad(f"jump_forward must be True, False or None, got {self.jump_forward!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")

@@ -5,6 +5,11 @@ Continuous batching: requests join (prefill, in chunks under a token budget) and
 of a prompt the radix cache does not hold is computed) or a decode step (one token for
 every running request). Extend steps go first, so new requests start quickly.
 
+Jump-forward: a running request whose grammar forces the next text has draft tokens (the
+engine proposes them); it goes back to an extend step for its last token and its drafts
+(as many as the prefill budget leaves), then decodes again. The decodes beside it wait that
+step, as they do for a prompt chunk.
+
 Priorities (runtime.priority) and time slices: while more urgent work exists, a running
 decode of a lower level is suspended once it has used its slice of decode steps (it keeps
 its KV and lock, so resuming recomputes nothing), lower-level work is not admitted, and
@@ -50,6 +55,9 @@ class ScheduledBatch:
     forward: ForwardBatch
     # Scoring requests: (request, first scored position, number of rows) in score_rows order.
     scored: list[tuple[Request, int, int]]
+    # Jump-forward: (request, first row, number of rows) in score_rows order (after the
+    # scored ones) whose logits check its draft tokens (its last row is at logits_at).
+    drafts: list[tuple[Request, int, int]]
 
     @property
     def is_decode(self) -> bool:
@@ -168,10 +176,21 @@ class Scheduler:
                 break
             chosen.append((req, n))
             budget -= n
+        jumps = 0  # running requests: already counted by _room_for_more
+        for req in [r for r in self.running if r.draft_ids]:
+            if budget <= 0:
+                break
+            if top is not None and self.level(req) > top:
+                continue
+            if n := self._jump(req, budget):
+                chosen.append((req, n))
+                budget -= n
+                jumps += 1
         # Ranking the queue reads the radix tree per request: skip it when nothing can join.
-        queue = self._queue_order() if budget > 0 and self._room_for_more(len(chosen)) else []
+        room = budget > 0 and self._room_for_more(len(chosen) - jumps)
+        queue = self._queue_order() if room else []
         for req in queue:
-            if budget <= 0 or not self._room_for_more(len(chosen)):
+            if budget <= 0 or not self._room_for_more(len(chosen) - jumps):
                 break
             if top is not None and self.level(req) > top:
                 break  # sorted by level: everything after waits too
@@ -187,6 +206,20 @@ class Scheduler:
         if not chosen:
             return None
         return self._make(False, chosen)
+
+    def _jump(self, req: Request, budget: int) -> int:
+        """Tokens a running request with drafts computes in this extend step (its last
+        output token, then drafts, as many as the budget allows); 0: it waits or decodes."""
+        n = min(req.seq_len - req.fill_len, budget)
+        if not self._grow(req, n):
+            self.drop_drafts(req)  # no memory for them: it decodes, as without jump-forward
+            return 0
+        if req.gate is not None and not req.gate():  # held by a step controller
+            self.pool.free(req.slots[-n:])
+            req.slots = req.slots[:-n]
+            return 0
+        req.slice_used += 1
+        return n
 
     def _retract_for(self, req: Request) -> bool:
         """Memory for an urgent request: retract one suspended request of a lower level (its
@@ -313,18 +346,21 @@ class Scheduler:
         lens = [n for _, n in chosen]
         if not is_decode:
             for r, n in chosen:
-                r.prefill_tokens += n
+                if not r.draft_ids:  # a jump's tokens are output, not prompt
+                    r.prefill_tokens += n
         starts = [r.fill_len - n for r, n in chosen]  # slots already include the new ones
         tokens = [r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, lens)]
         out_loc = [r.slots[s:] for r, s in zip(reqs, starts)]
         rows, scored = self._score_rows(reqs, starts, lens)
+        drafts = [] if is_decode else self._draft_rows(reqs, starts, lens, rows)
         fb = build_batch(
-            is_decode, tokens, starts, [r.slots for r in reqs], out_loc, self.device, rows
+            is_decode, tokens, starts, [r.slots for r in reqs], out_loc, self.device,
+            rows or None,
         )
-        return ScheduledBatch(reqs, lens, fb, scored)
+        return ScheduledBatch(reqs, lens, fb, scored, drafts)
 
     @staticmethod
-    def _score_rows(reqs, starts, lens) -> tuple[list[int] | None, list]:
+    def _score_rows(reqs, starts, lens) -> tuple[list[int], list]:
         """Rows (in the flattened step) whose logits score a request's next prompt token."""
         rows: list[int] = []
         scored = []
@@ -338,7 +374,22 @@ class Scheduler:
                     rows.extend(range(offset + first - start, offset + last - start))
                     scored.append((r, first, last - first))
             offset += n
-        return (rows or None), scored
+        return rows, scored
+
+    @staticmethod
+    def _draft_rows(reqs, starts, lens, rows: list[int]) -> list[tuple[Request, int, int]]:
+        """Append to rows the rows whose logits check a jump's draft tokens: from its last
+        output token's position to the one before its last new token (that one's logits
+        come anyway). Returns (request, index of its first row in rows, rows)."""
+        drafts = []
+        offset = 0
+        for r, start, n in zip(reqs, starts, lens):
+            first, last = max(start, r.committed_len - 1), start + n - 1
+            if r.draft_ids and last > first:
+                drafts.append((r, len(rows), last - first))
+                rows.extend(range(offset + first - start, offset + last - start))
+            offset += n
+        return drafts
 
     # ---- after a step -------------------------------------------------------------------
 
@@ -359,11 +410,20 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         self.boosted.discard(req.rid)
+        self.drop_drafts(req)
         if req.last_node is None:
             return
         self._cache_progress(req)
         self.cache.dec_lock_ref(req.last_node)
         req.last_node, req.slots, req.cached_len = None, EMPTY_SLOTS, 0
+
+    def drop_drafts(self, req: Request) -> None:
+        """Forget req's draft tokens, and free the KV a step computed for them."""
+        req.draft_ids = []
+        keep = req.committed_len
+        if req.fill_len > keep:
+            self.pool.free(req.slots[keep:])
+            req.slots = req.slots[:keep]
 
     def drop_uncomputed(self, req: Request, computed: int) -> None:
         """A step failed: give back the slots allocated for tokens that were not computed."""

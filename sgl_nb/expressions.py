@@ -55,6 +55,8 @@ SAMPLING_ARGS = {
     "ignore_eos": "ignore_eos", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "return_logprob": "logprobs",
     "top_logprobs_num": "top_logprobs",
+    # Ours: False computes grammar-forced text one decode step a token (same output).
+    "jump_forward": "jump_forward",
 }
 # Not sampling: how a gen's meta info shows logprobs (run() may set them for every gen).
 LOGPROB_ARGS = ("return_text_in_logprobs", "logprob_start_len")
@@ -157,6 +159,7 @@ def gen(
     json_schema: str | dict | None = None,
     max_new_tokens: int | None = None,
     seed: int | None = None,
+    jump_forward: bool | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name` (SGLang's arguments; the run's where None).
     With `choices`, this is `select`."""
@@ -172,7 +175,8 @@ def gen(
         "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed, "ignore_eos": ignore_eos,
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
-        "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
+        "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+        "jump_forward": jump_forward})
     logprob_args = {k: v for k, v in (("return_text_in_logprobs", return_text_in_logprobs),
                                       ("logprob_start_len", logprob_start_len)) if v is not None}
     return Gen(name, params, regex, json_schema, dtype, logprob_args)

@@ -46,7 +46,46 @@ def few_shot_program():
     return few_shot
 
 
-def run_ours(args: argparse.Namespace, rt) -> dict:
+def json_program():
+    """The JSON workload's program: a regex with literal runs between the free fields, so
+    jump-forward has the keys and punctuation to skip."""
+    import sgl_nb as sgl
+
+    @sgl.function
+    def city_json(s, city):
+        s += f"Describe {city} as JSON: "
+        s += sgl.gen("json", regex=CITY_REGEX, max_tokens=64)
+
+    return city_json
+
+
+def run_json(args: argparse.Namespace, **options) -> tuple[float, list[str]]:
+    """The JSON workload on the default backend: seconds, and the objects generated."""
+    cities = ["Paris", "Tokyo", "Cairo", "Lima"][: args.json_items]
+    t0 = time.perf_counter()
+    states = json_program().run_batch([{"city": c} for c in cities], **options)
+    return time.perf_counter() - t0, [st["json"] for st in states]
+
+
+def jump_forward_figures(args: argparse.Namespace, rt) -> dict:
+    """The JSON workload with jump-forward off, then on (each from an empty cache): seconds,
+    engine steps, tokens jumped and decode steps saved, and whether the outputs agree."""
+    out = {}
+    for name, on in (("off", False), ("on", True)):
+        rt.flush_cache()
+        before = rt.metrics()
+        seconds, texts = run_json(args, jump_forward=on)
+        after = rt.metrics()
+        steps = {k: after["steps"][k] - before["steps"][k] for k in after["steps"]}
+        out[name] = {"s": seconds, "texts": texts, "steps": steps, **{
+            k: after[k] - before[k] for k in ("generated_tokens", "forced_tokens",
+                                              "jump_forward_tokens",
+                                              "jump_forward_steps_saved")}}
+    out["same_outputs"] = out["on"]["texts"] == out["off"]["texts"]
+    return out
+
+
+def run_ours(args: argparse.Namespace, rt, json_workload: bool = True) -> dict:
     import sgl_nb as sgl
 
     sgl.set_default_backend(rt)
@@ -63,11 +102,6 @@ def run_ours(args: argparse.Namespace, rt) -> dict:
         s += sgl.select("best", [" 1", " 2", " 3", " 4"])
 
     @sgl.function
-    def city_json(s, city):
-        s += f"Describe {city} as JSON: "
-        s += sgl.gen("json", regex=CITY_REGEX, max_tokens=64)
-
-    @sgl.function
     def chat(s, turns):
         for t in turns:
             s += sgl.user(t)
@@ -77,8 +111,8 @@ def run_ours(args: argparse.Namespace, rt) -> dict:
     qs = QUESTIONS[: args.questions]
     out["few_shot"] = _timed(lambda: few_shot.run_batch([{"question": q} for q in qs]))
     out["fork"] = _timed(lambda: [fork_judge.run(topic=t) for t in ("rain", "bread")])
-    cities = ["Paris", "Tokyo", "Cairo", "Lima"][: args.json_items]
-    out["json"] = _timed(lambda: city_json.run_batch([{"city": c} for c in cities]))
+    if json_workload:
+        out["json"] = run_json(args)[0]
     sessions = [{"turns": [f"Session {i}, turn {j}: tell me something about number {i + j}."
                            for j in range(args.turns)]} for i in range(args.sessions)]
     out["chat"] = _timed(lambda: chat.run_batch(sessions))
@@ -171,18 +205,22 @@ def run(args: argparse.Namespace) -> int:
     rt = Runtime(args.model)
     rt.generate("warm up", max_tokens=2)
     print("ours ...", flush=True)
-    ours = run_ours(args, rt)
+    ours = run_ours(args, rt, json_workload=False)
+    jump = jump_forward_figures(args, rt)
+    ours["json"], ours["json_no_jump"] = jump["on"]["s"], jump["off"]["s"]
     # Loaded after ours ran: OpenMP work on this thread slows the engine thread's own
     # (see runtime.engine.off_main_thread), which would understate our side.
     print("transformers (same weights, fp32) ...", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(str(rt.model_path), dtype=torch.float32).eval()
     theirs = run_hf(args, hf, rt.tokenizer)
     rt.shutdown()
-    targets = {"few_shot": 5.0, "fork": 2.0, "json": 2.0, "chat": 5.0}
+    theirs["json_no_jump"] = theirs["json"]
+    targets = {"few_shot": 5.0, "fork": 2.0, "json": 2.0, "json_no_jump": 2.0, "chat": 5.0}
     names = {
         "few_shot": f"few-shot: 5-shot prefix, {args.questions} questions, select",
         "fork": f"fork: 4 branches x {args.fork_tokens} tokens, judging select (x2)",
         "json": f"JSON by regex, {args.json_items} objects",
+        "json_no_jump": f"JSON by regex, {args.json_items} objects, jump_forward=False",
         "chat": f"multi-turn chat: {args.sessions} sessions x {args.turns} turns",
     }
     print(f"\n{'workload (seconds end to end)':<56}{'ours':>8}{'HF':>9}{'ratio':>8}{'target':>8}")
@@ -192,7 +230,20 @@ def run(args: argparse.Namespace) -> int:
         rows[k] = {"ours_s": ours[k], "hf_s": theirs[k], "ratio": ratio}
         print(f"{names[k]:<56}{ours[k]:>8.2f}{theirs[k]:>9.2f}{ratio:>7.2f}x"
               f"{'>=' + format(targets[k], 'g') + 'x':>8}")
+    print_jump_forward(jump)
     if args.json:
+        rows["json_jump_forward"] = {k: jump[k] for k in ("on", "off", "same_outputs")}
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
+
+
+def print_jump_forward(jump: dict) -> None:
+    on, off = jump["on"], jump["off"]
+    print(f"\nJSON workload, jump-forward on / off: {on['s']:.2f} / {off['s']:.2f} s "
+          f"({off['s'] / on['s']:.2f}x); engine steps {sum(on['steps'].values())} / "
+          f"{sum(off['steps'].values())} (extend {on['steps']['extend']} / "
+          f"{off['steps']['extend']}, decode {on['steps']['decode']} / "
+          f"{off['steps']['decode']}); {on['generated_tokens']} tokens, "
+          f"{on['jump_forward_tokens']} jumped, {on['jump_forward_steps_saved']} decode steps "
+          f"saved; outputs {'identical' if jump['same_outputs'] else 'DIFFERENT'}")
