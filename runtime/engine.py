@@ -32,6 +32,7 @@ from sgl_nb.runtime.request import GenerateOutput, Request
 from sgl_nb.runtime.sampler import Sampled, sample
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
+from sgl_nb.runtime.token_usage import TokenUsage
 
 log = logging.getLogger("sgl_nb.engine")
 _DONE = object()
@@ -203,6 +204,7 @@ class Engine:
         self._aborts: set[int] = set()
         self._abort_programs: set[int] = set()
         self.aborted = 0
+        self.token_usage = TokenUsage()
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
         self.generated_tokens = 0
@@ -584,6 +586,7 @@ class Engine:
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if error is not None:
             req.error, req.finish_reason = error, "error"
+        self.token_usage.add(len(req.prompt_ids), len(req.output_ids))
         self.scheduler.release(req)
         if req.instruction is None:
             self._emit_instruction("instruction_finished", req)

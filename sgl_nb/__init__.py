@@ -35,6 +35,7 @@ from sgl_nb.function import (
     get_server_info,
     set_default_backend,
 )
+from sgl_nb.global_config import global_config
 from sgl_nb.local_runtime import Runtime
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ __all__ = [
     "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end", "video", "enable_tracing", "disable_tracing", "RuntimeEndpoint",
+    "global_config",
 ]
 __version__ = "0.1.0"
 

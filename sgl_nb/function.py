@@ -26,6 +26,11 @@ def set_default_backend(backend) -> None:
     _default_backend = backend
 
 
+def current_backend():
+    """The default backend if one is set, else None (nothing is created)."""
+    return _default_backend
+
+
 def get_default_backend():
     """The backend programs run on; a default Runtime is created on first use."""
     global _default_backend
@@ -162,7 +167,7 @@ class SglFunction:
     def trace(self, *args, **kwargs) -> ProgramGraph:
         """The static part of the program's graph for these arguments (no model runs)."""
         call, defaults = self._split(args, kwargs)
-        roles = getattr(_default_backend, "chat_roles", None)
+        roles = _default_backend.chat_roles if _default_backend is not None else None
         return trace_program(self.func, call, _run_defaults(defaults), roles)
 
     def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
@@ -201,7 +206,7 @@ class SglFunction:
 
     def _prefill_shared_prefix(self, batch_kwargs: list[dict], backend,
                                priority: str) -> PassReport:
-        roles = getattr(backend, "chat_roles", None)
+        roles = backend.chat_roles
         graphs = [trace_program(self.func, dict(kw), {}, roles) for kw in batch_kwargs]
         common, report = shared_prefix([leading_text(g.nodes) for g in graphs])
         if common:

@@ -36,9 +36,30 @@ class Runtime:
             raise TypeError(f"Runtime() got unknown settings {unknown}; it takes {names}")
         self.engine = Engine(EngineConfig(model_path, **settings))
 
+    instruction_stepping = True  # the step controller gates each decode step
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def events(self):
+        """The engine's event stream: .subscribe() gives a queue of runtime Events."""
+        return self.engine.events
+
+    @property
+    def token_usage(self):
+        """Prompt and completion tokens of every request so far (`.reset()` zeroes them)."""
+        return self.engine.token_usage
+
+    @property
+    def cache(self):
+        """The radix tree (the views draw it)."""
+        return self.engine.cache
+
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
 
     def get_tokenizer(self):
         """SGLang's Runtime spells it so."""
@@ -133,11 +154,6 @@ class Runtime:
     def metrics(self) -> dict:
         """Queue lengths, cache hit rate, preemptions, retractions, forks, joins, tok/s."""
         return self.engine.metrics()
-
-    @property
-    def events(self):
-        """The engine's event stream: .subscribe() gives a queue of runtime Events."""
-        return self.engine.events
 
     def score(self, prefix: str | list[int], continuations: list[str | list[int]],
               priority: str | int | None = None, program: int | None = None,

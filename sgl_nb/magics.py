@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from sgl_nb.backend import Backend
 from sgl_nb.cell_program import compile_cell, parse_args
 from sgl_nb.function import get_default_backend, set_default_backend
 from sgl_nb.state import ProgramState
@@ -113,7 +114,7 @@ class SglMagics(Magics):
                 endpoints[spec] = RuntimeEndpoint(spec)
             return endpoints[spec]
         backend = self.shell.user_ns.get(spec)
-        if backend is None or not hasattr(backend, "submit"):
+        if not isinstance(backend, Backend):
             raise UsageError(f"--backend {spec}: not a Runtime or RuntimeEndpoint in the "
                              "notebook, nor an http(s):// URL")
         return backend
@@ -128,7 +129,7 @@ class SglMagics(Magics):
         if args.trace:
             _start_tracing(args.trace)
         # Subscribed after the tracer, so each event reaches the tracer first.
-        end = _ProgramEnd(getattr(backend, "events", None))
+        end = _ProgramEnd(backend.events)
         defaults = {k: v for k, v in (("temperature", args.temperature),
                                       ("max_new_tokens", args.max_tokens)) if v is not None}
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
@@ -171,12 +172,11 @@ class SglMagics(Magics):
         """Show the radix cache tree of the default runtime, live (a widget) or as text."""
         args = _parse(self.sgl_cache, line)
         rt = get_default_backend()
-        engine = getattr(rt, "engine", None)
-        if engine is None:
+        if rt.cache is None:
             print("this backend has no local radix cache")
             return None
         if args.text:
-            print(engine.cache.format_tree(rt.tokenizer))
+            print(rt.cache.format_tree(rt.tokenizer))
             return None
         from sgl_nb.widgets import LiveCacheTree
 
@@ -220,10 +220,9 @@ class SglMagics(Magics):
 
 
 def _describe(rt) -> str:
-    path = getattr(rt, "model_path", None) or getattr(rt, "model", None)
-    engine = getattr(rt, "engine", None)
+    path = rt.model_path or rt.model_name
     extra = ""
-    if engine is not None:
+    if rt.cache is not None:
         s = rt.cache_stats()
         extra = f"\nradix cache: {s.get('nodes', '?')} nodes, {s.get('cached_tokens', '?')} tokens"
     return f"model: {path}{extra}"

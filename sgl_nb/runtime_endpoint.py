@@ -24,6 +24,7 @@ from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarError
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime.token_usage import TokenUsage
 
 APIS = {"openai": OpenAIApi, "sglang": SGLangApi}
 _rids = itertools.count(1)
@@ -43,6 +44,7 @@ class RuntimeEndpoint:
     connect."""
 
     instruction_stepping = False  # one token at a time happens on the server, out of reach
+    cache = None  # the radix tree is the server's
 
     def __init__(self, base_url: str, api: str = "openai", model: str | None = None,
                  api_key: str | None = None, tokenizer_path: str | Path | None = None,
@@ -58,6 +60,7 @@ class RuntimeEndpoint:
         self.api = APIS[api](self.client, model)
         self._tokenizer_path = tokenizer_path
         self.events = EventBus()
+        self.token_usage = TokenUsage()  # what the server's answers reported
         self._lock = threading.Lock()
         self._by_program: dict[int, set[RemoteHandle]] = {}  # requests in flight
 
@@ -81,6 +84,11 @@ class RuntimeEndpoint:
         """The served model's name as a path (its last part names the model in traces)."""
         name = self.model
         return Path(name) if name else None
+
+    @property
+    def model_name(self) -> str | None:
+        path = self.model_path
+        return path.name if path is not None else None
 
     @functools.cached_property
     def tokenizer(self):
@@ -245,6 +253,7 @@ class RuntimeEndpoint:
                 "retractions": 0, "e2e_latency": time.monotonic() - h.created,
                 "ttft": None if h.first_chunk_at is None else h.first_chunk_at - h.created}
         meta.setdefault("completion_tokens", len(ids) or None)
+        self.token_usage.add(meta.get("prompt_tokens"), meta.get("completion_tokens"))
         return GenerateOutput(text=text, token_ids=ids, meta=meta)
 
     # ---- select -------------------------------------------------------------------------
@@ -298,6 +307,7 @@ class RuntimeEndpoint:
                 body = self.api.score_body(pre, ids)
             obj = self.client.request_json("POST", path, body, _trace_headers(node), request)
             scores, usage = self.api.parse_score(obj, pre, ids, request)
+            self.token_usage.add(usage.get("prompt_tokens"), 0)
         except BaseException as e:
             emit("instruction_finished", rid, program, node,
                  {"kind": "Score", "index": 0, "error": repr(e)})

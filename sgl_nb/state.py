@@ -56,7 +56,7 @@ class ProgramState(ProgramEffects):
         self.pass_counts: dict[int, int] = {}
         self.backend, self.defaults, self.parent = backend, defaults, parent
         self.debug = debug  # the step controller, when the program runs under the debugger
-        self.events = getattr(backend, "events", None)
+        self.events = backend.events
         self._executor = get_executor()
         if debug is not None:
             debug.add_waker(self._executor.wake)
@@ -243,8 +243,7 @@ class ProgramState(ProgramEffects):
     def _model_name(self) -> str | None:
         """For the events and spans only: never lets a backend's attribute error out."""
         try:
-            path = getattr(self.backend, "model_path", None)
-            return getattr(path, "name", None) or getattr(self.backend, "model", None)
+            return self.backend.model_name
         except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
             return None
 

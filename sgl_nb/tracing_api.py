@@ -8,6 +8,7 @@ import os
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from sgl_nb.backend import Backend
 from sgl_nb.tracing import session
 
 
@@ -24,15 +25,12 @@ def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None =
     an SDK TracerProvider yourself, that one is used (with its resource) instead.
     level: "node" (default) or "token" (also one span event per generated token)."""
     rt = runtime if runtime is not None else _default_runtime()
-    bus = getattr(rt, "events", None)
-    if bus is None or not hasattr(bus, "subscribe"):
-        raise TypeError(f"enable_tracing(runtime=...) needs an sgl_nb.Runtime (a backend "
-                        f"with an event bus), got {type(rt).__name__}")
-    path = getattr(rt, "model_path", None)
-    model = getattr(path, "name", None) or (str(path) if path else None)
-    session.enable(bus, file=file, endpoint=endpoint, exporter=exporter,
+    if not isinstance(rt, Backend):
+        raise TypeError(f"enable_tracing(runtime=...) needs an sgl.Runtime or "
+                        f"sgl.RuntimeEndpoint, got {type(rt).__name__}")
+    session.enable(rt.events, file=file, endpoint=endpoint, exporter=exporter,
                    service_name=service_name, resource_attributes=resource_attributes,
-                   level=level, model=model)
+                   level=level, model=rt.model_name)
 
 
 def disable_tracing() -> None:

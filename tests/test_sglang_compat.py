@@ -253,3 +253,23 @@ def test_gen_logprobs_over_http_equal_the_local_ones(default_backend, api):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_global_config_and_token_usage(default_backend):
+    """SGLang's test programs read sgl.global_config.default_backend.token_usage."""
+    runtime = default_backend
+    assert sgl.global_config.default_backend is runtime
+    usage = sgl.global_config.default_backend.token_usage
+    usage.reset()
+    assert (usage.prompt_tokens, usage.completion_tokens) == (0, 0)
+    out = runtime.generate("The capital of France is", max_tokens=5, ignore_eos=True)
+    assert usage.prompt_tokens == out.meta["prompt_tokens"] and usage.completion_tokens == 5
+
+    @sgl.function(num_api_spec_tokens=64)  # accepted; a no-op on the in-kernel engine
+    def character(s):
+        s += "Name:" + sgl.gen("name", max_tokens=4, stop="\n")
+
+    usage.reset()
+    st = character.run()
+    assert st.error() is None
+    assert usage.completion_tokens == st.get_meta_info("name")["completion_tokens"]

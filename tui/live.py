@@ -137,7 +137,7 @@ class LiveSession:
     def next_instruction(self) -> str:
         if self._finished():
             return "the program has finished"
-        if not getattr(self.backend, "instruction_stepping", True):
+        if not self.backend.instruction_stepping:
             return "stepping by Node only: Instructions run on the server"
         self.debug.step_instruction()
         return "running one Instruction"

@@ -40,8 +40,7 @@ class ProgramWidget(W.VBox):
         self._cached_chars: dict[tuple[int, int], int] = {}
         self._live: dict = {}  # node id -> the live Node, refreshed on each render
         self._family: set[int] = set()  # this program and its fork branches
-        bus = getattr(backend, "events", None)
-        self._queue = bus.subscribe() if bus is not None else None
+        self._queue = backend.events.subscribe()
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
         # Stop cancels the program (state.cancel()): a click only asks, and returns.
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
@@ -68,18 +67,13 @@ class ProgramWidget(W.VBox):
         self._family = {state.id}  # grows with the fork events
         self.stepper.bind(state.debug,
                           node_only=not getattr(state.backend, "instruction_stepping", True))
-        if self._queue is None:  # a backend without an event stream: show the end result
-            threading.Thread(target=self._without_events, daemon=True).start()
-            return self
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
                               changed=self._hold_changed, rate=self.rate,
                               on_stop=self._unsubscribe).start()
         return self
 
     def _unsubscribe(self) -> None:
-        bus = getattr(self.backend, "events", None)
-        if bus is not None and self._queue is not None:
-            bus.unsubscribe(self._queue)
+        self.backend.events.unsubscribe(self._queue)
 
     def _fold(self, events: list[Event]) -> bool:
         """Fold this program's events (and its fork branches'); others only say whether the
@@ -152,8 +146,7 @@ class ProgramWidget(W.VBox):
                         f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
                 self.stepper.update(rows, finished)
                 self.stop_button.disabled = finished
-                engine = getattr(self.backend, "engine", None)
-                self.cache.update(getattr(engine, "cache", None), self._tokenizer(),
+                self.cache.update(self.backend.cache, self._tokenizer(),
                                   self._path_tokens(model, text))
 
     def _error_text(self, error: str) -> str:
@@ -165,7 +158,7 @@ class ProgramWidget(W.VBox):
         return f"{error}{where}"
 
     def _tokenizer(self):
-        return getattr(self.backend, "tokenizer", None)
+        return self.backend.tokenizer
 
     def _path_tokens(self, model: StreamModel, text: str) -> list[int]:
         """The token ids of this program's path in the radix tree: its last Gen's prompt as
@@ -205,16 +198,8 @@ class ProgramWidget(W.VBox):
             # A chat that opens without a system turn gets the template's default system
             # prompt before this role's prefix (ProgramState._role_marker); the node's own
             # text holds the prefix only. Unneeded once node_finished carries the text.
-            roles = getattr(self.backend, "chat_roles", None)
-            text = (roles.default_system if roles is not None else "") + text
+            text = self.backend.chat_roles.default_system + text
         return text
-
-    def _without_events(self) -> None:
-        text = self.state.text()
-        with self.stream.hold_sync():
-            self.stream.text = text
-            self.stream.html_view.value = f"<pre>{html.escape(text)}</pre>"
-            self.stream.status = self.status = "done"
 
 
 class LiveCacheTree(CacheTreeView):
@@ -226,24 +211,21 @@ class LiveCacheTree(CacheTreeView):
     def __init__(self, backend, rate: float = 10.0, **kwargs):
         super().__init__(**kwargs)
         self.backend = backend
-        bus = getattr(backend, "events", None)
-        self._queue = bus.subscribe() if bus is not None else None
+        self._queue = backend.events.subscribe()
         self._stopped = threading.Event()
         self.render()
-        if self._queue is not None:
-            if LiveCacheTree._current is not None:
-                LiveCacheTree._current.stop()
-            LiveCacheTree._current = self
-            self.pump = EventPump(self._queue, self._fold, self.render, self._stopped.is_set,
-                                  rate=rate, on_stop=self._unsubscribe).start()
+        if LiveCacheTree._current is not None:
+            LiveCacheTree._current.stop()
+        LiveCacheTree._current = self
+        self.pump = EventPump(self._queue, self._fold, self.render, self._stopped.is_set,
+                              rate=rate, on_stop=self._unsubscribe).start()
 
     def _fold(self, events: list[Event]) -> None:
         pass  # the tree is read from the engine itself; events only say when to re-read
 
     def render(self) -> None:
-        engine = getattr(self.backend, "engine", None)
         with held(self.widgets()):
-            self.update(getattr(engine, "cache", None), getattr(self.backend, "tokenizer", None))
+            self.update(self.backend.cache, self.backend.tokenizer)
 
     def stop(self) -> None:
         self._stopped.set()

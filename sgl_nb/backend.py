@@ -1,0 +1,66 @@
+"""The Backend interface: what programs, the magics, the widgets and the debugger use of a
+backend. The in-kernel `sgl.Runtime` (sgl_nb/local_runtime.py) and `sgl.RuntimeEndpoint`
+(a vLLM or SGLang server, sgl_nb/runtime_endpoint.py) both implement it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from sgl_nb.chat_roles import ChatRoles
+from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.radix_cache import RadixCache
+from sgl_nb.runtime.request import GenerateOutput
+from sgl_nb.runtime.token_usage import TokenUsage
+
+
+@runtime_checkable
+class Backend(Protocol):
+    instruction_stepping: bool  # one token at a time under the step controller
+    events: EventBus
+    token_usage: TokenUsage
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def chat_roles(self) -> ChatRoles: ...
+
+    @property
+    def model_path(self) -> Path | None: ...
+
+    @property
+    def model_name(self) -> str | None: ...
+
+    @property
+    def cache(self) -> RadixCache | None:
+        """The radix tree the views draw (None: it lives in a server)."""
+        ...
+
+    def submit(self, prompt: str | list[int], stream: bool = False, gate=None,
+               priority: str | int | None = None, program: int | None = None,
+               node: int | None = None, instruction=None, on_chunk=None, on_done=None,
+               **params) -> Any: ...
+
+    def submit_scores(self, prefix: str | list[int], continuations: list,
+                      priority: str | int | None = None, program: int | None = None,
+                      node: int | None = None, instructions: list | None = None,
+                      on_done: list | None = None) -> list: ...
+
+    def score(self, prefix: str | list[int], continuations: list,
+              priority: str | int | None = None, program: int | None = None,
+              node: int | None = None) -> list[list[float]]: ...
+
+    def generate(self, prompt, **params) -> GenerateOutput | Any: ...
+
+    def check_grammar(self, regex: str | None, json_schema: str | dict | None) -> None: ...
+
+    def cancel_program(self, program: int) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def flush_cache(self) -> Any: ...
+
+    def get_server_info(self) -> dict: ...
+
+    def shutdown(self) -> None: ...
