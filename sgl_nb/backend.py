@@ -17,6 +17,7 @@ from sgl_nb.runtime.token_usage import TokenUsage
 @runtime_checkable
 class Backend(Protocol):
     instruction_stepping: bool  # one token at a time under the step controller
+    api_speculation: bool  # @sgl.function(num_api_spec_tokens=N) saves requests here
     events: EventBus
     token_usage: TokenUsage
 

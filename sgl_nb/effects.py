@@ -8,6 +8,7 @@ through callbacks; Fork makes the branches; Join gathers them; Return ends the p
 
 from __future__ import annotations
 
+from sgl_nb import speculation
 from sgl_nb.logprob_meta import logprob_meta
 from sgl_nb.reasoning import split_reasoning
 from sgl_nb.runtime.executor import Done
@@ -113,6 +114,12 @@ class ProgramEffects:
     # ---- Extend -----------------------------------------------------------------------
 
     def _extend(self, node: Node, ins) -> None:
+        start = len(self._text)
+        self._extend_text(node, ins)
+        if self.speculated:
+            self.speculated = speculation.fill(self.speculated, self._text[start:])
+
+    def _extend_text(self, node: Node, ins) -> None:
         if node.kind in ("RoleBegin", "RoleEnd"):
             self._role_marker(node, self._payloads[node.id])
             ins.text = node.detail["text"]
@@ -147,8 +154,11 @@ class ProgramEffects:
 
     # ---- Decode -----------------------------------------------------------------------
 
-    def _decode(self, node: Node, ins, done: Done) -> int:
+    def _decode(self, node: Node, ins, done: Done) -> int | None:
         g, prompt = self._payloads[node.id], self._text
+        if self.spec_tokens and speculation.speculable(ins.params):
+            return self._speculate(node, ins, g, done)
+        self.speculated = ""
         gate = None
         if self.debug is not None:
             gate = self.debug.may_decode
@@ -166,6 +176,46 @@ class ProgramEffects:
                                      on_chunk=on_chunk, on_done=on_done, **ins.params)
         self._hold(handle)
         return handle.rid
+
+    def _speculate(self, node: Node, ins, g, done: Done) -> int | None:
+        """A gen read off the speculated answer; if there is none, one request for it and
+        the rest (no stop string, spec_tokens long)."""
+        stop = list(ins.params["stop"]) if not isinstance(ins.params["stop"], str) \
+            else [ins.params["stop"]]
+        if self.speculated:
+            value, self.speculated = speculation.take(self.speculated, stop)
+            self._speculated_value(g, value, {"speculated": True})
+            done(None, {"speculated": True, "output_tokens": 0})
+            return None
+        params = {**ins.params, "stop": [],
+                  "max_tokens": max(ins.params.get("max_tokens", 0), self.spec_tokens)}
+
+        def on_done(handle) -> None:
+            self._executor.post(lambda: self._speculated_answer(handle, g, stop, done))
+
+        handle = self.backend.submit(self._text, priority=self.priority, program=self.id,
+                                     node=node.id, instruction=ins, on_done=on_done, **params)
+        self._hold(handle)
+        return handle.rid
+
+    def _speculated_answer(self, handle, g, stop: list[str], done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            result = handle.result(0)
+        except BaseException as e:  # noqa: BLE001
+            done(e, handle.usage())
+            return
+        value, self.speculated = speculation.take(result.text, stop)
+        self._speculated_value(g, value, result.meta)
+        aborted = result.meta.get("finish_reason") == "abort"
+        done(self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None,
+             handle.usage())
+
+    def _speculated_value(self, g, value: str, meta: dict) -> None:
+        self._append(value, g.name)
+        if g.name is not None:
+            self._meta[g.name] = dict(meta)
+            self[g.name] = g.convert(value)
 
     def _decoded(self, handle, g, prompt: str, done: Done) -> None:
         self._inflight.discard(handle)
@@ -199,6 +249,7 @@ class ProgramEffects:
 
     def start_scores(self, group: list, dones: list[Done]) -> list[int]:
         node = self._nodes_by_id[group[0].node]
+        self.speculated = ""  # its choice is not read off a speculated answer
         tok = self.backend.tokenizer
         prefix = (tok.bos_token or "\n") if group[0].unconditional else self._text
         post = self._executor.post

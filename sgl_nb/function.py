@@ -90,8 +90,9 @@ class ProgramFuture:
 
 
 class SglFunction:
-    def __init__(self, func: Callable):
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None):
         self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
         params = list(inspect.signature(func).parameters)
         if not params:
             raise TypeError(f"@sgl.function {func.__name__} must take the state `s` first")
@@ -109,6 +110,8 @@ class SglFunction:
         controller = StepController(paused=step) if debug or step else None
         state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
                              passes=check_passes(passes), priority=priority)
+        if self.num_api_spec_tokens and state.backend.api_speculation:
+            state.spec_tokens = self.num_api_spec_tokens
         file = self.func.__code__.co_filename
         if controller is not None:
             controller.on_hold = lambda at, node: state.emit(
@@ -237,8 +240,17 @@ def _takes_kwargs(func: Callable) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(func).parameters.values())
 
 
-def function(func: Callable | None = None, **_options):
-    """Decorator: `@sgl.function def prog(s, question): ...`."""
+def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
+    """Decorator: `@sgl.function def prog(s, question): ...`.
+
+    num_api_spec_tokens=N (SGLang's API speculative execution): on a server
+    (`sgl.RuntimeEndpoint`), a gen asks for N tokens at once and the gens and text after it
+    are read from that answer while it matches, saving a request each. A no-op on the
+    in-kernel engine, whose radix cache already serves the prefix."""
+    if num_api_spec_tokens is not None and (not isinstance(num_api_spec_tokens, int)
+                                            or num_api_spec_tokens <= 0):
+        raise ValueError(f"num_api_spec_tokens must be a positive integer, got "
+                         f"{num_api_spec_tokens!r}")
     if func is None:
-        return lambda f: SglFunction(f)
-    return SglFunction(func)
+        return lambda f: SglFunction(f, num_api_spec_tokens)
+    return SglFunction(func, num_api_spec_tokens)

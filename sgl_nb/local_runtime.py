@@ -37,6 +37,7 @@ class Runtime:
         self.engine = Engine(EngineConfig(model_path, **settings))
 
     instruction_stepping = True  # the step controller gates each decode step
+    api_speculation = False  # the radix cache serves a gen's prefix: nothing to save
 
     @property
     def tokenizer(self):

@@ -45,6 +45,7 @@ class RuntimeEndpoint:
 
     instruction_stepping = False  # one token at a time happens on the server, out of reach
     cache = None  # the radix tree is the server's
+    api_speculation = True  # num_api_spec_tokens saves a request per gen it covers
 
     def __init__(self, base_url: str, api: str = "openai", model: str | None = None,
                  api_key: str | None = None, tokenizer_path: str | Path | None = None,

@@ -90,6 +90,10 @@ class ProgramState(ProgramEffects):
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
         self._body_thread: threading.Thread | None = None  # the thread running the program
         self._has_body = False  # a body runs (or will): a fork branch has none
+        # API speculative execution (sgl_nb/speculation.py): tokens a gen asks for at once,
+        # and what of the answer the following text and gens have not taken yet.
+        self.spec_tokens: int | None = None
+        self.speculated = ""
 
     def begin(self, function: str) -> None:
         """A program's start: its program_started event and its Init Instruction, on the

@@ -331,3 +331,41 @@ def test_base_url_with_or_without_v1(server, runtime, suffix, api):
     ep = sgl.RuntimeEndpoint(server.url + suffix, api=api)
     assert ep.base_url == server.url
     assert ep.generate("Hi", max_tokens=3).text == runtime.generate("Hi", max_tokens=3).text
+
+
+def test_api_speculative_execution_saves_requests(server, runtime):
+    """SGLang's test_gen_character_spec, on a server: with num_api_spec_tokens the first
+    gen's answer serves the gens after it, so fewer requests and prompt tokens are sent."""
+    def character(s):
+        s += "Construct a character within the following format:\n"
+        s += "Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.\n"
+        s += "\nPlease generate new Name, Birthday and Job.\n"
+        s += ("Name:" + sgl.gen("name", stop="\n") + "\nBirthday:"
+              + sgl.gen("birthday", stop="\n"))
+        s += "\nJob:" + sgl.gen("job", stop="\n") + "\n"
+
+    spec = sgl.function(num_api_spec_tokens=256)(character)
+    plain_fn = sgl.function(character)
+    ep = sgl.RuntimeEndpoint(server.url)
+    usage = ep.token_usage
+
+    def requests_of(fn) -> tuple[int, int, object]:
+        q = ep.events.subscribe()
+        usage.reset()
+        try:
+            st = fn.run(backend=ep, max_new_tokens=64)
+            assert st.error() is None, st.error()
+        finally:
+            ep.events.unsubscribe(q)
+        sent = 0
+        while not q.empty():
+            e = q.get()
+            sent += e.kind == "instruction_started" and e.request is not None
+        return sent, usage.prompt_tokens, st
+
+    sent_spec, prompt_spec, st = requests_of(spec)
+    sent_plain, prompt_plain, _ = requests_of(plain_fn)
+    assert sent_plain == 3 and sent_spec < sent_plain, (sent_spec, sent_plain)
+    assert prompt_spec < prompt_plain
+    assert all(st[k] is not None for k in ("name", "birthday", "job"))
+    assert "\n" not in st["name"] and st.text().startswith("Construct a character")
