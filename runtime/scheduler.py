@@ -405,17 +405,17 @@ class Scheduler:
         return True
 
     def release(self, req: Request) -> None:
-        """A request left (finished, failed or aborted): its KV becomes evictable cache."""
+        """A request left (finished, failed or aborted): its KV becomes evictable cache.
+        It leaves the queues last, so a reader that sees it gone sees its KV unlocked."""
+        self.boosted.discard(req.rid)
+        self.drop_drafts(req)
+        if req.last_node is not None:
+            self._cache_progress(req)
+            self.cache.dec_lock_ref(req.last_node)
+            req.last_node, req.slots, req.cached_len = None, EMPTY_SLOTS, 0
         for queue in (self.prefilling, self.running, self.suspended, self.waiting):
             if req in queue:
                 queue.remove(req)
-        self.boosted.discard(req.rid)
-        self.drop_drafts(req)
-        if req.last_node is None:
-            return
-        self._cache_progress(req)
-        self.cache.dec_lock_ref(req.last_node)
-        req.last_node, req.slots, req.cached_len = None, EMPTY_SLOTS, 0
 
     def drop_drafts(self, req: Request) -> None:
         """Forget req's draft tokens, and free the KV a step computed for them."""

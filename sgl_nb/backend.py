@@ -4,8 +4,9 @@ backend. The in-kernel `sgl.Runtime` (sgl_nb/local_runtime.py) and `sgl.RuntimeE
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from sgl_nb.chat_roles import ChatRoles
 from sgl_nb.runtime.events import EventBus
@@ -14,7 +15,6 @@ from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.token_usage import TokenUsage
 
 
-@runtime_checkable
 class Backend(Protocol):
     instruction_stepping: bool  # one token at a time under the step controller
     api_speculation: bool  # @sgl.function(num_api_spec_tokens=N) saves requests here
@@ -65,3 +65,13 @@ class Backend(Protocol):
     def get_server_info(self) -> dict: ...
 
     def shutdown(self) -> None: ...
+
+
+def is_backend(obj: object) -> bool:
+    """Whether `obj` has every member of Backend, looked up without running properties:
+    `isinstance` on a runtime_checkable Protocol calls each property on Python 3.11, and a
+    RuntimeEndpoint's tokenizer comes over the network."""
+    names = set(Backend.__annotations__) | {
+        name for name in vars(Backend) if not name.startswith("_")}
+    missing = object()
+    return all(inspect.getattr_static(obj, name, missing) is not missing for name in names)

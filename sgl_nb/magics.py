@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from sgl_nb.backend import Backend
+from sgl_nb.backend import is_backend
 from sgl_nb.cell_program import compile_cell, parse_args
 from sgl_nb.function import get_default_backend, set_default_backend
 from sgl_nb.state import ProgramState
@@ -114,7 +114,7 @@ class SglMagics(Magics):
                 endpoints[spec] = RuntimeEndpoint(spec)
             return endpoints[spec]
         backend = self.shell.user_ns.get(spec)
-        if not isinstance(backend, Backend):
+        if not is_backend(backend):
             raise UsageError(f"--backend {spec}: not a Runtime or RuntimeEndpoint in the "
                              "notebook, nor an http(s):// URL")
         return backend

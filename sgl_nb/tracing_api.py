@@ -8,7 +8,7 @@ import os
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from sgl_nb.backend import Backend
+from sgl_nb.backend import is_backend
 from sgl_nb.tracing import session
 
 
@@ -25,7 +25,7 @@ def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None =
     an SDK TracerProvider yourself, that one is used (with its resource) instead.
     level: "node" (default) or "token" (also one span event per generated token)."""
     rt = runtime if runtime is not None else _default_runtime()
-    if not isinstance(rt, Backend):
+    if not is_backend(rt):
         raise TypeError(f"enable_tracing(runtime=...) needs an sgl.Runtime or "
                         f"sgl.RuntimeEndpoint, got {type(rt).__name__}")
     session.enable(rt.events, file=file, endpoint=endpoint, exporter=exporter,
