@@ -149,7 +149,8 @@ class Executor:
             if any(b in self._tracks and not self._tracks[b].idle for b in branches):
                 return False
         debug = track.host.debug
-        return debug is None or debug.enter_node(node)
+        # A debugger starts paused at the program's first Node of its own, not at Init.
+        return debug is None or node.kind == "Init" or debug.enter_node(node)
 
     def _start_next(self, track: _Track) -> None:
         first = track.todo.popleft()

@@ -7,8 +7,12 @@ import itertools
 from dataclasses import dataclass, field
 
 NODE_KINDS = (
-    "Text", "RoleBegin", "RoleEnd", "Gen", "Select", "Fork", "Join", "VarScope", "Return",
+    "Init", "Text", "RoleBegin", "RoleEnd", "Gen", "Select", "Fork", "Join", "VarScope",
+    "Return",
 )
+# A program's own Nodes, its first and its last: the views show them as the program's span,
+# not as steps of their own.
+PROGRAM_NODES = ("Init", "Return")
 _node_ids = itertools.count(1)
 
 
@@ -48,10 +52,13 @@ class Node:
 def dot(name: str, nodes: list[Node]) -> str:
     """Graphviz DOT: one box per Node, edges from its predecessors."""
     lines = [f'digraph "{name}" {{', "  node [shape=box, fontname=monospace];"]
+    init = next((n for n in nodes if n.kind == "Init"), None)
     for n in nodes:
         label = n.label().replace('"', r"\"")
-        lines.append(f'  n{n.id} [label="{label}"];')
-        lines.extend(f"  n{p} -> n{n.id};" for p in n.preds)
+        shape = ", shape=oval" if n.kind in PROGRAM_NODES else ""
+        lines.append(f'  n{n.id} [label="{label}"{shape}];')
+        preds = n.preds or ([init.id] if init is not None and n is not init else [])
+        lines.extend(f"  n{p} -> n{n.id};" for p in preds)
     return "\n".join([*lines, "}"])
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sgl_nb.runtime.instructions import Init, Instruction
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.instructions import Instruction
+from sgl_nb.runtime.ir import PROGRAM_NODES, Node
 from sgl_nb.runtime.lowering import lower
 
 
@@ -13,12 +13,13 @@ def instructions_of(node: Node) -> list[Instruction]:
     return node.instructions or lower(node)
 
 
-def listing(nodes: list[Node], program: int | None = None, function: str = "") -> str:
-    """With `program`, opened by the program's Init Instruction."""
-    lines = [] if program is None else [f"      {Init(program, None, function=function)}"]
+def listing(nodes: list[Node]) -> str:
+    """The program's own Init and Return print as their Instruction alone."""
+    lines = []
     for n in nodes:
-        where = f"line {n.line}" if n.line else ""
-        lines.append(f"#{n.id:<4} {n.label():<48} {where:<9} [{n.status}]")
+        if n.kind not in PROGRAM_NODES:
+            where = f"line {n.line}" if n.line else ""
+            lines.append(f"#{n.id:<4} {n.label():<48} {where:<9} [{n.status}]")
         lines.extend(f"      {ins}" + _status(ins) for ins in instructions_of(n))
     return "\n".join(lines)
 

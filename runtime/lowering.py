@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from sgl_nb.runtime.instructions import Decode, Extend, Fork, Instruction, Join, Return, Score
+from sgl_nb.runtime.instructions import (
+    Decode,
+    Extend,
+    Fork,
+    Init,
+    Instruction,
+    Join,
+    Return,
+    Score,
+)
 from sgl_nb.runtime.ir import Node
 
 UNCONDITIONAL = "unconditional_likelihood_normalized"
@@ -22,8 +31,10 @@ def lower(node: Node) -> list[Instruction]:
         out = [Fork(p, n, n=d["n"])]
     elif node.kind == "Join":
         out = [Join(p, n, mode=d["mode"], branches=tuple(d.get("branches", ())))]
+    elif node.kind == "Init":  # the program's own: no Node in the views
+        out = [Init(p, None, function=d.get("function", ""))]
     elif node.kind == "Return":
-        out = [Return(p, None)]  # the program's, as Init is: no Node of its own in the views
+        out = [Return(p, None)]
     else:
         out = []
     for i, ins in enumerate(out):

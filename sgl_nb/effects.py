@@ -29,6 +29,12 @@ class ProgramEffects:
                              data=data or {})
 
     def node_started(self, node: Node) -> str:
+        if node.kind == "Init":  # its Instruction runs even for a program cancelled at once
+            node.status = "running"
+            self.emit("program_started", data={
+                "function": node.detail["function"], "priority": self.priority,
+                "parent": None, "model": self._model_name()})
+            return "run"
         if node.kind == "Return":
             return "run"  # a cancelled or failed program still ends
         if node.kind == "Join":  # it gathers what the branches produced, cancelled or not
@@ -64,7 +70,9 @@ class ProgramEffects:
         return None
 
     def node_finished(self, node: Node, error: BaseException | None) -> None:
-        if node.kind == "Return":
+        if node.kind == "Init":
+            node.status = "done" if error is None else "error"
+        elif node.kind == "Return":
             self._end_program(node)
         elif node.status == "running":
             if error is None and node.kind == "Select" and "decided" not in node.detail:

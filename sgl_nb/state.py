@@ -96,18 +96,11 @@ class ProgramState(ProgramEffects):
         self.speculated = ""
 
     def begin(self, function: str) -> None:
-        """A program's start: its program_started event and its Init Instruction, on the
-        executor, ahead of anything it will queue."""
-        def init() -> None:
-            self.emit("program_started", data={
-                "function": function, "priority": self.priority, "parent": None,
-                "model": self._model_name()})
-            self.emit("instruction_started", data={"kind": "Init", "index": 0})
-            self.emit("instruction_finished", data={"kind": "Init", "index": 0})
-
+        """A program's start: its Init Node, queued ahead of anything its body records (the
+        executor runs its Init Instruction, which says program_started)."""
         self.function = function
         self._has_body = True
-        self._executor.post(init)
+        self._record(Node("Init", self.id, [], None, {"function": function}))
 
     # ---- the program side ----------------------------------------------------------------
 
@@ -134,7 +127,7 @@ class ProgramState(ProgramEffects):
 
     def _preds(self) -> list[int]:
         last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
-        return [last.id] if last is not None else []
+        return [last.id] if last is not None and last.kind != "Init" else []
 
     def _flush(self) -> None:
         """The Nodes recorded since the last flush: passes, lowering, the executor."""
@@ -393,7 +386,7 @@ class ProgramState(ProgramEffects):
     def graph(self) -> str:
         """The Nodes this program ran, each with the Instructions it ran (Init ... Return)."""
         self.sync()
-        return listing(self.nodes, program=self.id, function=getattr(self, "function", ""))
+        return listing(self.nodes)
 
     listing = graph
 

@@ -58,8 +58,8 @@ def test_instruction_events_are_the_listed_instructions(runtime):
     finished = [(e.program, e.node, e.data["kind"], e.data["index"]) for e in events
                 if e.kind == "instruction_finished"]
     # What ran, as the state holds it: Init, every Node's Instructions, Return.
-    ran = [(st.id, None, "Init", 0)] + [(i.program, i.node, i.kind, i.index)
-                                        for n in st.nodes for i in n.instructions]
+    ran = [(i.program, i.node, i.kind, i.index) for n in st.nodes for i in n.instructions]
+    assert ran[0] == (st.id, None, "Init", 0) and ran[-1] == (st.id, None, "Return", 0)
     assert sorted(started, key=str) == sorted(ran, key=str)
     assert sorted(finished, key=str) == sorted(ran, key=str)
     ours = [x for x in started if x[0] == st.id]  # one program's are in its own order

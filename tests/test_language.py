@@ -242,7 +242,7 @@ def test_expressions_concatenate_like_sglang(default_backend):
 
     st = qa.run(q="What is 1 + 1?")
     kinds = [n.kind for n in st.nodes]
-    assert kinds[:3] == ["Text", "Gen", "Text"] and "RoleBegin" in kinds
+    assert kinds[:4] == ["Init", "Text", "Gen", "Text"] and "RoleBegin" in kinds
     assert st.text().startswith("Q: What is 1 + 1?\nA:" + st["a"] + "\n")
     assert st["f"] in st.text()
     with pytest.raises(TypeError, match="cannot add int"):

@@ -29,7 +29,7 @@ def test_cell_binds_the_state_and_the_function(shell):
     assert st.priority == "interactive"  # %%sgl cells outrank batch work by default
     again = st.fn.run(max_new_tokens=6)  # the reusable function: same greedy text
     assert again.text() == st.text()
-    lines = [n.line for n in st.nodes if n.kind != "Return"]
+    lines = [n.line for n in st.nodes if n.kind not in ("Init", "Return")]
     assert lines == [2, 3]  # the cell's own lines; the %%sgl line is line 1
 
 
@@ -101,7 +101,8 @@ def test_step_starts_paused(shell):
                          "s += 'One,'\ns += ' two'\ns += gen('n', max_tokens=2)\n")
     st = shell.user_ns["stepped"]
     assert st.debug.wait_until_held(120)
-    assert st.debug.current.kind == "Text" and st.nodes[0].status == "pending"
+    assert st.debug.current.kind == "Text" and st.nodes[1].status == "pending"
+    assert st.nodes[0].kind == "Init" and st.nodes[0].status == "done"
     st.debug.continue_()
     assert len(st["n"]) > 0
 

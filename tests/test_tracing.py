@@ -81,11 +81,12 @@ def _by(spans, kind: str, key: str) -> dict:
 
 
 def _ran(states) -> list:
-    """Every Node the programs ran (fork branches' included; Return is recorded, not run)."""
+    """Every Node the programs ran (fork branches' included; not Init and Return, the
+    programs' own)."""
     seen = {}
     for st in states:
         for n in st.nodes:
-            if n.kind != "Return":
+            if n.kind not in ("Init", "Return"):
                 seen[n.id] = n
     return list(seen.values())
 
@@ -417,11 +418,11 @@ def test_a_cancelled_program_is_traced_and_replayed_as_cancelled(default_backend
     assert program.status.status_code.name != "ERROR"  # asked for, not a fault
     nodes = {s.attributes["sgl.node.id"]: s for s in _of(spans, "node")}
     statuses = [nodes[n.id].attributes["sgl.node.finished.status"]
-                for n in st.nodes if n.kind != "Return"]
+                for n in st.nodes if n.kind not in ("Init", "Return")]
     # The text ran; the Gen was cut short; the Text and Gen queued after it never ran.
     assert statuses == ["done", "cancelled", "cancelled", "cancelled"]
     decode = next(s for s in spans if s.name == "Decode")
     assert decode.attributes["sgl.instruction.finish_reason"] == "abort"
     tl = load(path)  # the replay shows the same
     assert tl.programs[st.id].status == "cancelled"
-    assert [tl.nodes[n.id].status for n in st.nodes if n.kind != "Return"] == statuses
+    assert [tl.nodes[n.id].status for n in st.nodes if n.kind not in ("Init", "Return")] == statuses

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from sgl_nb.runtime.events import Event
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.ir import PROGRAM_NODES, Node
 from sgl_nb.runtime.lowering import lower
 from sgl_nb.runtime.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
@@ -106,7 +106,7 @@ class LiveSession:
         seen = {r.id for r in rows}
         # Nodes the program has recorded but not run yet: its Python runs ahead of them.
         rows += [_pending(n) for n in list(self.state.nodes)
-                 if n.status == "pending" and n.id not in seen and n.kind != "Return"]
+                 if n.status == "pending" and n.id not in seen and n.kind not in PROGRAM_NODES]
         return number_rows(rows)
 
     def source_file(self) -> str | None:

@@ -192,7 +192,7 @@ class ProgramWidget(W.VBox):
             value = state._vars.get(node.name) if node.name else None
             return value if isinstance(value, str) else None
         text = node.detail.get("text")
-        first = state.nodes[0] if state.nodes else None
+        first = next((n for n in state.nodes if n.kind != "Init"), None)
         if (node is first and node.kind == "RoleBegin" and text is not None
                 and node.detail.get("role") != "system"):
             # A chat that opens without a system turn gets the template's default system

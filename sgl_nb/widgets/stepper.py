@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import ipywidgets as W
 from traitlets import Int, List, Unicode
 
+from sgl_nb.runtime.ir import PROGRAM_NODES
 from sgl_nb.runtime.lowering import lower
 from sgl_nb.runtime.step_controller import Breakpoint, StepController
 from sgl_nb.tracing.timeline import Timeline
@@ -58,7 +59,7 @@ def graph_rows(tl: Timeline, programs: list[int], live_nodes: list) -> list[Row]
                         list(n.preds), ins, len(n.tokens)))
         seen.add(n.id)
     for node in live_nodes:
-        if node.id not in seen and node.kind != "Return":
+        if node.id not in seen and node.kind not in PROGRAM_NODES:
             rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
                             node.status, list(node.preds),
                             [f"{i.kind} [pending]" for i in lower(node)]))
