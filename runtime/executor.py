@@ -4,10 +4,10 @@ Each program (a ProgramHost: the language layer's state) hands it Nodes, already
 through the passes and lowered (runtime/lowering.py). Per program it keeps a ready queue;
 it starts a program's next Node when the one before it has ended (and, for a Join, when the
 fork branches it waits for have drained), asks the step controller at that point whether the
-Node may start, then starts its Instructions: Extend, Fork, Join, Return at once, Decode and
-Score as engine requests that carry their Instruction. Every Instruction starts, finishes
-and emits its events here. What an Instruction does to its program (text, variables, roles,
-the choice of a Select) is the host's business (`start`).
+Node may start, then starts its Instructions: Extend, Fork, Join, Return at once, Decode,
+Score and a shared Extend as engine requests that carry their Instruction. Every Instruction
+starts, finishes and emits its events here. What an Instruction does to its program (text,
+variables, roles, the choice of a Select) is the host's business (`start`).
 
 Invariant: everything below runs on the executor thread, except `post`, `add`, `wake` and
 `cancel`, which only enqueue. So a program's state changes in one thread, in order, and no
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sgl_nb.runtime.instructions import ENGINE_OPS, Cancelled, Instruction, Op
+from sgl_nb.runtime.instructions import Cancelled, Instruction, Op
 from sgl_nb.runtime.ir import Node
 from sgl_nb.runtime.step_controller import StepController
 
@@ -143,14 +143,18 @@ class Executor:
                 track.todo.extend(node.instructions)
 
     def _may_start(self, track: _Track, node: Node) -> bool:
+        if node.kind == "Init":
+            # A debugger holds at the program's first Node of its own, not here. A prefix
+            # another program computes for this one: wait until it has ended, however.
+            after = node.instructions[0].after
+            return after is None or after.status not in ("pending", "running")
         if node.kind == "Join":
             # Its branches' Nodes were all queued before it: it waits for them to drain.
             branches = node.instructions[0].branches if node.instructions else ()
             if any(b in self._tracks and not self._tracks[b].idle for b in branches):
                 return False
         debug = track.host.debug
-        # A debugger starts paused at the program's first Node of its own, not at Init.
-        return debug is None or node.kind == "Init" or debug.enter_node(node)
+        return debug is None or debug.enter_node(node)
 
     def _start_next(self, track: _Track) -> None:
         first = track.todo.popleft()
@@ -168,7 +172,7 @@ class Executor:
         host = track.host
         ins.status = "running"
         track.running.add(ins)
-        if ins.op not in ENGINE_OPS:
+        if not ins.on_engine:
             host.emit("instruction_started", node=ins.node, data=_ids(ins))
 
         def done(error: BaseException | None, usage: dict | None = None) -> None:
@@ -178,7 +182,7 @@ class Executor:
             ins.request = host.start(ins, done)
         except BaseException as e:  # noqa: BLE001 - the Instruction fails, not the executor
             done(e)
-        if ins.op in ENGINE_OPS:  # named by its request, so token events find it
+        if ins.on_engine:  # named by its request, so token events find it
             host.emit("instruction_started", node=ins.node, request=ins.request,
                       data=_ids(ins))
 

@@ -29,10 +29,6 @@ class Cancelled(Exception):  # noqa: N818 - the name the language layer's error 
     """An Instruction (and its program) was cancelled; what it produced is kept."""
 
 
-# Instructions that run on the engine (or a server): they carry a request.
-ENGINE_OPS = (Op.DECODE, Op.SCORE)
-
-
 @dataclass(eq=False)
 class Instruction:
     op: ClassVar[Op]
@@ -46,6 +42,12 @@ class Instruction:
     def kind(self) -> str:
         return self.op.value
 
+    @property
+    def on_engine(self) -> bool:
+        """Whether it runs as an engine request (or a server's): Decode, Score, a shared
+        Extend."""
+        return self.op in (Op.DECODE, Op.SCORE)
+
     def args(self) -> dict[str, Any]:
         return {}
 
@@ -55,22 +57,31 @@ class Instruction:
 
 
 @dataclass(eq=False)
-class Init(Instruction):
-    op: ClassVar[Op] = Op.INIT
-    function: str = ""
-
-    def args(self) -> dict[str, Any]:
-        return {"program": self.program, "function": self.function or None}
-
-
-@dataclass(eq=False)
 class Extend(Instruction):
     op: ClassVar[Op] = Op.EXTEND
     text: str = ""
     name: str | None = None  # a select decided at compile time binds its choice here
+    # The shared_prefix pass: the KV of a prefix several programs start from, computed once
+    # as one prefill request that they wait for; it adds no text ("" text: the program's
+    # text so far, filled in when it runs).
+    shared: bool = False
+
+    @property
+    def on_engine(self) -> bool:
+        return self.shared
 
     def args(self) -> dict[str, Any]:
-        return {"text": self.text, "name": self.name}
+        return {"text": self.text, "name": self.name, "shared": self.shared or None}
+
+
+@dataclass(eq=False)
+class Init(Instruction):
+    op: ClassVar[Op] = Op.INIT
+    function: str = ""
+    after: Extend | None = None  # a run_batch item starts when the batch's prefix is in
+
+    def args(self) -> dict[str, Any]:
+        return {"program": self.program, "function": self.function or None}
 
 
 @dataclass(eq=False)

@@ -28,11 +28,15 @@ def lower(node: Node) -> list[Instruction]:
     elif node.kind == "Select":
         out = _select(node)
     elif node.kind == "Fork":
-        out = [Fork(p, n, n=d["n"])]
+        # The branches start from the text so far: computed once, before they start.
+        out = [Extend(p, n, shared=True)] if d.get("shared_prefix") else []
+        out.append(Fork(p, n, n=d["n"]))
     elif node.kind == "Join":
         out = [Join(p, n, mode=d["mode"], branches=tuple(d.get("branches", ())))]
     elif node.kind == "Init":  # the program's own: no Node in the views
-        out = [Init(p, None, function=d.get("function", ""))]
+        out = [Init(p, None, function=d.get("function", ""), after=d.get("after"))]
+        if d.get("shared_prefix"):  # a run_batch's prefix, computed by its first item
+            out.append(Extend(p, None, text=d["shared_prefix"], shared=True))
     elif node.kind == "Return":
         out = [Return(p, None)]
     else:

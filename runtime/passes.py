@@ -34,6 +34,8 @@ def run_passes(nodes: list[Node], chosen: frozenset[str]) -> tuple[list[Node], l
         reports.append(report)
     if "static_select" in chosen:
         reports.append(decide_selects(nodes))
+    if "shared_prefix" in chosen:
+        reports.append(share_fork_prefixes(nodes))
     return nodes, reports
 
 
@@ -72,6 +74,17 @@ def decide_selects(nodes: list[Node]) -> PassReport:
     return PassReport("static_select", n)
 
 
+def share_fork_prefixes(nodes: list[Node]) -> PassReport:
+    """A fork into several branches: the text they all start from is computed once, as one
+    shared Extend before the Fork, instead of by each branch's first request."""
+    n = 0
+    for node in nodes:
+        if node.kind == "Fork" and node.detail["n"] > 1:
+            node.detail["shared_prefix"] = True
+            n += 1
+    return PassReport("shared_prefix", n, f"{n} forks")
+
+
 def leading_text(nodes: list[Node]) -> str:
     """The text a program starts with before anything depends on the model."""
     text = []
@@ -83,7 +96,8 @@ def leading_text(nodes: list[Node]) -> str:
 
 
 def shared_prefix(prefixes: list[str]) -> tuple[str, PassReport]:
-    """The longest start every program of a batch shares: computed once, before them."""
+    """The longest start every program of a batch shares: the first program computes it
+    (one shared Extend after its Init), the others' Init waits for that."""
     if len(prefixes) < 2:
         return "", PassReport("shared_prefix", 0)
     first, n = prefixes[0], min(len(p) for p in prefixes)

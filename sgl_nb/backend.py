@@ -48,6 +48,13 @@ class Backend(Protocol):
                       node: int | None = None, instructions: list | None = None,
                       on_done: list | None = None) -> list: ...
 
+    def prefill(self, prompt: str | list[int], priority: str | int | None = None,
+                program: int | None = None, node: int | None = None, instruction=None,
+                on_done=None) -> Any:
+        """Compute the prompt's KV (into the prefix cache) and nothing else: what a shared
+        Extend runs. A handle, as `submit`'s."""
+        ...
+
     def score(self, prefix: str | list[int], continuations: list,
               priority: str | int | None = None, program: int | None = None,
               node: int | None = None) -> list[list[float]]: ...

@@ -16,6 +16,10 @@ from sgl_nb.runtime.instructions import Cancelled, Fork, Instruction, Join, Op
 from sgl_nb.runtime.ir import Node
 from sgl_nb.select_scoring import choose
 
+# A fork's shared Extend runs only when at least this much of the branches' common text is
+# not computed yet (less is not worth a request of its own).
+SHARE_MIN_CHARS = 32
+
 
 class ProgramEffects:
     """The executor's side of ProgramState (a mixin: the state holds the data)."""
@@ -60,6 +64,8 @@ class ProgramEffects:
         node = self._nodes_by_id.get(ins.node) if ins.node is not None else None
         if ins.op is Op.DECODE:
             return self._decode(node, ins, done)
+        if ins.op is Op.EXTEND and ins.shared:
+            return self._prefill(ins, done)
         if ins.op is Op.EXTEND:
             self._extend(node, ins)
         elif ins.op is Op.FORK:
@@ -160,6 +166,37 @@ class ProgramEffects:
         else:
             self[mark.name] = self._text[self._scopes.pop(mark.name):]
 
+    def _prefill(self, ins, done: Done) -> int | None:
+        """A shared Extend: one prefill of the prefix others will start from. Computing it
+        is an optimisation, so a failure is reported on the Instruction, not raised: the
+        requests after it fail with their own error if the prefix is the problem."""
+        if not ins.text:  # a fork's: the text so far, unless its requests computed it
+            if len(self._text) - self._kv_len < SHARE_MIN_CHARS:
+                done(None, {"cached": True})
+                return None
+            ins.text = self._text
+
+        def on_done(handle) -> None:
+            self._executor.post(lambda: self._prefilled(handle, ins, done))
+
+        handle = self.backend.prefill(ins.text, priority=self.priority, program=self.id,
+                                      node=ins.node, instruction=ins, on_done=on_done)
+        self._hold(handle)
+        return handle.rid
+
+    def _prefilled(self, handle, ins, done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            out = handle.result(0)
+        except BaseException as e:  # noqa: BLE001 - see _prefill
+            done(None, {**handle.usage(), "prefill_error": repr(e)})
+            return
+        aborted = out.meta.get("finish_reason") == "abort"
+        if not aborted and self._text.startswith(ins.text):
+            self._kv_len = max(self._kv_len, len(ins.text))
+        done(self._cancel_error("the shared prefix was aborted") if aborted else None,
+             handle.usage())
+
     # ---- Decode -----------------------------------------------------------------------
 
     def _decode(self, node: Node, ins, done: Done) -> int | None:
@@ -233,6 +270,7 @@ class ProgramEffects:
             done(e, handle.usage())
             return
         aborted = result.meta.get("finish_reason") == "abort"
+        self._kv_len = len(self._text)  # the prompt and what was generated are cached
         if g.name is not None:
             options = {} if aborted else g.logprob_options(self.defaults)
             try:
@@ -285,6 +323,8 @@ class ProgramEffects:
             return
         self._scores.setdefault(node.id, {})[(ins.unconditional, ins.choice_index)] = \
             out.input_logprobs
+        if not ins.unconditional:
+            self._kv_len = len(self._text)  # the prefix scored
         done(None, handle.usage())
 
     def _choose(self, node: Node) -> BaseException | None:
@@ -309,6 +349,8 @@ class ProgramEffects:
         children = [type(self)(self.backend, self.defaults, self._text, parent=self,
                                debug=self.debug, passes=self.passes, priority=self.priority)
                     for _ in range(ins.n)]
+        for c in children:
+            c._kv_len = self._kv_len
         self._children.extend(children)
         self._forked[node.id] = children
         self.emit("fork", node=node.id, data={"n": ins.n, "children": [c.id for c in children]})

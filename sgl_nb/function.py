@@ -101,7 +101,7 @@ class SglFunction:
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
                passes=None, priority: str = "normal", pool: BodyPool | None = None,
-               **defaults) -> ProgramFuture:
+               shared_prefix: str = "", after=None, **defaults) -> ProgramFuture:
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
@@ -128,7 +128,7 @@ class SglFunction:
             else:
                 state._finish()
 
-        state.begin(self.func.__name__)
+        state.begin(self.func.__name__, shared_prefix, after)
         (pool or _bodies).submit(body)
         return ProgramFuture(state)
 
@@ -175,9 +175,10 @@ class SglFunction:
 
     def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
                   passes=None, priority: str = "batch", **defaults) -> list[ProgramState]:
-        """Run the program once per dict of arguments, all at once. The shared_prefix pass
-        computes the text every item starts with once, before them (the radix cache then
-        serves it to each)."""
+        """Run the program once per dict of arguments, all at once (`num_threads` bodies at
+        a time; "auto": one per item, up to 64). The shared_prefix pass finds the text every
+        item starts with (from each item's static graph): the first item computes it, as a
+        shared Extend after its Init, and the others start when it is in the cache."""
         unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS}
         if unknown:
             raise TypeError(f"run_batch() got unexpected options {sorted(unknown)}")
@@ -188,13 +189,19 @@ class SglFunction:
         backend = backend or get_default_backend()
         parse_priority(priority)
         chosen = check_passes(passes)
-        self.last_batch_report = None
+        self.last_batch_report, common = None, ""
         if "shared_prefix" in chosen and len(batch_kwargs) > 1:
-            self.last_batch_report = self._prefill_shared_prefix(batch_kwargs, backend,
-                                                                 priority)
+            common, self.last_batch_report = self._batch_prefix(batch_kwargs, backend)
         pool = BodyPool(threads, name=f"sgl-batch-{self.func.__name__}")
-        futures = [self._start(dict(kw), backend, passes=chosen, priority=priority, pool=pool,
-                               **defaults) for kw in batch_kwargs]
+        futures, shared = [], None
+        for kw in batch_kwargs:
+            fut = self._start(dict(kw), backend, passes=chosen, priority=priority, pool=pool,
+                              shared_prefix=common if shared is None else "", after=shared,
+                              **defaults)
+            if common and shared is None:
+                shared = fut.state.nodes[0].instructions[1]  # Init, then the shared Extend
+                fut.state.pass_counts["shared_prefix"] = self.last_batch_report.changed
+            futures.append(fut)
         pool.close()  # its threads end when the last body has run
         try:
             if progress_bar:
@@ -207,14 +214,10 @@ class SglFunction:
                 f.cancel()
             raise
 
-    def _prefill_shared_prefix(self, batch_kwargs: list[dict], backend,
-                               priority: str) -> PassReport:
+    def _batch_prefix(self, batch_kwargs: list[dict], backend) -> tuple[str, PassReport]:
         roles = backend.chat_roles
         graphs = [trace_program(self.func, dict(kw), {}, roles) for kw in batch_kwargs]
-        common, report = shared_prefix([leading_text(g.nodes) for g in graphs])
-        if common:
-            backend.generate(common, max_tokens=1, priority=priority)  # cached, once
-        return report
+        return shared_prefix([leading_text(g.nodes) for g in graphs])
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         if len(args) > len(self.arg_names):

@@ -138,6 +138,19 @@ class Runtime:
         req.program, req.node, req.instruction = program, node, instruction
         return self.engine.submit(req, stream=stream, on_chunk=on_chunk, on_done=on_done)
 
+    def prefill(self, prompt: str | list[int], priority: str | int | None = None,
+                program: int | None = None, node: int | None = None, instruction=None,
+                on_done=None) -> RequestHandle:
+        """The prompt's KV into the radix cache, as one prefill; no token is sampled (a
+        score request of its last token: the scheduler's usual path, no token events)."""
+        ids = self._token_ids(prompt)
+        if len(ids) < 2:
+            raise ValueError(f"prefill needs at least 2 tokens, got {len(ids)}")
+        req = self.engine.make_score_request(ids, len(ids) - 1)
+        req.priority, req.program, req.node = parse_priority(priority), program, node
+        req.instruction = instruction
+        return self.engine.submit(req, on_done=on_done)
+
     def abort(self, rid: int) -> bool:
         """Abort request `rid` (a handle's `.req.rid`, or `out.meta["id"]`): it leaves the
         batch before the next step and finishes with finish_reason "abort", its text so far

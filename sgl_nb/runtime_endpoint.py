@@ -166,6 +166,14 @@ class RuntimeEndpoint:
                                                     instruction is None),
                            program, on_chunk, on_done)
 
+    def prefill(self, prompt: str | list[int], priority: int | str | None = None,
+                program: int | None = None, node: int | None = None, instruction=None,
+                on_done=None) -> RemoteHandle:
+        """One token generated after the prompt: the server's prefix cache (SGLang's radix
+        tree, vLLM's automatic prefix caching) then holds the prompt."""
+        return self.submit(prompt, program=program, node=node, instruction=instruction,
+                           on_done=on_done, max_tokens=1, temperature=0.0)
+
     def _start(self, send, program: int | None, on_chunk=None, on_done=None) -> RemoteHandle:
         """A request in flight on its own thread, findable by cancel_program."""
         def run(h: RemoteHandle) -> GenerateOutput:

@@ -62,6 +62,7 @@ class ProgramState(ProgramEffects):
             debug.add_waker(self._executor.wake)
         self._text = text
         self._fork_point = len(text)
+        self._kv_len = 0  # how much of the text the engine is known to have computed
         self._vars: dict = {}
         self._meta: dict = {}
         self._messages: list[dict] = [] if parent is None else [dict(m) for m in parent._messages]
@@ -95,12 +96,17 @@ class ProgramState(ProgramEffects):
         self.spec_tokens: int | None = None
         self.speculated = ""
 
-    def begin(self, function: str) -> None:
+    def begin(self, function: str, shared_prefix: str = "", after=None) -> Node:
         """A program's start: its Init Node, queued ahead of anything its body records (the
-        executor runs its Init Instruction, which says program_started)."""
+        executor runs its Init Instruction, which says program_started). `shared_prefix`:
+        this program also computes that text for others (a shared Extend after Init);
+        `after`: such an Extend of another program, which this one starts after."""
         self.function = function
         self._has_body = True
-        self._record(Node("Init", self.id, [], None, {"function": function}))
+        detail = {"function": function, "shared_prefix": shared_prefix, "after": after}
+        node = Node("Init", self.id, [], None, detail)
+        self._record(node)
+        return node
 
     # ---- the program side ----------------------------------------------------------------
 

@@ -7,7 +7,8 @@ import pytest
 
 import sgl_nb as sgl
 from sgl_nb.runtime.ir import Node
-from sgl_nb.runtime.passes import fuse_text, shared_prefix
+from sgl_nb.runtime.lowering import lower
+from sgl_nb.runtime.passes import fuse_text, share_fork_prefixes, shared_prefix
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -53,6 +54,101 @@ def test_shared_prefix_pass_computes_the_batch_prefix_once(runtime):
     assert [s["r"] for s in on] == [s["r"] for s in off]
 
 
+def _events_of(runtime, run):
+    q = runtime.events.subscribe()
+    try:
+        out = run()
+    finally:
+        runtime.events.unsubscribe(q)
+    events = []
+    while not q.empty():
+        events.append(q.get())
+    return out, events
+
+
+def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
+    @sgl.function
+    def review(s, item):
+        s += "You are a careful reviewer of household objects, brief and fair. " * 6
+        s += f"Review: {item}\n"
+        s += sgl.gen("r", max_tokens=3)
+
+    items = [{"item": x} for x in ("kettle", "lamp", "chair")]
+    runtime.engine.cache.reset()
+    states, events = _events_of(runtime, lambda: review.run_batch(items))
+    first = states[0]
+    init, shared = first.nodes[0].instructions
+    assert shared.kind == "Extend" and shared.shared and shared.status == "done"
+    assert shared.text.endswith("brief and fair. Review: ")  # what every item starts with
+    assert all(s.text().startswith(shared.text) for s in states)
+    assert first.pass_counts["shared_prefix"] == 3
+    ours = {s.id for s in states}
+    seq = {(e.program, e.kind, e.data.get("kind"), e.data.get("index")): e.seq
+           for e in events if e.program in ours and e.kind.startswith("instruction_")}
+    shared_end = seq[(first.id, "instruction_finished", "Extend", 1)]
+    for other in states[1:]:  # each later item's Init starts once the prefix is in
+        assert other.nodes[0].instructions[0].after is shared
+        assert seq[(other.id, "instruction_started", "Init", 0)] > shared_end
+    prefix_tokens = len(runtime.tokenizer.encode(shared.text))
+    decodes = [e for e in events if e.program in ours and e.kind == "instruction_finished"
+               and e.data["kind"] == "Decode"]
+    assert len(decodes) == 3
+    assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
+    runtime.engine.cache.reset()
+    alone = [review.run(**kw, passes=()) for kw in items]
+    assert [s["r"] for s in states] == [s["r"] for s in alone]
+
+
+@sgl.function
+def three_ways(s, q):
+    s += "Answer the question in three different ways, each short and plain. " * 3
+    s += "Question: " + q + "\n"
+    forks = s.fork(3)
+    for i, f in enumerate(forks):
+        f += f"Way {i + 1}:" + sgl.gen("a", max_tokens=4)
+    forks.join()
+
+
+def test_a_forks_branches_wait_for_one_shared_extend(runtime):
+    runtime.engine.cache.reset()
+    st, events = _events_of(runtime, lambda: three_ways.run(q="Why is the sky blue?"))
+    assert st.error() is None and st.pass_counts["shared_prefix"] == 1
+    fork = next(n for n in st.nodes if n.kind == "Fork")
+    shared, _ = fork.instructions
+    assert shared.shared and shared.text == st.text()[: len(shared.text)]
+    assert shared.text.endswith("Question: Why is the sky blue?\n")
+    started = {e.request for e in events if e.kind == "instruction_started"
+               and e.data["kind"] == "Extend" and e.node == fork.id}
+    assert started == {shared.request} and shared.request is not None
+    prefix_tokens = len(runtime.tokenizer.encode(shared.text))
+    branches = {c.id for c in st._children}
+    decodes = [e for e in events if e.program in branches and e.kind == "instruction_finished"
+               and e.data["kind"] == "Decode"]
+    assert len(decodes) == 3
+    assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
+    runtime.engine.cache.reset()
+    off = three_ways.run(q="Why is the sky blue?", passes=())
+    assert off.pass_counts == {} and off["a"] == st["a"]
+    assert [i.kind for i in next(n for n in off.nodes if n.kind == "Fork").instructions] \
+        == ["Fork"]
+
+
+def test_a_fork_right_after_a_gen_needs_no_shared_extend(runtime):
+    @sgl.function
+    def after_gen(s):
+        s += "Name a colour:" + sgl.gen("c", max_tokens=3)
+        forks = s.fork(2)
+        for f in forks:
+            f += sgl.gen("more", max_tokens=2)
+        forks.join()
+
+    st = after_gen.run()
+    fork = next(n for n in st.nodes if n.kind == "Fork")
+    shared = fork.instructions[0]
+    assert shared.shared and shared.status == "done" and shared.request is None
+    assert shared.text == ""  # the gen's request computed the text: nothing to share
+
+
 def test_pass_functions_on_nodes():
     a = Node("Text", 1, [], None, {"text": "a"})
     b = Node("Text", 1, [a.id], None, {"text": "b"})
@@ -62,6 +158,13 @@ def test_pass_functions_on_nodes():
     assert report.changed == 1
     common, rep = shared_prefix(["abcX", "abcY", "abZ"])
     assert common == "ab" and rep.changed == 3
+    one, two = Node("Fork", 1, [g.id], None, {"n": 1}), Node("Fork", 1, [], None, {"n": 3})
+    rep = share_fork_prefixes([one, two])
+    assert rep.name == "shared_prefix" and rep.changed == 1
+    assert "shared_prefix" not in one.detail and two.detail["shared_prefix"] is True
+    assert [i.kind for i in lower(one)] == ["Fork"]
+    extend, fork = lower(two)
+    assert extend.kind == "Extend" and extend.shared and extend.on_engine and fork.n == 3
     with pytest.raises(ValueError, match="unknown passes"):
         letter.run(name="x", passes=["vectorize"])
 

@@ -377,13 +377,15 @@ def few_shot(s, question):
 
 @pytest.mark.slow
 def test_events_of_no_program_are_kept_for_replay(default_backend, tmp_path):
-    """run_batch's shared-prefix prefill is a request of no program: its cache events
-    become spans of their own, and the replayed cache totals match the live ones."""
+    """A bare rt.generate is a request of no program: its cache events become spans of
+    their own, and the replayed cache totals match the live ones."""
     path = tmp_path / "batch.jsonl"
     q = default_backend.events.subscribe()
     sgl.enable_tracing(file=path, runtime=default_backend)
     try:
         states = few_shot.run_batch([{"question": "Is ice cold?"}, {"question": "Is fire wet?"}])
+        default_backend.generate("A request of no program, long enough to be cached.",
+                                 max_tokens=2)
     finally:
         sgl.disable_tracing()
         default_backend.events.unsubscribe(q)
