@@ -149,6 +149,29 @@ def test_a_fork_right_after_a_gen_needs_no_shared_extend(runtime):
     assert shared.text == ""  # the gen's request computed the text: nothing to share
 
 
+def test_programs_in_flight_compute_a_common_prefix_once(runtime):
+    """Programs started separately, not a batch: the scheduler admits one request of a group
+    that shares an uncached prefix, the others wait a step and find it in the radix tree."""
+    @sgl.function
+    def helper(s, q):
+        s += "You are a helpful assistant who answers in one short sentence. " * 6
+        s += "Q: " + q + "\nA:" + sgl.gen("a", max_tokens=3)
+
+    runtime.engine.cache.reset()
+    qs = ("Why is grass green?", "What is rain?", "Where is Paris?")
+    futs, events = _events_of(runtime, lambda: [
+        f.result() and f for f in [helper.run_async(q=q) for q in qs]])
+    states = [f.state for f in futs]
+    ours = {s.id for s in states}
+    prefix_tokens = len(runtime.tokenizer.encode(
+        "You are a helpful assistant who answers in one short sentence. " * 6))
+    cached = sorted(e.data["cached_tokens"] for e in events if e.program in ours
+                    and e.kind == "instruction_finished" and e.data["kind"] == "Decode")
+    assert len(cached) == 3 and cached[1] >= prefix_tokens - 1  # all but the first
+    runtime.engine.cache.reset()
+    assert [s["a"] for s in states] == [helper.run(q=q)["a"] for q in qs]
+
+
 def test_pass_functions_on_nodes():
     a = Node("Text", 1, [], None, {"text": "a"})
     b = Node("Text", 1, [a.id], None, {"text": "b"})
