@@ -50,9 +50,11 @@ def _select(node: Node) -> list[Instruction]:
     d, p, n = node.detail, node.program, node.id
     if "decided" in d:  # a pass fixed the choice: no Score runs
         return [Extend(p, n, text=d["decided"], name=node.name)]
+    # Choices the gen's grammar ruled out are never scored.
+    scored = [(k, d["choices"][k]) for k in d.get("allowed", range(len(d["choices"])))]
     scores: list[Instruction] = [Score(p, n, name=node.name, choice=c, choice_index=k)
-                                 for k, c in enumerate(d["choices"])]
+                                 for k, c in scored]
     if d.get("method") == UNCONDITIONAL:
         scores += [Score(p, n, name=node.name, choice=c, choice_index=k, unconditional=True)
-                   for k, c in enumerate(d["choices"])]
+                   for k, c in scored]
     return scores

@@ -58,20 +58,28 @@ def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
     return out, PassReport("fuse_text", merged)
 
 
-def is_static_select(node: Node) -> bool:
-    """A select whose answer is known without the model: one choice."""
-    return node.kind == "Select" and len(node.detail["choices"]) == 1
+def fixed_choice(node: Node) -> tuple[str, str] | None:
+    """A select's answer when it is known without the model, and why: one choice ("static",
+    repeats counted once), or one the gen's grammar (regex=, dtype=) leaves ("grammar")."""
+    if node.kind != "Select":
+        return None
+    choices = node.detail["choices"]
+    if len(set(choices)) == 1:
+        return choices[0], "static"
+    left = {choices[i] for i in node.detail.get("allowed", range(len(choices)))}
+    return (left.pop(), "grammar") if len(left) == 1 else None
 
 
 def decide_selects(nodes: list[Node]) -> PassReport:
     """Selects decided at compile time: they lower to an Extend of their choice, no Score."""
-    n = 0
+    why: dict[str, int] = {}
     for node in nodes:
-        if is_static_select(node):
-            node.detail["decided"] = node.detail["choices"][0]
-            node.detail["resolved"] = "static"
-            n += 1
-    return PassReport("static_select", n)
+        fixed = fixed_choice(node)
+        if fixed is not None:
+            node.detail["decided"], node.detail["resolved"] = fixed
+            why[fixed[1]] = why.get(fixed[1], 0) + 1
+    detail = ", ".join(f"{n} {reason}" for reason, n in sorted(why.items()))
+    return PassReport("static_select", sum(why.values()), detail)
 
 
 def share_fork_prefixes(nodes: list[Node]) -> PassReport:

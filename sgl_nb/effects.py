@@ -330,17 +330,18 @@ class ProgramEffects:
     def _choose(self, node: Node) -> BaseException | None:
         """All of a Select's Scores are in: pick, append, bind."""
         sel, got = self._payloads[node.id], self._scores.pop(node.id, {})
-        k = len(sel.choices)
-        scores = [got[(False, i)] for i in range(k)]
-        uncond = [got[(True, i)] for i in range(k)] if (True, 0) in got else None
+        scored = node.detail.get("allowed", range(len(sel.choices)))  # in choice order
+        scores = [got[(False, i)] for i in scored]
+        uncond = [got[(True, i)] for i in scored] if any(u for u, _ in got) else None
         try:
-            index, meta = choose(sel.method, scores, uncond)
+            j, meta = choose(sel.method, scores, uncond)
         except Exception as e:  # noqa: BLE001 - the node fails with it
             return e
-        self._append(sel.choices[index], sel.name)
-        if sel.name is not None:
-            self._meta[sel.name] = {"choices": sel.choices, **meta}
-            self[sel.name] = sel.choices[index]
+        choice = sel.choices[scored[j]]
+        self._append(choice, sel.name)
+        if sel.name is not None:  # the scores are those of the choices scored
+            self._meta[sel.name] = {"choices": [sel.choices[i] for i in scored], **meta}
+            self[sel.name] = choice
         return None
 
     # ---- Fork / Join --------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from sgl_nb.reasoning import check_model_type
@@ -118,6 +119,24 @@ class Select(Concatenable):
     name: str | None
     choices: list[str]
     method: str = "token_length_normalized"
+    # `gen(choices=..., regex=... / dtype=...)`: the gen's grammar rules out the choices it
+    # does not spell; they are never scored.
+    regex: str | None = None
+    dtype: type | None = None
+
+    def allowed(self) -> list[int]:
+        """The indices of the choices the grammar admits (all, with none): a choice must
+        match the whole regex, or spell a value of dtype as gen's dtype= grammar does."""
+        # dtype=str: every choice is a string already (its regex is for a quoted one).
+        rule = self.regex if self.regex is not None else \
+            DTYPE_REGEX.get(self.dtype) if self.dtype is not str else None
+        if rule is None:
+            return list(range(len(self.choices)))
+        try:
+            pattern = re.compile(rule)
+        except re.error as e:
+            raise ValueError(f"gen {self.name!r}: invalid regex {rule!r}: {e}") from None
+        return [i for i, c in enumerate(self.choices) if pattern.fullmatch(c)]
 
 
 @dataclass
@@ -163,13 +182,21 @@ def gen(
 ) -> Gen | Select:
     """Generate text into variable `name` (SGLang's arguments; the run's where None).
     With `choices`, this is `select`."""
+    if dtype not in (None, int, float, str, bool):
+        raise ValueError(f"dtype must be int, float, str or bool, got {dtype!r}")
     if choices is not None:
-        return select(name, choices, choices_method=choices_method)
+        sel = select(name, choices, choices_method=choices_method)
+        if json_schema is not None:
+            raise ValueError("gen(choices=...) takes regex= or dtype= to rule choices out, "
+                             "not json_schema=")
+        sel.regex, sel.dtype = regex, dtype
+        if not sel.allowed():
+            rule = f"regex {regex!r}" if regex is not None else f"dtype {dtype.__name__}"
+            raise ValueError(f"gen {name!r}: no choice of {choices!r} matches its {rule}")
+        return sel
     if n not in (None, 1):
         raise ValueError(f"gen(n={n}) is not supported: fork the state (`s.fork({n})`) "
                          "and gen in each branch")
-    if dtype not in (None, int, float, str, bool):
-        raise ValueError(f"dtype must be int, float, str or bool, got {dtype!r}")
     params = sampling_args({
         "max_tokens": max_tokens, "max_new_tokens": max_new_tokens, "min_tokens": min_tokens,
         "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,

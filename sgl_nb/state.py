@@ -168,7 +168,11 @@ class ProgramState(ProgramEffects):
                 self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
             return [("Gen", expr.name, params, expr)]
         if isinstance(expr, Select):
-            return [("Select", expr.name, {"choices": expr.choices, "method": expr.method}, expr)]
+            detail = {"choices": expr.choices, "method": expr.method}
+            allowed = expr.allowed()
+            if len(allowed) < len(expr.choices):  # the gen's grammar ruled some out
+                detail["allowed"] = allowed
+            return [("Select", expr.name, detail, expr)]
         if isinstance(expr, RoleBlock):
             out = self._to_nodes(Role(expr.role, True))
             try:

@@ -19,7 +19,7 @@ class TraceState(ProgramState):
     """Records what a program says; runs nothing."""
 
     def __init__(self, defaults: dict, parent: TraceState | None = None, roles=None):
-        # Deliberately not ProgramState.__init__: no worker thread, no backend.
+        # Deliberately not ProgramState.__init__: no executor, no backend.
         self.id, self.defaults, self.parent = id(self), defaults, parent
         self.roles = roles  # ChatRoles, to show the text role markers will add
         self.backend = self.debug = self.events = None

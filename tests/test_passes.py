@@ -8,7 +8,12 @@ import pytest
 import sgl_nb as sgl
 from sgl_nb.runtime.ir import Node
 from sgl_nb.runtime.lowering import lower
-from sgl_nb.runtime.passes import fuse_text, share_fork_prefixes, shared_prefix
+from sgl_nb.runtime.passes import (
+    decide_selects,
+    fuse_text,
+    share_fork_prefixes,
+    shared_prefix,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -52,6 +57,50 @@ def test_shared_prefix_pass_computes_the_batch_prefix_once(runtime):
     off = review.run_batch(items, passes=())
     assert review.last_batch_report is None
     assert [s["r"] for s in on] == [s["r"] for s in off]
+
+
+@sgl.function
+def ruled(s):
+    s += "Pick a number: " + sgl.gen("n", choices=["one", "2", "three"], dtype=int)
+    s += "\nPick a colour: " + sgl.gen("c", choices=["red", "green"], regex=r"g\w+")
+    s += "\nPick a city: " + sgl.gen("city", choices=["Paris", "Perth", "London"],
+                                     regex="P.*")
+    s += "\nAgain: " + sgl.select("again", ["yes", "yes"])
+
+
+def _scores_of(st, name: str) -> list[str]:
+    node = next(n for n in st.nodes if n.name == name)
+    return [i.choice for i in node.instructions if i.kind == "Score"]
+
+
+def test_selects_fixed_by_the_gens_grammar_need_no_score():
+    on, off = ruled.run(), ruled.run(passes=())
+    assert on.text() == off.text()
+    assert (on["n"], on["c"], on["again"]) == ("2", "green", "yes")
+    assert on.pass_counts["static_select"] == 3  # n and c by grammar, again by repetition
+    for name, why in (("n", "grammar"), ("c", "grammar"), ("again", "static")):
+        assert _scores_of(on, name) == [] and on.get_meta_info(name)["resolved"] == why
+    # Two cities are left: scored, and only those (with the pass or without it).
+    assert _scores_of(on, "city") == _scores_of(off, "city") == ["Paris", "Perth"]
+    assert on["city"] == off["city"] in ("Paris", "Perth")
+    assert on.get_meta_info("city")["choices"] == ["Paris", "Perth"]
+    assert _scores_of(off, "n") == ["2"]  # without the pass: one Score of the one left
+
+
+def test_the_grammar_pass_on_nodes():
+    sel = Node("Select", 1, [], "n", {"choices": ["a", "b", "c"], "method": "m",
+                                      "allowed": [1]})
+    free = Node("Select", 1, [], "m", {"choices": ["a", "b"], "method": "m"})
+    report = decide_selects([sel, free])
+    assert report.changed == 1 and report.detail == "1 grammar"
+    assert sel.detail["decided"] == "b" and "decided" not in free.detail
+
+
+def test_a_grammar_that_rules_out_every_choice_fails_at_its_line():
+    with pytest.raises(ValueError, match=r"no choice of \['x', 'y'\] matches its regex"):
+        sgl.gen("v", choices=["x", "y"], regex="z+")
+    with pytest.raises(ValueError, match="invalid regex"):
+        sgl.gen("v", choices=["x", "y"], regex="(")
 
 
 def _events_of(runtime, run):
