@@ -1,10 +1,10 @@
 """IPython magics: `%%sgl` runs a cell as a program, `%sgl_model`, `%sgl_cache`,
 `%sgl_trace`. Load them with `%load_ext sgl_nb`.
 
-A `%%sgl` cell returns at once: the program runs on its own threads and the engine's, and
-its widget follows it from the event stream. Nothing here waits for the program, so the
-kernel stays free to deliver the widget's button clicks (DESIGN.md, "Threads in a
-notebook")."""
+A `%%sgl` cell returns at once: the program's body runs on a pool thread, its Instructions
+on the executor's and the engine's, and its widget follows it from the event stream. Nothing
+here waits for the program, so the kernel stays free to deliver the widget's button clicks
+(docs/architecture.md, "Threads")."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class ProgramState(ProgramEffects):
         self.id = next(_state_ids)
         self.priority = priority  # the scheduler's level for this program's requests
         self.passes = passes
-        self.pass_counts: dict[int, int] = {}
+        self.pass_counts: dict[str, int] = {}
         self.backend, self.defaults, self.parent = backend, defaults, parent
         self.debug = debug  # the step controller, when the program runs under the debugger
         self.events = backend.events
