@@ -97,9 +97,12 @@ class Runtime:
         repetition_penalty: float = 1.0,
         stream: bool = False,
         priority: str = "normal",
+        jump_forward: bool | None = None,
     ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
         """Generate from a string or a list of token ids; a list of those is a batch.
-        priority: "interactive" > "normal" > "batch" (see the scheduler)."""
+        priority: "interactive" > "normal" > "batch" (see the scheduler). jump_forward:
+        with a regex or json_schema, text the grammar forces is computed in one step
+        (default: the Runtime's setting, on)."""
         level = parse_priority(priority)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -107,7 +110,7 @@ class Runtime:
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
             regex=regex, json_schema=json_schema, min_tokens=min_tokens,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=repetition_penalty, jump_forward=jump_forward,
         )
         batch = _is_batch(prompt)
         if batch and stream:

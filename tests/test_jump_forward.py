@@ -332,3 +332,19 @@ def test_chunks_retraction_and_the_engine_setting(model_path, default_backend):
             per_step[e.request, e.data["step"]] += 1
     assert max(per_step.values()) <= 4  # a jump longer than the budget went in chunks
     assert m["running"] == m["waiting"] == m["suspended"] == m["prefilling"] == 0
+
+
+def test_runtime_generate_takes_jump_forward(default_backend):
+    rt = default_backend
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+
+    def saved_by(**kw) -> tuple[str, int]:
+        before = rt.metrics()["jump_forward_steps_saved"]
+        out = rt.generate("A person as JSON: ", max_tokens=40, json_schema=schema, **kw)
+        return out.text, rt.metrics()["jump_forward_steps_saved"] - before
+
+    on, saved_on = saved_by()
+    off, saved_off = saved_by(jump_forward=False)
+    assert on == off and saved_on > 0 and saved_off == 0
