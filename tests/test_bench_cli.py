@@ -28,6 +28,8 @@ DEFAULTS = {
                   "program_tokens": 64, "json": None},
     "tracing": {"model": None, "questions": 32, "rounds": 3, "phoenix": None, "json": None},
     "cancel": {"model": None, "rounds": 3, "cancel_tokens": 3000},
+    "batch": {"model": None, "programs": 1000, "num_threads": 8, "baseline_items": 50,
+              "json": None},
 }
 REQUIRED = {"remote": ["--server", "http://x:1"]}
 
@@ -93,3 +95,20 @@ def test_a_server_that_does_not_answer_fails_before_the_model_loads(argv, says):
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv, url])
     assert str(e.value.code).startswith(says) and "make bench-" in str(e.value.code)
+
+
+@pytest.mark.slow
+def test_the_batch_bench_samples_threads_and_memory(model_path, tmp_path):
+    import json
+
+    out = tmp_path / "batch.json"
+    assert main(["bench", "batch", "--model", str(model_path), "--programs", "40",
+                 "--num-threads", "4", "--baseline-items", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == ["run() one at a time, 3",
+                                         "run_batch of 40, num_threads=auto",
+                                         "run_batch of 40, num_threads=4"]
+    assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 for r in rows)
+    assert rows[2]["peak_threads"] >= 1 and rows[2]["failed"] == 0
+    # The body pool's 4 threads at most, above what ran before the batch.
+    assert rows[2]["peak_threads"] <= rows[2]["threads_before"] + 4

@@ -20,6 +20,8 @@ BENCHES = {
     "tracing": "few-shot with tracing off, to a file and to a running Phoenix "
                "(make bench-tracing starts it)",
     "cancel": "interrupt a real Jupyter kernel: time until the request stops",
+    "batch": "run_batch of many programs: live threads, peak memory, time per program "
+             "against one at a time",
 }
 
 
