@@ -11,7 +11,7 @@ the choice of a Select) is the host's business (`start`).
 
 Invariant: everything below runs on the executor thread, except `post`, `add`, `wake` and
 `cancel`, which only enqueue. So a program's state changes in one thread, in order, and no
-program costs a thread; a program's Python body runs elsewhere (sgl_nb/body_pool.py) and
+program costs a thread; a program's Python body runs elsewhere (sgl_nb/language/body_pool.py) and
 blocks only where it reads a generated value.
 """
 

@@ -27,7 +27,7 @@ def check_passes(passes) -> frozenset[str]:
 
 def run_passes(nodes: list[Node], chosen: frozenset[str]) -> tuple[list[Node], list[PassReport]]:
     """The passes stage: the chosen passes, in order, over the Nodes a program recorded
-    since its last flush (sgl_nb/state.py); what they return is what gets lowered."""
+    since its last flush (sgl_nb/language/state.py); what they return is what gets lowered."""
     reports = []
     if "fuse_text" in chosen:
         nodes, report = fuse_text(nodes)

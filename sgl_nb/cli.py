@@ -63,7 +63,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sgl_nb.serve import cmd_serve as serve
+    from sgl_nb.server.serve import cmd_serve as serve
 
     return serve(args)
 

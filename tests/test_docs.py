@@ -52,13 +52,14 @@ def test_every_path_a_doc_names_exists(doc):
 
 def test_architecture_walks_the_pipeline_file_by_file():
     paths = set(named_paths(ARCHITECTURE.read_text(encoding="utf-8")))
-    for stage in ("sgl_nb/magics.py", "sgl_nb/cell_program.py", "sgl_nb/function.py",
-                  "sgl_nb/body_pool.py", "sgl_nb/state.py", "runtime/passes.py",
-                  "runtime/instructions.py", "runtime/lowering.py", "runtime/executor.py",
-                  "runtime/step_controller.py", "sgl_nb/effects.py", "sgl_nb/local_runtime.py",
-                  "sgl_nb/runtime_endpoint.py", "runtime/engine.py", "runtime/scheduler.py",
-                  "runtime/radix_cache.py", "runtime/kv_pool.py", "runtime/model.py",
-                  "runtime/events.py"):
+    for stage in ("sgl_nb/notebook/magics.py", "sgl_nb/notebook/cell_program.py",
+                  "sgl_nb/language/function.py", "sgl_nb/language/body_pool.py",
+                  "sgl_nb/language/state.py", "runtime/passes.py", "runtime/instructions.py",
+                  "runtime/lowering.py", "runtime/executor.py", "runtime/step_controller.py",
+                  "sgl_nb/language/effects.py", "sgl_nb/backends/local_runtime.py",
+                  "sgl_nb/backends/runtime_endpoint.py", "runtime/engine.py",
+                  "runtime/scheduler.py", "runtime/radix_cache.py", "runtime/kv_pool.py",
+                  "runtime/model.py", "runtime/events.py"):
         assert stage in paths, f"docs/architecture.md does not name {stage}"
 
 

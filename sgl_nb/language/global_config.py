@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sgl_nb.function import current_backend, set_default_backend
+from sgl_nb.language.function import current_backend, set_default_backend
 
 
 class GlobalConfig:

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
-from sgl_nb.remote.handle import RemoteHandle, ScoreShare, usage_of
-from sgl_nb.remote.http import HttpClient, RemoteError, RemoteFeatureError, Timeouts
-from sgl_nb.remote.openai_api import OpenAIApi
-from sgl_nb.remote.sglang_api import SGLangApi
+from sgl_nb.backends.chat_roles import ChatRoles, derive_chat_roles
+from sgl_nb.backends.remote.handle import RemoteHandle, ScoreShare, usage_of
+from sgl_nb.backends.remote.http import HttpClient, RemoteError, RemoteFeatureError, Timeouts
+from sgl_nb.backends.remote.openai_api import OpenAIApi
+from sgl_nb.backends.remote.sglang_api import SGLangApi
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarError
 from sgl_nb.runtime.request import GenerateOutput

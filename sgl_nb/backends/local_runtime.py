@@ -7,7 +7,7 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-from sgl_nb.chat_roles import ChatRoles, derive_chat_roles
+from sgl_nb.backends.chat_roles import ChatRoles, derive_chat_roles
 from sgl_nb.runtime.engine import Engine, RequestHandle
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.priority import parse_priority

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from sgl_nb.remote.cancel import CancelToken
+from sgl_nb.backends.remote.cancel import CancelToken
 from sgl_nb.runtime.request import GenerateOutput
 
 _DONE = object()

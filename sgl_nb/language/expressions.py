@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sgl_nb.reasoning import check_model_type
+from sgl_nb.language.reasoning import check_model_type
 
 REGEX_INT = r"-?\d+"
 REGEX_FLOAT = r"-?\d+(\.\d+)?([eE][-+]?\d+)?"

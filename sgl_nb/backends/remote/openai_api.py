@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from sgl_nb.remote.http import HttpClient, RemoteError, RemoteFeatureError
+from sgl_nb.backends.remote.http import HttpClient, RemoteError, RemoteFeatureError
 from sgl_nb.runtime.sampling_params import SamplingParams
 
 

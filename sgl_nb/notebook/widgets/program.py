@@ -15,12 +15,12 @@ import threading
 import ipywidgets as W
 from traitlets import Int, Unicode
 
+from sgl_nb.notebook.widgets.cache_tree import CacheTreeView
+from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows
+from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
+from sgl_nb.notebook.widgets.throttle import EventPump, held
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import NodeView, Timeline
-from sgl_nb.widgets.cache_tree import CacheTreeView
-from sgl_nb.widgets.stepper import StepperView, graph_rows
-from sgl_nb.widgets.stream import StreamModel, StreamView, _family
-from sgl_nb.widgets.throttle import EventPump, held
 
 
 class ProgramWidget(W.VBox):

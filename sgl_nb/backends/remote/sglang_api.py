@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from sgl_nb.remote.http import HttpClient, RemoteError
+from sgl_nb.backends.remote.http import HttpClient, RemoteError
 from sgl_nb.runtime.sampling_params import SamplingParams
 
 

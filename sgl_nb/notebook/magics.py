@@ -18,10 +18,10 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from sgl_nb.backend import is_backend
-from sgl_nb.cell_program import compile_cell, parse_args
-from sgl_nb.function import get_default_backend, set_default_backend
-from sgl_nb.state import ProgramState
+from sgl_nb.backends.backend import is_backend
+from sgl_nb.language.function import get_default_backend, set_default_backend
+from sgl_nb.language.state import ProgramState
+from sgl_nb.notebook.cell_program import compile_cell, parse_args
 
 PRIORITIES = ("interactive", "normal", "batch")
 
@@ -107,7 +107,7 @@ class SglMagics(Magics):
         if spec is None:
             return get_default_backend()
         if spec.startswith(("http://", "https://")):
-            from sgl_nb.runtime_endpoint import RuntimeEndpoint
+            from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
 
             endpoints = self.__dict__.setdefault("_endpoints", {})
             if spec not in endpoints:
@@ -123,7 +123,7 @@ class SglMagics(Magics):
         backend = self._backend(args.backend)
         widget = None
         if not args.no_widget:
-            from sgl_nb.widgets import ProgramWidget
+            from sgl_nb.notebook.widgets import ProgramWidget
 
             widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
         if args.trace:
@@ -154,7 +154,7 @@ class SglMagics(Magics):
             rt = get_default_backend()
             print(_describe(rt))
             return None
-        from sgl_nb.local_runtime import Runtime
+        from sgl_nb.backends.local_runtime import Runtime
 
         new = Runtime(path)
         set_default_backend(new)
@@ -178,7 +178,7 @@ class SglMagics(Magics):
         if args.text:
             print(rt.cache.format_tree(rt.tokenizer))
             return None
-        from sgl_nb.widgets import LiveCacheTree
+        from sgl_nb.notebook.widgets import LiveCacheTree
 
         display(LiveCacheTree(rt, max_nodes=args.max_nodes))
         return None

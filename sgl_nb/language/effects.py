@@ -8,13 +8,13 @@ through callbacks; Fork makes the branches; Join gathers them; Return ends the p
 
 from __future__ import annotations
 
-from sgl_nb import speculation
-from sgl_nb.logprob_meta import logprob_meta
-from sgl_nb.reasoning import split_reasoning
+from sgl_nb.language import speculation
+from sgl_nb.language.logprob_meta import logprob_meta
+from sgl_nb.language.reasoning import split_reasoning
+from sgl_nb.language.select_scoring import choose
 from sgl_nb.runtime.executor import Done
 from sgl_nb.runtime.instructions import Cancelled, Fork, Instruction, Join, Op
 from sgl_nb.runtime.ir import Node
-from sgl_nb.select_scoring import choose
 
 
 class ProgramEffects:

@@ -13,8 +13,8 @@ import functools
 import linecache
 import types
 
-import sgl_nb.expressions as dsl
-from sgl_nb.function import SglFunction
+import sgl_nb.language.expressions as dsl
+from sgl_nb.language.function import SglFunction
 
 # The names a cell body sees without importing anything.
 DSL_NAMES = (

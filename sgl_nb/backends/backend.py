@@ -1,6 +1,6 @@
 """The Backend interface: what programs, the magics, the widgets and the debugger use of a
-backend. The in-kernel `sgl.Runtime` (sgl_nb/local_runtime.py) and `sgl.RuntimeEndpoint`
-(a vLLM or SGLang server, sgl_nb/runtime_endpoint.py) both implement it."""
+backend. The in-kernel `sgl.Runtime` (sgl_nb/backends/local_runtime.py) and `sgl.RuntimeEndpoint`
+(a vLLM or SGLang server, sgl_nb/backends/runtime_endpoint.py) both implement it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Protocol
 
-from sgl_nb.chat_roles import ChatRoles
+from sgl_nb.backends.chat_roles import ChatRoles
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import GenerateOutput

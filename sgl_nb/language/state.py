@@ -1,12 +1,12 @@
 """ProgramState: the `s` of a program.
 
-The program's Python (a body thread from sgl_nb/body_pool.py) is the interpreter: `s += ...`
-records Nodes. Wherever something depends on them (a gen, a select, a fork, a read, the end)
-the Nodes recorded since the last such point go through the passes (runtime/passes.py), are
-lowered to Instructions (runtime/lowering.py) and handed to the executor
-(runtime/executor.py), which runs them in order on its own thread; what they do to the text
-and the variables is in sgl_nb/effects.py. The Python goes on at once and blocks only where
-it reads a generated value (`s["x"]`, `s.text()`)."""
+The program's Python (a body thread from sgl_nb/language/body_pool.py) is the interpreter:
+`s += ...` records Nodes. Wherever something depends on them (a gen, a select, a fork, a read,
+the end) the Nodes recorded since the last such point go through the passes
+(runtime/passes.py), are lowered to Instructions (runtime/lowering.py) and handed to the
+executor (runtime/executor.py), which runs them in order on its own thread; what they do to
+the text and the variables is in sgl_nb/language/effects.py. The Python goes on at once and
+blocks only where it reads a generated value (`s["x"]`, `s.text()`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sgl_nb.effects import ProgramEffects
-from sgl_nb.expressions import Concat, Gen, Role, RoleBlock, Select
+from sgl_nb.language.effects import ProgramEffects
+from sgl_nb.language.expressions import Concat, Gen, Role, RoleBlock, Select
 from sgl_nb.runtime.executor import get_executor
 from sgl_nb.runtime.instructions import Cancelled
 from sgl_nb.runtime.ir import Node, dot
@@ -90,7 +90,7 @@ class ProgramState(ProgramEffects):
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
         self._body_thread: threading.Thread | None = None  # the thread running the program
         self._has_body = False  # a body runs (or will): a fork branch has none
-        # API speculative execution (sgl_nb/speculation.py): tokens a gen asks for at once,
+        # API speculative execution (sgl_nb/language/speculation.py): tokens a gen asks for at once,
         # and what of the answer the following text and gens have not taken yet.
         self.spec_tokens: int | None = None
         self.speculated = ""

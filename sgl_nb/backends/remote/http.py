@@ -11,7 +11,7 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from sgl_nb.remote.cancel import CancelToken
+from sgl_nb.backends.remote.cancel import CancelToken
 
 
 class RemoteError(RuntimeError):

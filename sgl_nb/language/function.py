@@ -9,13 +9,13 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 
-from sgl_nb.body_pool import BodyPool
-from sgl_nb.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
+from sgl_nb.language.body_pool import BodyPool
+from sgl_nb.language.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
+from sgl_nb.language.state import ProgramState
+from sgl_nb.language.trace import ProgramGraph, trace_program
 from sgl_nb.runtime.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.priority import parse_priority, priority_name
 from sgl_nb.runtime.step_controller import StepController
-from sgl_nb.state import ProgramState
-from sgl_nb.trace import ProgramGraph, trace_program
 
 _default_backend = None
 _backend_lock = threading.Lock()
@@ -36,7 +36,7 @@ def get_default_backend():
     global _default_backend
     with _backend_lock:
         if _default_backend is None:
-            from sgl_nb.local_runtime import Runtime
+            from sgl_nb.backends.local_runtime import Runtime
 
             _default_backend = Runtime()
         return _default_backend
