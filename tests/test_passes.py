@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.runtime.ir import Node
-from sgl_nb.runtime.passes import fuse_text, shared_prefix
+from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.passes import fuse_text, shared_prefix
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 

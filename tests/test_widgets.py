@@ -13,8 +13,8 @@ import pytest
 import sgl_nb as sgl
 from sgl_nb.notebook.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
 from sgl_nb.notebook.widgets.stepper import parse_breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.runtime.events import Event, EventBus
-from sgl_nb.runtime.step_controller import Breakpoint
 
 slow = pytest.mark.slow
 

@@ -1,5 +1,6 @@
-"""What each Instruction does to its program: the executor (runtime/executor.py) calls these
-on its own thread, in order, so a program's text and variables change in one thread.
+"""What each Instruction does to its program: the executor (runtime/compiler/executor.py)
+calls these on its own thread, in order, so a program's text and variables change in one
+thread.
 
 Extend appends text (a role marker's comes from the chat template, a decided select's is its
 choice); Decode and Score submit engine work that carries the Instruction and come back
@@ -12,9 +13,9 @@ from sgl_nb.language import speculation
 from sgl_nb.language.logprob_meta import logprob_meta
 from sgl_nb.language.reasoning import split_reasoning
 from sgl_nb.language.select_scoring import choose
-from sgl_nb.runtime.executor import Done
-from sgl_nb.runtime.instructions import Cancelled, Fork, Instruction, Join, Op
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.compiler.executor import Done
+from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
+from sgl_nb.runtime.compiler.ir import Node
 
 
 class ProgramEffects:

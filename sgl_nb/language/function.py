@@ -13,9 +13,9 @@ from sgl_nb.language.body_pool import BodyPool
 from sgl_nb.language.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
 from sgl_nb.language.state import ProgramState
 from sgl_nb.language.trace import ProgramGraph, trace_program
-from sgl_nb.runtime.passes import PassReport, check_passes, leading_text, shared_prefix
+from sgl_nb.runtime.compiler.passes import PassReport, check_passes, leading_text, shared_prefix
+from sgl_nb.runtime.compiler.step_controller import StepController
 from sgl_nb.runtime.priority import parse_priority, priority_name
-from sgl_nb.runtime.step_controller import StepController
 
 _default_backend = None
 _backend_lock = threading.Lock()

@@ -3,10 +3,11 @@
 The program's Python (a body thread from sgl_nb/language/body_pool.py) is the interpreter:
 `s += ...` records Nodes. Wherever something depends on them (a gen, a select, a fork, a read,
 the end) the Nodes recorded since the last such point go through the passes
-(runtime/passes.py), are lowered to Instructions (runtime/lowering.py) and handed to the
-executor (runtime/executor.py), which runs them in order on its own thread; what they do to
-the text and the variables is in sgl_nb/language/effects.py. The Python goes on at once and
-blocks only where it reads a generated value (`s["x"]`, `s.text()`)."""
+(runtime/compiler/passes.py), are lowered to Instructions (runtime/compiler/lowering.py) and
+handed to the executor (runtime/compiler/executor.py), which runs them in order on its own
+thread; what they do to the text and the variables is in sgl_nb/language/effects.py. The
+Python goes on at once and blocks only where it reads a generated value (`s["x"]`,
+`s.text()`)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from contextlib import contextmanager
 
 from sgl_nb.language.effects import ProgramEffects
 from sgl_nb.language.expressions import Concat, Gen, Role, RoleBlock, Select
-from sgl_nb.runtime.executor import get_executor
-from sgl_nb.runtime.instructions import Cancelled
-from sgl_nb.runtime.ir import Node, dot
-from sgl_nb.runtime.listing import listing
-from sgl_nb.runtime.lowering import lower
-from sgl_nb.runtime.passes import run_passes
-from sgl_nb.runtime.step_controller import StepController
+from sgl_nb.runtime.compiler.executor import get_executor
+from sgl_nb.runtime.compiler.instructions import Cancelled
+from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.listing import listing
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.passes import run_passes
+from sgl_nb.runtime.compiler.step_controller import StepController
 
 _state_ids = itertools.count(1)
 

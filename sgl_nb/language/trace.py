@@ -7,8 +7,8 @@ generated value (reading `s["x"]`, `s.text()`) ends the static part.
 from __future__ import annotations
 
 from sgl_nb.language.state import ForkGroup, ProgramState
-from sgl_nb.runtime.ir import Node, dot
-from sgl_nb.runtime.listing import listing
+from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.listing import listing
 
 
 class _EndOfStatic(Exception):

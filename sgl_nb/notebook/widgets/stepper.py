@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import ipywidgets as W
 from traitlets import Int, List, Unicode
 
-from sgl_nb.runtime.ir import PROGRAM_NODES
-from sgl_nb.runtime.lowering import lower
-from sgl_nb.runtime.step_controller import Breakpoint, StepController
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.step_controller import Breakpoint, StepController
 from sgl_nb.tracing.timeline import Timeline
 
 _STYLE = """<style>

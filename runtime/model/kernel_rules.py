@@ -4,7 +4,7 @@ A native kernel called on a shape it does not handle can crash the process that 
 (in a notebook, the user's Jupyter kernel and everything in it), so every quantized layer's
 kernel is chosen here from rules read off each kernel's source; a shape no kernel is known
 to take stays dense. What passes is then run once per CPU in a probe process
-(runtime/kernel_probe.py) before the layer is used.
+(runtime/model/kernel_probe.py) before the layer is used.
 
 - Ours (kernels/cpu_quant_matmul.h, bf16 activations): int8 takes K % 32 == 0 (one group
   of 32 inputs per 32-byte unit) and N % 8 == 0 (panels of 8 weight rows); int4 takes
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime.quantize import INT4_GROUP
+from sgl_nb.runtime.model.quantize import INT4_GROUP
 
 OURS_INT8, TORCH_INT8 = "ours-int8", "torch-int8"
 OURS_INT4, TORCH_INT4 = "ours-int4", "torch-int4"

@@ -1,7 +1,7 @@
 """The executor: one thread that runs the Instructions of every program.
 
 Each program (a ProgramHost: the language layer's state) hands it Nodes, already passed
-through the passes and lowered (runtime/lowering.py). Per program it keeps a ready queue;
+through the passes and lowered (runtime/compiler/lowering.py). Per program it keeps a ready queue;
 it starts a program's next Node when the one before it has ended (and, for a Join, when the
 fork branches it waits for have drained), asks the step controller at that point whether the
 Node may start, then starts its Instructions: Extend, Fork, Join, Return at once, Decode and
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sgl_nb.runtime.instructions import ENGINE_OPS, Cancelled, Instruction, Op
-from sgl_nb.runtime.ir import Node
-from sgl_nb.runtime.step_controller import StepController
+from sgl_nb.runtime.compiler.instructions import ENGINE_OPS, Cancelled, Instruction, Op
+from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.step_controller import StepController
 
 log = logging.getLogger("sgl_nb.executor")
 

@@ -134,14 +134,14 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     say(f"model ready in {time.monotonic() - t0:.0f} s: {target}")
 
 
-# Bump when the quantized format (runtime/quantize.py) changes: old files are then ignored.
+# Bump when the quantized format (runtime/model/quantize.py) changes: old files are then ignored.
 QUANTIZED_FORMAT = 3  # 3: the int4 mode's LM head is int4
 
 
 def quantized_cache_path(folder: Path, quantization: str) -> Path:
     """Where `folder`'s int8/int4 weights are kept: in the cache folder (never in a user's
     checkpoint folder), keyed by the checkpoint files' names, sizes and times."""
-    from sgl_nb.runtime.quantize import INT4_GROUP
+    from sgl_nb.runtime.model.quantize import INT4_GROUP
 
     folder = Path(folder).resolve()
     files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)

@@ -1,5 +1,5 @@
-"""The program graph: Nodes, what the program said (runtime/lowering.py turns each into the
-Instructions it runs as; runtime/listing.py prints both)."""
+"""The program graph: Nodes, what the program said (runtime/compiler/lowering.py turns each into the
+Instructions it runs as; runtime/compiler/listing.py prints both)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Node:
     status: str = "pending"  # pending -> running -> done | error | skipped | cancelled
     stack: tuple[str, ...] = ()  # the program's call stack when it was added (outermost first)
     id: int = field(default_factory=lambda: next(_node_ids))
-    # What it lowered to, once queued to run (runtime/lowering.py): what the executor runs.
+    # What it lowered to, once queued to run (runtime/compiler/lowering.py): what the executor runs.
     instructions: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ point). The quantized ones compute with 16-bit activations: torch's int8/int4 CP
 have no vectorised path for fp32 activations (measured 5-40x slower than bf16).
 
 `make_linear` builds one from a weight and, for int8/int4, its quantized form
-(runtime/quantize.py), with the kernel runtime/kernel_rules.py picks for its shape, once
-that kernel and shape have passed a check in a probe process (runtime/kernel_probe.py); it
+(runtime/model/quantize.py), with the kernel runtime/model/kernel_rules.py picks for its shape, once
+that kernel and shape have passed a check in a probe process (runtime/model/kernel_probe.py); it
 falls back to the dense layer, with a warning, when no kernel takes the shape or the check
 failed (a crash there kills the probe process, never the caller).
 """
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime import kernel_rules
-from sgl_nb.runtime.kernel_rules import OURS_INT4, OURS_INT8, aligned
-from sgl_nb.runtime.quantize import (
+from sgl_nb.runtime.model import kernel_rules
+from sgl_nb.runtime.model.kernel_rules import OURS_INT4, OURS_INT8, aligned
+from sgl_nb.runtime.model.quantize import (
     INT4_GROUP,
     QUANTIZATIONS,
     int4_shape_error,
@@ -110,7 +110,7 @@ def dense_panels(weight: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias).
 
-    `kernel` is runtime/kernel_rules.py's name (None: its choice for the shape). Ours,
+    `kernel` is runtime/model/kernel_rules.py's name (None: its choice for the shape). Ours,
     kernels/cpu_quant_matmul.h (1.5-3x torch's at 1 to 256 rows, measured), gives each row
     the same bits in any batch and keeps the weight only in its interleaved layout
     (`panels`, `qweight` None). torch's gets both operands contiguous at a 64-byte boundary:
@@ -142,7 +142,7 @@ class Int8Linear:
 class Int4Linear:
     """int4 weights in groups of 32 inputs, each with a scale and a zero point.
 
-    With our kernel (runtime/kernel_rules.py's choice on CPU for bf16 activations and an
+    With our kernel (runtime/model/kernel_rules.py's choice on CPU for bf16 activations and an
     input size that is a multiple of 64) the weight is also kept in
     kernels/cpu_quant_matmul.h's layout (`small`: nibbles, scale, zero) and every call takes
     it: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it, giving each row the
@@ -208,7 +208,7 @@ class Int4Linear:
 
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """runtime/quantize.py's int4 bytes -> cpu_quant_matmul.h's: per group of 32 inputs, byte
+    """runtime/model/quantize.py's int4 bytes -> cpu_quant_matmul.h's: per group of 32 inputs, byte
     i holds input i (low nibble) and input i + 16 (high nibble); rows interleaved by two
     groups (32 bytes)."""
     v = unpack_int4(q).to(torch.uint8)
@@ -328,8 +328,8 @@ def check_kernels(layers: Iterable[tuple[str, dict[str, torch.Tensor]]], dtype: 
     layer whose kernel and shape have no verdict yet, so that the make_linear calls after
     it find theirs cached (one process per model load, not one per layer)."""
     # Imported here, not with the module: were `import sgl_nb` to import kernel_probe,
-    # `python -m sgl_nb.runtime.kernel_probe` (the probe process) would run a second copy.
-    from sgl_nb.runtime.kernel_probe import Probe, verdicts
+    # `python -m sgl_nb.runtime.model.kernel_probe` (the probe process) would run a second copy.
+    from sgl_nb.runtime.model.kernel_probe import Probe, verdicts
 
     device = torch.device(device)
     if device.type != "cpu":
@@ -354,7 +354,7 @@ def _kernel_for(quantization: str, have_weights: bool, n: int, k: int, dtype: to
     kernel, why = kernel_rules.choose(quantization, n, k, dtype, device)
     if kernel is None or device.type != "cpu":
         return kernel, why
-    from sgl_nb.runtime.kernel_probe import Probe, verdicts  # see check_kernels
+    from sgl_nb.runtime.model.kernel_probe import Probe, verdicts  # see check_kernels
 
     probe = Probe.of(kernel, n, k, dtype)
     return kernel, verdicts([probe])[probe]
@@ -376,6 +376,6 @@ def quantized_linear(t: dict[str, torch.Tensor], bias: torch.Tensor | None, dtyp
 
 
 def _check_here(layer: Linear, t, bias, kernel: str, n: int, k: int, dtype, device) -> str | None:
-    from sgl_nb.runtime.kernel_probe import Probe, check_layer  # see check_kernels
+    from sgl_nb.runtime.model.kernel_probe import Probe, check_layer  # see check_kernels
 
     return check_layer(layer, t, Probe.of(kernel, n, k, dtype), device=device, bias=bias)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.compiler.ir import Node
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Lowering: a Node to the Instructions it runs as (runtime/instructions.py)."""
+"""Lowering: a Node to the Instructions it runs as (runtime/compiler/instructions.py)."""
 
 from __future__ import annotations
 
-from sgl_nb.runtime.instructions import (
+from sgl_nb.runtime.compiler.instructions import (
     Decode,
     Extend,
     Fork,
@@ -12,7 +12,7 @@ from sgl_nb.runtime.instructions import (
     Return,
     Score,
 )
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.compiler.ir import Node
 
 UNCONDITIONAL = "unconditional_likelihood_normalized"
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sgl_nb.runtime.instructions import Instruction
-from sgl_nb.runtime.ir import PROGRAM_NODES, Node
-from sgl_nb.runtime.lowering import lower
+from sgl_nb.runtime.compiler.instructions import Instruction
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, Node
+from sgl_nb.runtime.compiler.lowering import lower
 
 
 def instructions_of(node: Node) -> list[Instruction]:

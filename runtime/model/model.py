@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from sgl_nb.kernels import cpu_decode, decode_attention, extend_attention, plan_decode, store_kv
-from sgl_nb.runtime.forward_batch import ForwardBatch
 from sgl_nb.runtime.kv_pool import KVPool
-from sgl_nb.runtime.linear import (
+from sgl_nb.runtime.model.forward_batch import ForwardBatch
+from sgl_nb.runtime.model.linear import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -30,9 +30,9 @@ from sgl_nb.runtime.linear import (
     resolve_dtype,
     shape_error,
 )
-from sgl_nb.runtime.model_config import ModelConfig
-from sgl_nb.runtime.model_loader import load_quantized
-from sgl_nb.runtime.quantize import quantize
+from sgl_nb.runtime.model.model_config import ModelConfig
+from sgl_nb.runtime.model.model_loader import load_quantized
+from sgl_nb.runtime.model.quantize import quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,7 +3,7 @@
 A native kernel that crashes on a shape kills the process that called it: in a notebook,
 the user's Jupyter kernel and everything in it.
 So before a model's quantized layers are used, each (kernel, [N, K], dtype) among them runs
-in a child, `python -m sgl_nb.runtime.kernel_probe`, on random weights of that shape against
+in a child, `python -m sgl_nb.runtime.model.kernel_probe`, on random weights of that shape against
 their dequantized values. One child takes every unchecked shape of a load, reporting each
 verdict as it goes; if it dies (a signal, a non-zero exit, no answer in
 $SGL_NB_PROBE_TIMEOUT s, default 120) the shape it was on is "crashed" and the rest go to a
@@ -12,7 +12,7 @@ the CPU, torch and our extension's build, so later loads spawn nothing.
 
 The child's weights are random, not the model's: what makes a kernel crash or miscompute
 here is the shape, the dtype, the CPU and the operands' layout (which the layers fix,
-runtime/kernel_rules.py), not the values. $SGL_NB_PROBE_FAULT (read by the child only) makes
+runtime/model/kernel_rules.py), not the values. $SGL_NB_PROBE_FAULT (read by the child only) makes
 a probe fail on purpose, for the tests: "<kernel> <N>x<K> <fault>[; ...]" with `*` for any
 kernel or shape and fault one of crash (SIGSEGV), exit, hang, raise, wrong.
 """
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime import kernel_rules
-from sgl_nb.runtime.model_loader import cache_dir
-from sgl_nb.runtime.quantize import INT4_GROUP, dequantize
+from sgl_nb.runtime.model import kernel_rules
+from sgl_nb.runtime.model.model_loader import cache_dir
+from sgl_nb.runtime.model.quantize import INT4_GROUP, dequantize
 
 FAULT_ENV = "SGL_NB_PROBE_FAULT"
 TIMEOUT_ENV = "SGL_NB_PROBE_TIMEOUT"
@@ -52,7 +52,7 @@ _known: dict[Path, dict[str, str | None]] = {}  # verdict file -> its verdicts, 
 
 @dataclass(frozen=True)
 class Probe:
-    kernel: str  # runtime/kernel_rules.py's names
+    kernel: str  # runtime/model/kernel_rules.py's names
     n: int
     k: int
     dtype: str  # the activations' torch dtype by name, "bfloat16"
@@ -172,7 +172,7 @@ def _run_child(probes: list[Probe]) -> tuple[dict[str, str | None], str | None]:
     job = json.dumps({"probes": [asdict(p) for p in probes], "extension": _extension_path()})
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_nb.runtime.kernel_probe"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "sgl_nb.runtime.model.kernel_probe"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=err, text=True,
         )
         proc.stdin.write(job)
@@ -293,7 +293,7 @@ def _fault(probe: Probe) -> str | None:
 
 def check(probe: Probe, fault: str | None = None) -> str | None:
     """Build the layer for random weights of the probe's shape and compare it with them."""
-    from sgl_nb.runtime import linear  # imports this module's neighbours, not this one
+    from sgl_nb.runtime.model import linear  # imports this module's neighbours, not this one
 
     t = random_quantized(probe)
     try:
@@ -305,7 +305,7 @@ def check(probe: Probe, fault: str | None = None) -> str | None:
 
 
 def random_quantized(probe: Probe) -> dict[str, torch.Tensor]:
-    """Quantized weights of the probe's shape in runtime/quantize.py's form, their scales
+    """Quantized weights of the probe's shape in runtime/model/quantize.py's form, their scales
     and zeros exact in bf16 (the kernels' own precision)."""
     n, k = probe.n, probe.k
     gen = torch.Generator().manual_seed(n * 65537 + k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nb.runtime.ir import Node
+from sgl_nb.runtime.compiler.ir import Node
 
 ALL_PASSES = ("fuse_text", "static_select", "shared_prefix")
 

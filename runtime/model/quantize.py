@@ -5,7 +5,7 @@
 - int4: asymmetric in groups of INT4_GROUP consecutive inputs. q holds two 4-bit values per
   byte, uint8 [N, K/2] (column 2j in the high nibble, 2j+1 in the low one); scale and zero
   fp32 [N, K/G]; w ~= (q - 8) * scale + zero, the convention of torch's int4 kernels, whose
-  packed layouts are derived from this at load (runtime/linear.py).
+  packed layouts are derived from this at load (runtime/model/linear.py).
 
 The int4 scheme (min/max per 32 inputs, 15 steps) is the one GGUF's Q4_1 uses, so weights
 that were Q4_1 come back on the same grid.
