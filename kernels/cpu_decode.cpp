@@ -8,7 +8,7 @@
 // store, paged attention, SiLU, the residual adds) is a plain loop over a few thousand
 // numbers.
 //
-// The arithmetic follows runtime/model.py: an fp32 residual stream; RMSNorm in fp32 whose
+// The arithmetic follows runtime/model/model.py: an fp32 residual stream; RMSNorm in fp32 whose
 // result is rounded to the activation dtype T before the weight multiply; RoPE tables
 // computed in fp32 and rounded to T; attention scores, softmax and the weighted sum in
 // fp32; the LM head as linear.LogitsHead computes it.
@@ -536,7 +536,7 @@ class DecodeStep {
     return logits;
   }
 
-  // cos and signed sin [B, head_dim] as runtime/model.py's rope_tables gives them (fp32
+  // cos and signed sin [B, head_dim] as runtime/model/model.py's rope_tables gives them (fp32
   // angles, the tables rounded to T), widened to fp32.
   template <typename T>
   std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions) const {

@@ -6,7 +6,7 @@
 // weight is widened to fp32 in registers (exact: its bits are an fp32's top half).
 //
 // The weight is kept in panels of 16 output columns, [N / 16][K][16] (`dense_panels` in
-// runtime/linear.py packs it once at load): a panel is one contiguous stream, and a block
+// runtime/model/linear.py packs it once at load): a panel is one contiguous stream, and a block
 // of 6 rows of x times one panel keeps 12 accumulators of 8 outputs in registers, each row
 // of x read one value at a time (broadcast). One row (decode at batch 1) takes four panels
 // per block instead, four streams at once.

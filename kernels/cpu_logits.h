@@ -1,4 +1,4 @@
-// The LM head's refinement on the CPU (runtime/linear.py, LogitsHead): each row's best
+// The LM head's refinement on the CPU (runtime/model/linear.py, LogitsHead): each row's best
 // candidates recomputed from 16-bit weight rows with fp32 accumulation.
 //
 // Why here: in torch it took topk over the vocabulary, a gather, a widening, a multiply and

@@ -13,7 +13,7 @@
 //
 // Both keep the weight rows interleaved in panels of 8 rows by units of 32 bytes (int8: one
 // group; int4: two groups, so K must be a multiple of 64), [N / 8][K bytes / 32][8][32]
-// (`interleave_rows` in runtime/linear.py packs them at load): a block of up to 8 weight
+// (`interleave_rows` in runtime/model/linear.py packs them at load): a block of up to 8 weight
 // rows then reads one sequential stream. With each row apart, a block read 4-8 short
 // streams of K bytes and the hardware prefetcher never got going: at one row of x, int8
 // streamed 10-12 GB/s from memory, interleaved 19-24 (measured).

@@ -23,8 +23,8 @@ from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache, GrammarError
-from sgl_nb.runtime.model import Model
-from sgl_nb.runtime.model_loader import resolve_model_path
+from sgl_nb.runtime.model.model import Model
+from sgl_nb.runtime.model.model_loader import resolve_model_path
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache

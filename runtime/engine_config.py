@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_nb.runtime.linear import resolve_dtype
+from sgl_nb.runtime.model.linear import resolve_dtype
 
 SCHEDULE_POLICIES = ("lpm", "fifo")
 
@@ -23,7 +23,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # tokens prefilled per step (longer prompts: in chunks)
     max_running: int = 64  # requests decoding together at most
     # Activations and KV cache: "float32", "bfloat16" or "float16"; None picks bf16 on
-    # CUDA or with quantization, fp32 otherwise (runtime/linear.py resolve_dtype).
+    # CUDA or with quantization, fp32 otherwise (runtime/model/linear.py resolve_dtype).
     dtype: str | torch.dtype | None = None
     device: str | None = None  # None: CUDA when there is one, else the CPU
     quantization: str | None = None  # None, "int8" or "int4" (weight-only)

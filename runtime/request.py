@@ -70,7 +70,7 @@ class Request:
     program: int | None = None
     node: int | None = None
     index: int = 0  # which Instruction of its node it is (a Select scores each choice apart)
-    # The program's Instruction it runs (runtime/instructions.py), if a program sent it:
+    # The program's Instruction it runs (runtime/compiler/instructions.py), if a program sent it:
     # the executor, not the engine, then reports its start and end.
     instruction: object | None = None
     preemptions: int = 0  # times suspended (KV kept) for higher-priority work

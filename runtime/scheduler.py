@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from sgl_nb.runtime.engine_config import EngineConfig
-from sgl_nb.runtime.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.kv_pool import KVPool
+from sgl_nb.runtime.model.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.priority import priority_name
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import EMPTY_SLOTS, Request

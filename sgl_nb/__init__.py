@@ -3,7 +3,9 @@
 Programs written for SGLang's frontend run with `import sgl_nb as sgl`.
 """
 
-from sgl_nb.expressions import (
+from sgl_nb.backends.local_runtime import Runtime
+from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
+from sgl_nb.language.expressions import (
     REGEX_BOOL,
     REGEX_FLOAT,
     REGEX_INT,
@@ -28,19 +30,17 @@ from sgl_nb.expressions import (
     user_end,
     video,
 )
-from sgl_nb.function import (
+from sgl_nb.language.function import (
     flush_cache,
     function,
     get_default_backend,
     get_server_info,
     set_default_backend,
 )
-from sgl_nb.global_config import global_config
-from sgl_nb.local_runtime import Runtime
+from sgl_nb.language.global_config import global_config
+from sgl_nb.language.state import ProgramCancelled, ProgramError, ProgramState
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
-from sgl_nb.runtime_endpoint import RuntimeEndpoint
-from sgl_nb.state import ProgramCancelled, ProgramError, ProgramState
 from sgl_nb.tracing_api import disable_tracing, enable_tracing
 
 __all__ = [
@@ -58,6 +58,6 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache and %sgl_trace magics."""
-    from sgl_nb.magics import load_ipython_extension as load  # IPython only when asked
+    from sgl_nb.notebook.magics import load_ipython_extension as load  # IPython only when asked
 
     load(ipython)

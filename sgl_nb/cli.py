@@ -13,7 +13,7 @@ DEMO_QUESTION = "What is a radix tree, and why does it help an LLM server? Answe
 
 def cmd_model(args: argparse.Namespace) -> int:
     from sgl_nb.kernels import cpu_decode
-    from sgl_nb.runtime.model_loader import resolve_model_path
+    from sgl_nb.runtime.model.model_loader import resolve_model_path
 
     t0 = time.monotonic()
     path = resolve_model_path(args.path)
@@ -63,7 +63,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sgl_nb.serve import cmd_serve as serve
+    from sgl_nb.server.serve import cmd_serve as serve
 
     return serve(args)
 

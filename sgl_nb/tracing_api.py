@@ -8,7 +8,7 @@ import os
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from sgl_nb.backend import is_backend
+from sgl_nb.backends.backend import is_backend
 from sgl_nb.tracing import session
 
 
@@ -39,6 +39,6 @@ def disable_tracing() -> None:
 
 
 def _default_runtime():
-    from sgl_nb.function import get_default_backend
+    from sgl_nb.language.function import get_default_backend
 
     return get_default_backend()  # the Runtime programs run on (created on first use)

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from sgl_nb.runtime.model_loader import resolve_model_path
+from sgl_nb.runtime.model.model_loader import resolve_model_path
 
 
 @pytest.fixture

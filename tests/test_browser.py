@@ -74,7 +74,7 @@ def _settings(folder: Path) -> None:
 @pytest.fixture
 def lab(tmp_path):
     _need_chromium()
-    from sgl_nb.runtime.model_loader import cache_dir
+    from sgl_nb.runtime.model.model_loader import cache_dir
 
     root, settings = tmp_path / "root", tmp_path / "settings"
     root.mkdir()

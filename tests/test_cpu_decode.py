@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from sgl_nb.kernels import cpu_decode, reference
-from sgl_nb.runtime.forward_batch import build_batch
-from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
-from sgl_nb.runtime.model import Model
-from sgl_nb.runtime.quantize import dequantize, quantize
+from sgl_nb.runtime.model.forward_batch import build_batch
+from sgl_nb.runtime.model.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
+from sgl_nb.runtime.model.model import Model
+from sgl_nb.runtime.model.quantize import dequantize, quantize
 
 ext = cpu_decode.load()
 pytestmark = pytest.mark.skipif(ext is None, reason="no C++ compiler: the torch path runs")

@@ -18,7 +18,7 @@ BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 README_MAX_LINES = 320
 
 # A backticked token is taken for a repository path when it contains a "/" or ends in one
-# of these (`runtime/executor.py`, `kernels/`, `pyproject.toml`); `sgl_nb.runtime` or
+# of these (`runtime/compiler/executor.py`, `kernels/`, `pyproject.toml`); `sgl_nb.runtime` or
 # `ProgramState._flush` are names, not paths.
 PATH_SUFFIXES = (".py", ".cpp", ".h", ".md", ".toml", ".ipynb", ".txt", ".json", ".sh")
 PATH_TOKEN = re.compile(r"[A-Za-z0-9_][\w.*/-]*")
@@ -36,11 +36,11 @@ def named_paths(markdown: str) -> list[str]:
 
 
 def test_named_paths_reads_paths_not_names():
-    text = ("`runtime/executor.py` `kernels/` `kernels/*.cpp` `pyproject.toml` "
+    text = ("`runtime/compiler/executor.py` `kernels/` `kernels/*.cpp` `pyproject.toml` "
             "`sgl_nb.runtime` `ProgramState._flush` `/v1/completions` `$SGL_NB_CACHE/ext` "
             "`a b/c.py`\n```sh\nmissing/in_a_block.py\n```\n")
     assert named_paths(text) == ["kernels/", "kernels/*.cpp", "pyproject.toml",
-                                 "runtime/executor.py"]
+                                 "runtime/compiler/executor.py"]
 
 
 @pytest.mark.parametrize("doc", [ARCHITECTURE, BENCHMARKS], ids=lambda p: p.name)
@@ -52,13 +52,15 @@ def test_every_path_a_doc_names_exists(doc):
 
 def test_architecture_walks_the_pipeline_file_by_file():
     paths = set(named_paths(ARCHITECTURE.read_text(encoding="utf-8")))
-    for stage in ("sgl_nb/magics.py", "sgl_nb/cell_program.py", "sgl_nb/function.py",
-                  "sgl_nb/body_pool.py", "sgl_nb/state.py", "runtime/passes.py",
-                  "runtime/instructions.py", "runtime/lowering.py", "runtime/executor.py",
-                  "runtime/step_controller.py", "sgl_nb/effects.py", "sgl_nb/local_runtime.py",
-                  "sgl_nb/runtime_endpoint.py", "runtime/engine.py", "runtime/scheduler.py",
-                  "runtime/radix_cache.py", "runtime/kv_pool.py", "runtime/model.py",
-                  "runtime/events.py"):
+    for stage in ("sgl_nb/notebook/magics.py", "sgl_nb/notebook/cell_program.py",
+                  "sgl_nb/language/function.py", "sgl_nb/language/body_pool.py",
+                  "sgl_nb/language/state.py", "runtime/compiler/passes.py",
+                  "runtime/compiler/instructions.py", "runtime/compiler/lowering.py",
+                  "runtime/compiler/executor.py", "runtime/compiler/step_controller.py",
+                  "sgl_nb/language/effects.py", "sgl_nb/backends/local_runtime.py",
+                  "sgl_nb/backends/runtime_endpoint.py", "runtime/engine.py",
+                  "runtime/scheduler.py", "runtime/radix_cache.py", "runtime/kv_pool.py",
+                  "runtime/model/model.py", "runtime/events.py"):
         assert stage in paths, f"docs/architecture.md does not name {stage}"
 
 
@@ -109,7 +111,7 @@ def _project_imports(path: Path) -> list[str]:
 def test_nothing_imports_upward(folder):
     allowed = LAYERS[folder]
     bad = [f"{path.relative_to(ROOT)}: {name}"
-           for path in sorted((ROOT / folder).glob("*.py"))
+           for path in sorted((ROOT / folder).rglob("*.py"))  # runtime/compiler/, ... too
            for name in _project_imports(path)
            if not any(name == a or name.startswith(a + ".") for a in allowed)]
     assert not bad, f"{folder}/ imports above its layer: {bad}"

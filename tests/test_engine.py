@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from sgl_nb import Runtime
-from sgl_nb.runtime.model_loader import ModelNotFoundError
+from sgl_nb.runtime.model.model_loader import ModelNotFoundError
 
 pytestmark = pytest.mark.slow
 

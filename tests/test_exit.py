@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from sgl_nb.runtime.model_loader import cache_dir
+from sgl_nb.runtime.model.model_loader import cache_dir
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import sgl_nb as sgl
-from sgl_nb.cell_program import parse_args
+from sgl_nb.notebook.cell_program import parse_args
 from sgl_nb.tracing import TraceFormatError, load
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.program_file import load_program

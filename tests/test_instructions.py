@@ -11,9 +11,9 @@ import time
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.runtime.instructions import Decode, Extend, Fork, Join, Op, Return, Score
-from sgl_nb.runtime.ir import Node
-from sgl_nb.runtime.lowering import lower
+from sgl_nb.runtime.compiler.instructions import Decode, Extend, Fork, Join, Op, Return, Score
+from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.lowering import lower
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 

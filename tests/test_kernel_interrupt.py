@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sgl_nb.bench.cancel import AFTER, SETUP, Kernel, interrupt_once
-from sgl_nb.runtime.model_loader import cache_dir
+from sgl_nb.runtime.model.model_loader import cache_dir
 
 pytestmark = pytest.mark.slow
 

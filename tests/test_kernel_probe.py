@@ -1,4 +1,4 @@
-"""The kernel probe process (runtime/kernel_probe.py) on single layers, with real children.
+"""The kernel probe process (runtime/model/kernel_probe.py) on single layers, with real children.
 
 Faults are real: $SGL_NB_PROBE_FAULT makes the child itself segfault, exit, hang, raise or
 return zeros on a given kernel and shape; the parent keeps that layer dense with the reason,
@@ -18,9 +18,15 @@ import pytest
 import torch
 
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime.kernel_probe import FAULT_ENV, TIMEOUT_ENV
-from sgl_nb.runtime.linear import DenseLinear, Int4Linear, Int8Linear, check_kernels, make_linear
-from sgl_nb.runtime.quantize import quantize
+from sgl_nb.runtime.model.kernel_probe import FAULT_ENV, TIMEOUT_ENV
+from sgl_nb.runtime.model.linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    check_kernels,
+    make_linear,
+)
+from sgl_nb.runtime.model.quantize import quantize
 
 BF16 = torch.bfloat16
 # (quantization, N, K): our int8 kernel, torch's int8 (90 outputs: no whole panel of 8 for

@@ -374,9 +374,9 @@ def test_model_forward_on_triton_kernels_equals_torch_path(monkeypatch):
     interface as the torch path: prefill, a cached-prefix extend and a batched decode."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from sgl_nb.runtime.forward_batch import build_batch
-    from sgl_nb.runtime.model import Model
-    from sgl_nb.runtime.model_config import ModelConfig
+    from sgl_nb.runtime.model.forward_batch import build_batch
+    from sgl_nb.runtime.model.model import Model
+    from sgl_nb.runtime.model.model_config import ModelConfig
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128,

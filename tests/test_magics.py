@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from sgl_nb.function import SglFunction
-from sgl_nb.state import ProgramCancelled, ProgramState
+from sgl_nb.language.function import SglFunction
+from sgl_nb.language.state import ProgramCancelled, ProgramState
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -148,7 +148,7 @@ def test_model_and_cache_magics(shell, capsys, runtime):
 
 
 def test_backend_option_runs_the_cell_on_a_server(shell, runtime):
-    from sgl_nb.serve import start_in_thread
+    from sgl_nb.server.serve import start_in_thread
 
     server = start_in_thread(runtime)
     try:

@@ -19,7 +19,7 @@ def execute(name: str, workdir: Path):
     import nbformat
     from nbclient import NotebookClient
 
-    from sgl_nb.runtime.model_loader import cache_dir
+    from sgl_nb.runtime.model.model_loader import cache_dir
 
     shutil.copy(NOTEBOOKS / name, workdir / name)
     nb = nbformat.read(workdir / name, as_version=4)

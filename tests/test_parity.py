@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from sgl_nb.runtime.forward_batch import build_batch
+from sgl_nb.runtime.model.forward_batch import build_batch
 
 pytestmark = pytest.mark.slow
 NEW = 48

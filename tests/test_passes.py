@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.runtime.ir import Node
-from sgl_nb.runtime.lowering import lower
-from sgl_nb.runtime.passes import (
+from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.passes import (
     decide_selects,
     fuse_text,
     share_fork_prefixes,

@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_nb.runtime.forward_batch import build_batch
-from sgl_nb.runtime.kernel_rules import aligned
-from sgl_nb.runtime.linear import (
+from sgl_nb.runtime.model.forward_batch import build_batch
+from sgl_nb.runtime.model.kernel_rules import aligned
+from sgl_nb.runtime.model.linear import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -32,7 +32,7 @@ from sgl_nb.runtime.linear import (
     make_linear,
     resolve_dtype,
 )
-from sgl_nb.runtime.quantize import dequantize, quantize, quantize_int4
+from sgl_nb.runtime.model.quantize import dequantize, quantize, quantize_int4
 
 EVAL_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
 
@@ -174,8 +174,8 @@ def _odd_load(folder: Path, quantization: str, mode: str, logits_file: Path) -> 
     load; "cached": a later process's load gives the same bits; "crash-head": the probe
     process crashed on the int8 LM head ($SGL_NB_PROBE_FAULT), which stays dense.
     """
-    from sgl_nb.runtime import model as model_mod
-    from sgl_nb.runtime.model import Model
+    from sgl_nb.runtime.model import model as model_mod
+    from sgl_nb.runtime.model.model import Model
 
     ids = list(range(100, 140))
     with warnings.catch_warnings(record=True) as caught:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

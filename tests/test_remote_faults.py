@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.remote.http import RemoteError, RemoteFeatureError
+from sgl_nb.backends.remote.http import RemoteError, RemoteFeatureError
 
 SSE_EVENT = {"id": "x", "choices": [{"index": 0, "text": "tok", "finish_reason": None}]}
 
@@ -198,7 +198,7 @@ def test_no_tokenizer_is_a_clear_error(bad_server):
 
 @pytest.mark.slow
 def test_other_programs_are_unaffected(bad_server, runtime):
-    from sgl_nb.serve import start_in_thread
+    from sgl_nb.server.serve import start_in_thread
 
     good = start_in_thread(runtime)
     try:

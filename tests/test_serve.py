@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

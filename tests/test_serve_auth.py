@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.remote.http import RemoteError
-from sgl_nb.serve import API_KEY_ENV, is_loopback, refusal, start_in_thread
+from sgl_nb.backends.remote.http import RemoteError
+from sgl_nb.server.serve import API_KEY_ENV, is_loopback, refusal, start_in_thread
 
 KEY = "sk-test-4f1c"
 

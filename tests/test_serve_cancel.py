@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

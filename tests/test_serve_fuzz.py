@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

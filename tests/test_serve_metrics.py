@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sgl_nb.serve import start_in_thread
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import sgl_nb as sgl
-from sgl_nb.reasoning import split_reasoning
-from sgl_nb.serve import start_in_thread
+from sgl_nb.language.reasoning import split_reasoning
+from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
 

@@ -69,7 +69,7 @@ def test_breakpoint_by_name(runtime):
 
 
 def test_breakpoint_needs_a_target():
-    from sgl_nb.runtime.step_controller import StepController
+    from sgl_nb.runtime.compiler.step_controller import StepController
 
     with pytest.raises(ValueError, match="breakpoint needs"):
         StepController().breakpoint()

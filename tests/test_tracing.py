@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import sgl_nb as sgl
-from sgl_nb.runtime.lowering import lower
+from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.tracing import TraceFormatError, load, load_events, traceparent_for
 from sgl_nb.tracing.otlp_json import read_spans
 from sgl_nb.tracing.timeline import Timeline

@@ -11,10 +11,10 @@ import re
 import pytest
 
 import sgl_nb as sgl
+from sgl_nb.notebook.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
+from sgl_nb.notebook.widgets.stepper import parse_breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.runtime.events import Event, EventBus
-from sgl_nb.runtime.step_controller import Breakpoint
-from sgl_nb.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
-from sgl_nb.widgets.stepper import parse_breakpoint
 
 slow = pytest.mark.slow
 
@@ -277,8 +277,8 @@ def test_pump_coalesces_events_and_renders_the_final_state():
 
 @slow
 def test_stepper_on_a_remote_backend_steps_by_node_only(runtime):
-    from sgl_nb.runtime_endpoint import RuntimeEndpoint
-    from sgl_nb.serve import start_in_thread
+    from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
+    from sgl_nb.server.serve import start_in_thread
 
     server = start_in_thread(runtime)
     try:

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.tui.rows import NodeRow, Position
 
 GLYPH = {"pending": "○", "running": "◐", "done": "✓", "error": "✗", "skipped": "–",

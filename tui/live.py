@@ -11,10 +11,10 @@ import queue
 import threading
 from collections.abc import Callable
 
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, Node
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.runtime.events import Event
-from sgl_nb.runtime.ir import PROGRAM_NODES, Node
-from sgl_nb.runtime.lowering import lower
-from sgl_nb.runtime.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.program_file import ProgramFile
 from sgl_nb.tui.rows import NodeRow, Position, number_rows, started_rows

@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_nb.cell_program import parse_args
-from sgl_nb.function import SglFunction
+from sgl_nb.language.function import SglFunction
+from sgl_nb.notebook.cell_program import parse_args
 
 _module_ids = itertools.count(1)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import NodeRow, Position, number_rows, pending_row, started_rows
 from sgl_nb.tui.session import error_line_in

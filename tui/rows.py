@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import InstructionView, NodeView, Timeline
 
 # Position.where:

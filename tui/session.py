@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sgl_nb.runtime.step_controller import Breakpoint
+from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import NodeRow, Position
 

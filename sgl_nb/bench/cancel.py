@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sgl_nb.runtime.model_loader import cache_dir
+    from sgl_nb.runtime.model.model_loader import cache_dir
 
     kernel = Kernel(env={"SGL_NB_CACHE": str(cache_dir())})
     try:

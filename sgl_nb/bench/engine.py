@@ -152,7 +152,7 @@ def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list
         print("llama.cpp: not measured; `pip install llama-cpp-python` (builds from source "
               "in a few minutes) to compare against it on the same GGUF", flush=True)
         return None
-    from sgl_nb.runtime.model_loader import default_gguf_path
+    from sgl_nb.runtime.model.model_loader import default_gguf_path
 
     threads = torch.get_num_threads()
     llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_batch=512,
@@ -189,7 +189,7 @@ def workload(args: argparse.Namespace):
     """(tokenizer, the one-stream prompt, the shared-prefix prompts), prompts as token ids."""
     from transformers import AutoTokenizer
 
-    from sgl_nb.runtime.model_loader import resolve_model_path
+    from sgl_nb.runtime.model.model_loader import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     ids = tok.encode(tok.apply_chat_template(
@@ -212,7 +212,7 @@ def hf_in_process(args: argparse.Namespace) -> dict:
     """Seconds of transformers fp32: one_stream_s, shared_prefix_s."""
     from transformers import AutoModelForCausalLM
 
-    from sgl_nb.runtime.model_loader import resolve_model_path
+    from sgl_nb.runtime.model.model_loader import resolve_model_path
 
     path = resolve_model_path(args.model)
     tok, ids, prompts = workload(args)

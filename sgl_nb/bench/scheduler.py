@@ -7,8 +7,8 @@ import argparse
 import json
 import time
 
+from sgl_nb.backends.local_runtime import Runtime
 from sgl_nb.bench import add_json_argument, add_model_argument
-from sgl_nb.local_runtime import Runtime
 
 BATCH_TOPICS = ("cat", "dog", "ship", "tree", "robot", "river", "castle", "violin",
                 "garden", "train", "lamp", "storm")

@@ -8,7 +8,7 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from sgl_nb.logprob_meta import prompt_token_logprobs
+from sgl_nb.language.logprob_meta import prompt_token_logprobs
 from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported

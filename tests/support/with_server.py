@@ -24,7 +24,7 @@ from support.vllm_server import DEFAULT_PYTHON, VllmServer
 
 @contextmanager
 def vllm(args: argparse.Namespace) -> Iterator[str]:
-    from sgl_nb.runtime.model_loader import resolve_model_path
+    from sgl_nb.runtime.model.model_loader import resolve_model_path
 
     server = VllmServer(args.python or DEFAULT_PYTHON, resolve_model_path(args.model))
     try:

@@ -1,0 +1,67 @@
+"""The program graph: Nodes, what the program said (runtime/compiler/lowering.py turns each into the
+Instructions it runs as; runtime/compiler/listing.py prints both)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+NODE_KINDS = (
+    "Init", "Text", "RoleBegin", "RoleEnd", "Gen", "Select", "Fork", "Join", "VarScope",
+    "Return",
+)
+# A program's own Nodes, its first and its last: the views show them as the program's span,
+# not as steps of their own.
+PROGRAM_NODES = ("Init", "Return")
+_node_ids = itertools.count(1)
+
+
+@dataclass
+class Node:
+    kind: str
+    program: int  # id of the program state the node belongs to
+    preds: list[int] = field(default_factory=list)
+    name: str | None = None  # variable a Gen / Select / VarScope binds
+    detail: dict = field(default_factory=dict)  # text, role, choices, sampling params, ...
+    file: str | None = None  # where the program said it (a cell or a .py file) ...
+    line: int | None = None  # ... and on which line
+    status: str = "pending"  # pending -> running -> done | error | skipped | cancelled
+    stack: tuple[str, ...] = ()  # the program's call stack when it was added (outermost first)
+    id: int = field(default_factory=lambda: next(_node_ids))
+    # What it lowered to, once queued to run (runtime/compiler/lowering.py): what the executor runs.
+    instructions: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        assert self.kind in NODE_KINDS, self.kind
+
+    def label(self) -> str:
+        d = self.detail
+        if self.kind == "Text":
+            return f"Text {_short(d.get('text', ''))}"
+        if self.kind in ("RoleBegin", "RoleEnd"):
+            return f"{self.kind} {d.get('role')}"
+        if self.kind == "Select":
+            return f"Select {self.name} choices={d.get('choices')}"
+        if self.kind == "Fork":
+            return f"Fork n={d.get('n')}"
+        if self.kind == "Join":
+            return f"Join mode={d.get('mode')}"
+        return f"{self.kind} {self.name or ''}".rstrip()
+
+
+def dot(name: str, nodes: list[Node]) -> str:
+    """Graphviz DOT: one box per Node, edges from its predecessors."""
+    lines = [f'digraph "{name}" {{', "  node [shape=box, fontname=monospace];"]
+    init = next((n for n in nodes if n.kind == "Init"), None)
+    for n in nodes:
+        label = n.label().replace('"', r"\"")
+        shape = ", shape=oval" if n.kind in PROGRAM_NODES else ""
+        lines.append(f'  n{n.id} [label="{label}"{shape}];')
+        preds = n.preds or ([init.id] if init is not None and n is not init else [])
+        lines.extend(f"  n{p} -> n{n.id};" for p in preds)
+    return "\n".join([*lines, "}"])
+
+
+def _short(v, n: int = 40) -> str:
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= n else s[: n - 3] + "..."

@@ -1,0 +1,386 @@
+"""Quantized matmul kernels checked once per kernel, shape, dtype and machine, in a child process.
+
+A native kernel that crashes on a shape kills the process that called it: in a notebook,
+the user's Jupyter kernel and everything in it.
+So before a model's quantized layers are used, each (kernel, [N, K], dtype) among them runs
+in a child, `python -m sgl_nb.runtime.model.kernel_probe`, on random weights of that shape against
+their dequantized values. One child takes every unchecked shape of a load, reporting each
+verdict as it goes; if it dies (a signal, a non-zero exit, no answer in
+$SGL_NB_PROBE_TIMEOUT s, default 120) the shape it was on is "crashed" and the rest go to a
+new child. Verdicts are kept in `$SGL_NB_CACHE/kernel_checks/<key>.json`, the key covering
+the CPU, torch and our extension's build, so later loads spawn nothing.
+
+The child's weights are random, not the model's: what makes a kernel crash or miscompute
+here is the shape, the dtype, the CPU and the operands' layout (which the layers fix,
+runtime/model/kernel_rules.py), not the values. $SGL_NB_PROBE_FAULT (read by the child only) makes
+a probe fail on purpose, for the tests: "<kernel> <N>x<K> <fault>[; ...]" with `*` for any
+kernel or shape and fault one of crash (SIGSEGV), exit, hang, raise, wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_nb.kernels import cpu_decode
+from sgl_nb.runtime.model import kernel_rules
+from sgl_nb.runtime.model.model_loader import cache_dir
+from sgl_nb.runtime.model.quantize import INT4_GROUP, dequantize
+
+FAULT_ENV = "SGL_NB_PROBE_FAULT"
+TIMEOUT_ENV = "SGL_NB_PROBE_TIMEOUT"
+_REPORT = "sgl-nb-probe "  # the prefix of the child's report lines on its stdout
+_ROWS = (1, 3, 9)  # rows per check: a decode row; torch's blocks of 4 rows, part and whole
+_CHUNK = 8192  # weight rows dequantized at a time for the reference (an LM head is large)
+_lock = threading.Lock()
+_known: dict[Path, dict[str, str | None]] = {}  # verdict file -> its verdicts, read once
+
+
+@dataclass(frozen=True)
+class Probe:
+    kernel: str  # runtime/model/kernel_rules.py's names
+    n: int
+    k: int
+    dtype: str  # the activations' torch dtype by name, "bfloat16"
+
+    @classmethod
+    def of(cls, kernel: str, n: int, k: int, dtype: torch.dtype) -> Probe:
+        return cls(kernel, n, k, str(dtype).removeprefix("torch."))
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel} {self.n}x{self.k} {self.dtype}"
+
+    @property
+    def quantization(self) -> str:
+        return self.kernel.rsplit("-", 1)[1]
+
+    @property
+    def shape(self) -> str:
+        return kernel_rules.shape_text(self.n, self.k, self.dtype)
+
+    @property
+    def name(self) -> str:
+        return kernel_rules.describe(self.kernel)
+
+
+def verdicts(probes: Iterable[Probe]) -> dict[Probe, str | None]:
+    """Each probe's verdict, None when its kernel may be used, else why not. Those not cached
+    yet run together in a child process (more only if one dies), and are cached."""
+    probes = list(dict.fromkeys(probes))
+    with _lock:
+        path = verdict_file()
+        known = _known.get(path)
+        if known is None:
+            known = _known[path] = _read(path)
+        missing = [p for p in probes if p.key not in known]
+        unsure: dict[str, str] = {}
+        if missing:
+            found, unsure = run_probes(missing)
+            known.update(found)
+            _save(path, found)
+        return {p: unsure[p.key] if p.key in unsure else known[p.key] for p in probes}
+
+
+def environment() -> dict[str, str]:
+    """What a verdict holds for: the CPU, torch (and the SIMD level it dispatches to, which
+    ATEN_CPU_CAPABILITY can lower) and the build of our extension."""
+    module = _extension()
+    return {
+        "cpu": cpu_decode.cpu_key(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "extension": Path(module.__file__).parent.name if module is not None else "none",
+    }
+
+
+def verdict_file() -> Path:
+    env = json.dumps(environment(), sort_keys=True)
+    return cache_dir() / "kernel_checks" / f"{hashlib.sha256(env.encode()).hexdigest()[:16]}.json"
+
+
+def _extension():
+    return cpu_decode.load() if cpu_decode.enabled() else None
+
+
+def _read(path: Path) -> dict[str, str | None]:
+    try:
+        return dict(json.loads(path.read_text())["verdicts"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _save(path: Path, found: dict[str, str | None]) -> None:
+    """Merge `found` into the file (re-read first: another process may have added some)."""
+    if not found:
+        return
+    merged = {**_read(path), **found}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"environment": environment(), "verdicts": merged}, indent=1))
+        os.replace(tmp, path)  # never a half-written file
+    except OSError:  # a read-only cache: the verdicts hold for this process only
+        pass
+
+
+def _say(message: str) -> None:
+    print(f"sgl-nb: {message}", file=sys.stderr, flush=True)
+
+
+# ---- the parent side: children and their reports ---------------------------------------------
+
+
+def run_probes(probes: list[Probe]) -> tuple[dict[str, str | None], dict[str, str]]:
+    """Run `probes` in child processes: (verdicts to cache, and verdicts not to: for the
+    probes left when a child failed before checking anything, an environment problem)."""
+    _say(f"checking {len(probes)} quantized kernel shape(s) in a probe process "
+         "(once per CPU, torch and build)")
+    t0 = time.monotonic()
+    found: dict[str, str | None] = {}
+    pending = probes
+    while pending:
+        got, failure = _run_child(pending)
+        found.update(got)
+        pending = [p for p in pending if p.key not in found]
+        if failure is not None:
+            _say(failure)
+            return found, {p.key: failure for p in pending}
+    bad = sum(why is not None for why in found.values())
+    _say(f"kernel checks done in {time.monotonic() - t0:.1f} s "
+         f"({len(found) - bad} usable, {bad} not)")
+    return found, {}
+
+
+def _run_child(probes: list[Probe]) -> tuple[dict[str, str | None], str | None]:
+    """One child over `probes`: the verdicts it reached (the one it died on: crashed), and a
+    failure text when it died before starting any."""
+    job = json.dumps({"probes": [asdict(p) for p in probes], "extension": _extension_path()})
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sgl_nb.runtime.model.kernel_probe"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )
+        proc.stdin.write(job)
+        proc.stdin.close()
+        got, current, status = _follow(proc, probes)
+        code = proc.wait()
+        proc.stdout.close()
+        status = status or _exit_text(code)
+        tail = _last_line(err)
+    if current is not None:
+        got[current.key] = (f"{current.name} crashed on {current.shape} in a probe process "
+                            f"({status})")
+        rest = "; checking the rest in a new one" if len(got) < len(probes) else ""
+        _say(f"the probe process died on {current.name} on {current.shape} ({status}){rest}")
+    elif not got:  # its own trouble (an import, the interpreter), none of a kernel's
+        status = ": ".join(x for x in (status or "no verdict", tail) if x)
+        return got, (f"the kernel probe process failed before checking a kernel ({status}): "
+                     "quantized layers stay dense")
+    return got, None
+
+
+def _follow(proc: subprocess.Popen, probes: list[Probe]):
+    """Read the child's reports until it exits or goes quiet: (verdicts, the probe it was
+    on, and "no answer in ..." if it went quiet, killed)."""
+    lines = _lines(proc.stdout)
+    limit = float(os.environ.get(TIMEOUT_ENV, "120"))
+    got: dict[str, str | None] = {}
+    current = None
+    while True:
+        try:
+            line = lines.get(timeout=limit)
+        except queue.Empty:
+            proc.kill()
+            while lines.get(timeout=30) is not None:  # to the end of its output
+                pass
+            return got, current, f"no answer in {limit:g} s"
+        if line is None:
+            return got, current, None
+        if not line.startswith(_REPORT):
+            continue
+        report = json.loads(line[len(_REPORT):])
+        if "start" in report:
+            current = probes[report["start"]]
+        else:
+            got[probes[report["done"]].key] = report["why"]
+            current = None
+
+
+def _lines(stream) -> queue.Queue:
+    """The stream's lines on a queue, None at its end (a thread: reads block)."""
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="sgl-nb-probe-reader").start()
+    return q
+
+
+def _exit_text(code: int) -> str | None:
+    if code == 0:
+        return None
+    return f"signal {-code}" if code < 0 else f"exit status {code}"
+
+
+def _last_line(err) -> str:
+    err.seek(0)
+    lines = [line.strip() for line in err.read().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _extension_path() -> str | None:
+    module = _extension()
+    return None if module is None else module.__file__
+
+
+# ---- the child side ---------------------------------------------------------------------------
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    _use_extension(job["extension"])
+    probes = [Probe(**p) for p in job["probes"]]
+    for i, probe in enumerate(probes):
+        _report(start=i)
+        print(f"sgl-nb: probing {probe.name} on {probe.shape} ({i + 1}/{len(probes)})",
+              file=sys.stderr, flush=True)
+        _report(done=i, why=check(probe, _fault(probe)))
+    return 0
+
+
+def _report(**fields) -> None:
+    print(_REPORT + json.dumps(fields), flush=True)
+
+
+def _use_extension(path: str | None) -> None:
+    """The parent's build of our kernels, loaded by path: the child checks the code the
+    parent runs (the sources on disk may have changed since), and never builds."""
+    module = None
+    if path:
+        spec = importlib.util.spec_from_file_location("sgl_nb_cpu_decode", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    with cpu_decode._lock:
+        cpu_decode._state["module"] = module
+
+
+def _fault(probe: Probe) -> str | None:
+    for entry in os.environ.get(FAULT_ENV, "").split(";"):
+        parts = entry.split()
+        if len(parts) == 3 and parts[0] in ("*", probe.kernel) and \
+                parts[1] in ("*", f"{probe.n}x{probe.k}"):
+            return parts[2]
+    return None
+
+
+def check(probe: Probe, fault: str | None = None) -> str | None:
+    """Build the layer for random weights of the probe's shape and compare it with them."""
+    from sgl_nb.runtime.model import linear  # imports this module's neighbours, not this one
+
+    t = random_quantized(probe)
+    try:
+        layer = linear.quantized_linear(t, None, getattr(torch, probe.dtype), torch.device("cpu"),
+                                        probe.quantization, probe.kernel)
+        return check_layer(layer, t, probe, fault)
+    except RuntimeError as e:  # the kernel rejected the input: a verdict, not a crash
+        return f"{probe.name} raised on {probe.shape}: {str(e).splitlines()[0]}"
+
+
+def random_quantized(probe: Probe) -> dict[str, torch.Tensor]:
+    """Quantized weights of the probe's shape in runtime/model/quantize.py's form, their scales
+    and zeros exact in bf16 (the kernels' own precision)."""
+    n, k = probe.n, probe.k
+    gen = torch.Generator().manual_seed(n * 65537 + k)
+
+    def values(*shape: int, scale: float, offset: float = 0.0) -> torch.Tensor:
+        return (torch.rand(*shape, generator=gen) * scale + offset).bfloat16().float()
+
+    if probe.quantization == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        return {"qweight": q, "scale": values(n, scale=0.02, offset=1e-3)}
+    groups = k // INT4_GROUP
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    return {"qweight": q, "scale": values(n, groups, scale=0.02, offset=1e-3),
+            "zero": values(n, groups, scale=0.04, offset=-0.02)}
+
+
+def check_layer(layer, t: dict[str, torch.Tensor], probe: Probe, fault: str | None = None,
+                device: torch.device | str = "cpu",
+                bias: torch.Tensor | None = None) -> str | None:
+    """None when `layer` agrees with its dequantized weights `t` (and `bias`) at each of
+    _ROWS rows."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, probe.dtype)
+    ours = probe.kernel.startswith("ours")
+    for rows in _ROWS:
+        x = torch.randn(rows, probe.k, generator=gen).to(dtype)
+        _inject(fault)
+        y = layer(x.to(device)).float().cpu()
+        if fault == "wrong":
+            y = torch.zeros_like(y)
+        if y.shape != (rows, probe.n):
+            return f"{probe.name} gave {list(y.shape)} for {rows} rows of {probe.shape}"
+        want, bound = _reference(x, t, probe.quantization, ours)
+        if bias is not None:
+            want += bias.float().cpu()
+        err = (y - want).abs()
+        # 16-bit outputs: a few ulps of bf16 relative to the output's size (and the bound of
+        # our kernels' int8 rounding of x).
+        tol = (3e-2 * want.abs().max() + 1e-6 + bound).expand_as(err)
+        if not (err <= tol).all():  # also catches NaN
+            worst = (err - tol).argmax()
+            return (f"{probe.name} disagrees with the dequantized weight on {probe.shape} at "
+                    f"{rows} rows (error {err.view(-1)[worst]:.3g} > {tol.reshape(-1)[worst]:.3g})")
+    return None
+
+
+def _inject(fault: str | None) -> None:
+    if fault == "crash":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif fault == "exit":
+        os._exit(3)
+    elif fault == "hang":
+        time.sleep(3600)
+    elif fault == "raise":
+        raise RuntimeError(f"injected by {FAULT_ENV}")
+
+
+def _reference(x: torch.Tensor, t: dict[str, torch.Tensor], quantization: str, ours: bool):
+    """x @ w.T in fp32 from the dequantized weight, and for our kernels, which round each
+    row of x to int8 per group of 32, the most that rounding can move each output: sum |w|
+    * half a step of x. The weight is dequantized a chunk of rows at a time."""
+    xf = x.float()
+    rows, k = xf.shape
+    half = None
+    if ours:
+        step = xf.view(rows, -1, INT4_GROUP).abs().amax(-1, keepdim=True) / 254
+        half = step.expand(rows, k // INT4_GROUP, INT4_GROUP).reshape(rows, k)
+    outs, bounds = [], []
+    for a in range(0, t["qweight"].shape[0], _CHUNK):
+        w = dequantize({name: v[a:a + _CHUNK] for name, v in t.items()}, quantization)
+        outs.append(xf @ w.T)
+        if half is not None:
+            bounds.append(half @ w.abs().T)
+    return torch.cat(outs, 1), (torch.cat(bounds, 1) if bounds else torch.zeros(()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

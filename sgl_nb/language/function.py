@@ -1,0 +1,259 @@
+"""`@sgl.function`: a program, run once (`run`), many times (`run_batch`), or in the
+background (`run_async`), on the default backend (the in-kernel Runtime)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+
+from sgl_nb.language.body_pool import BodyPool
+from sgl_nb.language.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
+from sgl_nb.language.state import ProgramState
+from sgl_nb.language.trace import ProgramGraph, trace_program
+from sgl_nb.runtime.compiler.passes import PassReport, check_passes, leading_text, shared_prefix
+from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.priority import parse_priority, priority_name
+
+_default_backend = None
+_backend_lock = threading.Lock()
+
+
+def set_default_backend(backend) -> None:
+    global _default_backend
+    _default_backend = backend
+
+
+def current_backend():
+    """The default backend if one is set, else None (nothing is created)."""
+    return _default_backend
+
+
+def get_default_backend():
+    """The backend programs run on; a default Runtime is created on first use."""
+    global _default_backend
+    with _backend_lock:
+        if _default_backend is None:
+            from sgl_nb.backends.local_runtime import Runtime
+
+            _default_backend = Runtime()
+        return _default_backend
+
+
+def flush_cache(backend=None):
+    """Drop the backend's cached prefixes (the default backend's if none is given)."""
+    return (backend or get_default_backend()).flush_cache()
+
+
+def get_server_info(backend=None) -> dict:
+    """What the backend runs: model, context, precision, pool, scheduler figures."""
+    return (backend or get_default_backend()).get_server_info()
+
+
+# run()'s sampling options, SGLang's names: defaults for every gen of the program.
+_RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
+# SGLang's threading options: run_batch honours num_threads (its bodies' pool); use_thread
+# is accepted (every body runs on a pool thread anyway).
+_THREAD_OPTIONS = ("use_thread", "num_threads")
+# Threads for the bodies of run() / run_async() programs, and run_batch's default.
+DEFAULT_BODY_THREADS = 64
+_bodies = BodyPool(DEFAULT_BODY_THREADS)
+
+
+class ProgramFuture:
+    """A program running in the background: .result(), .done(), .stream(), `await fut`."""
+
+    def __init__(self, state: ProgramState):
+        self.state = state
+
+    def result(self, timeout: float | None = None) -> ProgramState:
+        """The state once the program has ended; an interrupt while waiting cancels it."""
+        return self.state.wait(timeout)
+
+    def done(self) -> bool:
+        return self.state._ended.is_set()
+
+    def cancel(self) -> bool:
+        """Cancel the program (see ProgramState.cancel); False if it had already ended."""
+        return self.state.cancel()
+
+    def cancelled(self) -> bool:
+        return self.state.cancelled
+
+    def stream(self, var_name: str | None = None) -> Iterator[str]:
+        return self.state.text_iter(var_name)
+
+    def __await__(self):
+        return asyncio.to_thread(self.result).__await__()
+
+
+class SglFunction:
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None):
+        self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
+        params = list(inspect.signature(func).parameters)
+        if not params:
+            raise TypeError(f"@sgl.function {func.__name__} must take the state `s` first")
+        self.arg_names = params[1:]
+        functools.update_wrapper(self, func)
+
+    def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
+               passes=None, priority: str = "normal", pool: BodyPool | None = None,
+               shared_prefix: str = "", after=None, **defaults) -> ProgramFuture:
+        unknown = set(args) - set(self.arg_names)
+        if unknown and not _takes_kwargs(self.func):
+            raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
+        run_defaults = _run_defaults(defaults)
+        priority = priority_name(parse_priority(priority))  # a bad name fails here, at once
+        controller = StepController(paused=step) if debug or step else None
+        state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
+                             passes=check_passes(passes), priority=priority)
+        if self.num_api_spec_tokens and state.backend.api_speculation:
+            state.spec_tokens = self.num_api_spec_tokens
+        file = self.func.__code__.co_filename
+        if controller is not None:
+            controller.on_hold = lambda at, node: state.emit(
+                "paused" if at else "resumed", node=getattr(node, "id", None),
+                data={"at": at, "reason": "step controller"})
+
+        def body() -> None:
+            state._body_thread = threading.current_thread()
+            state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
+            try:
+                self.func(state, **args)
+            except BaseException as e:  # noqa: BLE001 - kept on the state, with its line
+                state._finish(e, file)
+            else:
+                state._finish()
+
+        state.begin(self.func.__name__, shared_prefix, after)
+        (pool or _bodies).submit(body)
+        return ProgramFuture(state)
+
+    def run(self, *args, stream: bool = False, backend=None, debug: bool = False,
+            step: bool = False, passes=None, priority: str = "normal",
+            **kwargs) -> ProgramState:
+        """Run the program; returns its state. Returns at once with stream=True (use
+        text_iter) or step=True (starts paused: drive it with state.debug). `passes`: the
+        compiler passes to apply (default all; () for none). `priority`: "interactive",
+        "normal" or "batch" (the scheduler serves higher levels first).
+
+        Inside a running program, `f(s, ...)` with the program's own state first runs f on
+        that state as a nested call (recursion included) and returns the state."""
+        if args and isinstance(args[0], ProgramState):
+            return self._call_nested(args[0], args[1:], kwargs)
+        call, defaults = self._split(args, kwargs)
+        fut = self._start(call, backend, debug=debug, step=step, passes=passes,
+                          priority=priority, **defaults)
+        return fut.state if stream or step else fut.result()
+
+    def _call_nested(self, state: ProgramState, args: tuple, kwargs: dict) -> ProgramState:
+        call, _ = self._split(args, kwargs)  # run options (temperature, ...) are the caller's
+        state.call_stack.append({"function": self.func.__name__, "args": call})
+        try:
+            self.func(state, **call)
+        finally:
+            state.call_stack.pop()
+        return state
+
+    def __call__(self, *args, **kwargs) -> ProgramState:
+        return self.run(*args, **kwargs)
+
+    def run_async(self, *args, backend=None, debug: bool = False, step: bool = False,
+                  passes=None, priority: str = "normal", **kwargs) -> ProgramFuture:
+        call, defaults = self._split(args, kwargs)
+        return self._start(call, backend, debug=debug, step=step, passes=passes,
+                           priority=priority, **defaults)
+
+    def trace(self, *args, **kwargs) -> ProgramGraph:
+        """The static part of the program's graph for these arguments (no model runs)."""
+        call, defaults = self._split(args, kwargs)
+        roles = _default_backend.chat_roles if _default_backend is not None else None
+        return trace_program(self.func, call, _run_defaults(defaults), roles)
+
+    def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
+                  passes=None, priority: str = "batch", **defaults) -> list[ProgramState]:
+        """Run the program once per dict of arguments, all at once (`num_threads` bodies at
+        a time; "auto": one per item, up to 64). The shared_prefix pass finds the text every
+        item starts with (from each item's static graph): the first item computes it, as a
+        shared Extend after its Init, and the others start when it is in the cache."""
+        unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS}
+        if unknown:
+            raise TypeError(f"run_batch() got unexpected options {sorted(unknown)}")
+        threads = defaults.pop("num_threads", "auto")
+        defaults.pop("use_thread", None)
+        if threads == "auto":  # SGLang's default
+            threads = max(1, min(len(batch_kwargs), DEFAULT_BODY_THREADS))
+        backend = backend or get_default_backend()
+        parse_priority(priority)
+        chosen = check_passes(passes)
+        self.last_batch_report, common = None, ""
+        if "shared_prefix" in chosen and len(batch_kwargs) > 1:
+            common, self.last_batch_report = self._batch_prefix(batch_kwargs, backend)
+        pool = BodyPool(threads, name=f"sgl-batch-{self.func.__name__}")
+        futures, shared = [], None
+        for kw in batch_kwargs:
+            fut = self._start(dict(kw), backend, passes=chosen, priority=priority, pool=pool,
+                              shared_prefix=common if shared is None else "", after=shared,
+                              **defaults)
+            if common and shared is None:
+                shared = fut.state.nodes[0].instructions[1]  # Init, then the shared Extend
+                fut.state.pass_counts["shared_prefix"] = self.last_batch_report.changed
+            futures.append(fut)
+        pool.close()  # its threads end when the last body has run
+        try:
+            if progress_bar:
+                from tqdm import tqdm
+
+                return [f.result() for f in tqdm(futures, desc=self.func.__name__)]
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:  # the whole batch stops, not only the item waited on
+            for f in futures:
+                f.cancel()
+            raise
+
+    def _batch_prefix(self, batch_kwargs: list[dict], backend) -> tuple[str, PassReport]:
+        roles = backend.chat_roles
+        graphs = [trace_program(self.func, dict(kw), {}, roles) for kw in batch_kwargs]
+        return shared_prefix([leading_text(g.nodes) for g in graphs])
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{self.func.__name__}() takes {len(self.arg_names)} arguments")
+        call = dict(zip(self.arg_names, args))
+        defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in _RUN_DEFAULTS
+                    and k not in self.arg_names}
+        for k in _THREAD_OPTIONS:
+            if k not in self.arg_names:
+                kwargs.pop(k, None)
+        call.update(kwargs)
+        return call, defaults
+
+
+def _run_defaults(options: dict) -> dict:
+    """run()'s options as the state's defaults: SamplingParams fields and logprob options."""
+    out = sampling_args({k: v for k, v in options.items() if k in SAMPLING_ARGS})
+    out.update({k: options[k] for k in LOGPROB_ARGS if options.get(k) is not None})
+    return out
+
+
+def _takes_kwargs(func: Callable) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(func).parameters.values())
+
+
+def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
+    """Decorator: `@sgl.function def prog(s, question): ...`.
+
+    num_api_spec_tokens=N (SGLang's API speculative execution): on a server
+    (`sgl.RuntimeEndpoint`), a gen asks for N tokens at once and the gens and text after it
+    are read from that answer while it matches, saving a request each. A no-op on the
+    in-kernel engine, whose radix cache already serves the prefix."""
+    if num_api_spec_tokens is not None and (not isinstance(num_api_spec_tokens, int)
+                                            or num_api_spec_tokens <= 0):
+        raise ValueError(f"num_api_spec_tokens must be a positive integer, got "
+                         f"{num_api_spec_tokens!r}")
+    if func is None:
+        return lambda f: SglFunction(f, num_api_spec_tokens)
+    return SglFunction(func, num_api_spec_tokens)

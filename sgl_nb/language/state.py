@@ -1,0 +1,513 @@
+"""ProgramState: the `s` of a program.
+
+The program's Python (a body thread from sgl_nb/language/body_pool.py) is the interpreter:
+`s += ...` records Nodes. Wherever something depends on them (a gen, a select, a fork, a read,
+the end) the Nodes recorded since the last such point go through the passes
+(runtime/compiler/passes.py), are lowered to Instructions (runtime/compiler/lowering.py) and
+handed to the executor (runtime/compiler/executor.py), which runs them in order on its own
+thread; what they do to the text and the variables is in sgl_nb/language/effects.py. The
+Python goes on at once and blocks only where it reads a generated value (`s["x"]`,
+`s.text()`)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sgl_nb.language.effects import ProgramEffects
+from sgl_nb.language.expressions import Concat, Gen, Role, RoleBlock, Select
+from sgl_nb.runtime.compiler.executor import get_executor
+from sgl_nb.runtime.compiler.instructions import Cancelled
+from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.listing import listing
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.passes import run_passes
+from sgl_nb.runtime.compiler.step_controller import StepController
+
+_state_ids = itertools.count(1)
+
+
+class _ScopeMark:
+    """Where `with s.var_scope(name):` starts or ends."""
+
+    def __init__(self, name: str, begin: bool):
+        self.name, self.begin = name, begin
+
+
+class ProgramError(RuntimeError):
+    """An exception inside a program, with the program line it came from."""
+
+
+class ProgramCancelled(ProgramError, Cancelled):
+    """The program was cancelled (`state.cancel()`, `fut.cancel()`, an interrupt while
+    waiting on it). What it produced until then is kept on the state."""
+
+
+class ProgramState(ProgramEffects):
+    def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
+                 debug: StepController | None = None, passes: frozenset[str] = frozenset(),
+                 priority: str = "normal"):
+        self.id = next(_state_ids)
+        self.priority = priority  # the scheduler's level for this program's requests
+        self.passes = passes
+        self.pass_counts: dict[str, int] = {}
+        self.backend, self.defaults, self.parent = backend, defaults, parent
+        self.debug = debug  # the step controller, when the program runs under the debugger
+        self.events = backend.events
+        self._executor = get_executor()
+        if debug is not None:
+            debug.add_waker(self._executor.wake)
+        self._text = text
+        self._fork_point = len(text)
+        self._kv_len = 0  # how much of the text the engine is known to have computed
+        self._vars: dict = {}
+        self._meta: dict = {}
+        self._messages: list[dict] = [] if parent is None else [dict(m) for m in parent._messages]
+        self._role_start: int | None = None
+        self._open_role: str | None = None  # the role a turn has open (not yet ended)
+        self._scopes: dict[str, int] = {}
+        self._error: BaseException | None = None
+        self._error_line: int | None = None
+        self._cancelled = False
+        self._inflight: set = set()  # engine requests running for it now
+        self._children: list[ProgramState] = []  # fork branches, cancelled with it
+        self.nodes: list[Node] = []  # handed to the executor, in order
+        self._buffer: list[Node] = []  # recorded, not yet through the passes
+        self._payloads: dict[int, object] = {}  # node id -> the expression it came from
+        self._nodes_by_id: dict[int, Node] = {}
+        self._node_start: dict[int, int] = {}  # node id -> where its text starts
+        self._scores: dict[int, dict] = {}  # select node id -> the scores of its choices
+        self._forked: dict[int, list[ProgramState]] = {}  # fork node id -> its branches
+        self._lock = threading.RLock()  # the program and a reader may both flush
+        self._cond = threading.Condition()
+        self._pending = 0  # Nodes handed to the executor that have not ended
+        self._stream: list[tuple[str | None, str]] = []  # (variable, text) as it is produced
+        self._finished = False  # its Return ran
+        self._ended = threading.Event()
+        # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
+        self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
+        self._body_thread: threading.Thread | None = None  # the thread running the program
+        self._has_body = False  # a body runs (or will): a fork branch has none
+        # API speculative execution (sgl_nb/language/speculation.py): tokens a gen asks for at once,
+        # and what of the answer the following text and gens have not taken yet.
+        self.spec_tokens: int | None = None
+        self.speculated = ""
+
+    def begin(self, function: str, shared_prefix: str = "", after=None) -> Node:
+        """A program's start: its Init Node, queued ahead of anything its body records (the
+        executor runs its Init Instruction, which says program_started). `shared_prefix`:
+        this program also computes that text for others (a shared Extend after Init);
+        `after`: such an Extend of another program, which this one starts after."""
+        self.function = function
+        self._has_body = True
+        detail = {"function": function, "shared_prefix": shared_prefix, "after": after}
+        node = Node("Init", self.id, [], None, detail)
+        self._record(node)
+        return node
+
+    # ---- the program side ----------------------------------------------------------------
+
+    def __iadd__(self, expr) -> ProgramState:
+        self._submit(expr, sys._getframe(1))
+        return self
+
+    def _submit(self, expr, frame=None) -> None:
+        if self._cancelled:  # the program's Python stops at its next `s += ...`
+            raise ProgramCancelled(f"program {self.id} was cancelled")
+        line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
+        stack = tuple(f["function"] for f in self.call_stack)
+        with self._lock:
+            for kind, name, detail, payload in self._to_nodes(expr):
+                self._record(Node(kind, self.id, self._preds(), name, detail, file, line,
+                                  stack=stack), payload)
+
+    def _record(self, node: Node, payload=None) -> None:
+        with self._lock:
+            self._buffer.append(node)
+            self._payloads[node.id] = payload
+            if node.kind != "Text":  # text may still fuse with what follows
+                self._flush()
+
+    def _preds(self) -> list[int]:
+        last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
+        return [last.id] if last is not None and last.kind != "Init" else []
+
+    def _flush(self) -> None:
+        """The Nodes recorded since the last flush: passes, lowering, the executor."""
+        with self._lock:
+            if not self._buffer:
+                return
+            nodes, reports = run_passes(self._buffer, self.passes)
+            self._buffer = []
+            for r in reports:
+                if r.changed:
+                    self.pass_counts[r.name] = self.pass_counts.get(r.name, 0) + r.changed
+            for n in nodes:
+                n.instructions = lower(n)
+                self._nodes_by_id[n.id] = n
+            self.nodes.extend(nodes)
+            with self._cond:
+                self._pending += len(nodes)
+            self._executor.add(self, nodes)
+
+    def _to_nodes(self, expr):
+        if isinstance(expr, str):
+            return [("Text", None, {"text": expr}, expr)]
+        if isinstance(expr, Concat):
+            return [n for part in expr.parts for n in self._to_nodes(part)]
+        if isinstance(expr, _ScopeMark):
+            return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
+        if isinstance(expr, Gen):
+            params = expr.sampling(self.defaults)
+            if self.backend is not None and ("regex" in params or "json_schema" in params):
+                # Compiled here, in the program's thread: a bad pattern fails at its line,
+                # before any token is generated.
+                self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
+            return [("Gen", expr.name, params, expr)]
+        if isinstance(expr, Select):
+            detail = {"choices": expr.choices, "method": expr.method}
+            allowed = expr.allowed()
+            if len(allowed) < len(expr.choices):  # the gen's grammar ruled some out
+                detail["allowed"] = allowed
+            return [("Select", expr.name, detail, expr)]
+        if isinstance(expr, RoleBlock):
+            out = self._to_nodes(Role(expr.role, True))
+            try:
+                for part in expr.content:
+                    out.extend(self._to_nodes(part))
+            except Exception:
+                self._open_role = None  # nothing of the turn was added
+                raise
+            return [*out, *self._to_nodes(Role(expr.role, False))]
+        if isinstance(expr, Role):
+            self._track_role(expr)
+            return [("RoleBegin" if expr.begin else "RoleEnd", None, {"role": expr.role}, expr)]
+        raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
+
+    def _track_role(self, mark: Role) -> None:
+        """Turns do not nest, and each ends the role it began."""
+        if mark.begin and self._open_role is not None:
+            raise ValueError(f"nested roles: {mark.role} inside an open {self._open_role}")
+        if not mark.begin and self._open_role != mark.role:
+            raise ValueError(f"{mark.role}_end without {mark.role}_begin (the open role is "
+                             f"{self._open_role})")
+        self._open_role = mark.role if mark.begin else None
+
+    @contextmanager
+    def _role_block(self, role: str):
+        self._submit(Role(role, True), sys._getframe(2))
+        try:
+            yield self
+        finally:
+            self._submit(Role(role, False), sys._getframe(2))
+
+    def system(self):
+        return self._role_block("system")
+
+    def user(self):
+        return self._role_block("user")
+
+    def assistant(self):
+        return self._role_block("assistant")
+
+    @contextmanager
+    def var_scope(self, name: str):
+        self._submit(_ScopeMark(name, True))
+        try:
+            yield self
+        finally:
+            self._submit(_ScopeMark(name, False))
+
+    def fork(self, n: int = 1) -> ForkGroup:
+        return self._fork(n, sys._getframe(1))
+
+    def copy(self) -> ProgramState:
+        """A branch that goes on from this state's text (SGLang's copy: a fork of one)."""
+        return self._fork(1, sys._getframe(1)).states[0]
+
+    def _fork(self, n: int, caller) -> ForkGroup:
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        node = Node("Fork", self.id, self._preds(), None, {"n": n},
+                    caller.f_code.co_filename, caller.f_lineno)
+        self._record(node)
+        self._wait_node(node)  # the branches start from the text the parent has then
+        return ForkGroup(self, self._forked[node.id], node)
+
+    def _wait_node(self, node: Node) -> None:
+        """Until the executor has run `node`; raises if it did not run to its end."""
+        with self._cond:
+            self._interruptible(lambda: self._cond.wait_for(
+                lambda: node.status not in ("pending", "running")))
+        if node.status == "cancelled" or self._cancelled:
+            raise ProgramCancelled(f"program {self.id} was cancelled")
+        if node.status != "done":
+            raise ProgramError(f"{node.kind} did not run: {self._error}")
+
+    def _model_name(self) -> str | None:
+        """For the events and spans only: never lets a backend's attribute error out."""
+        try:
+            return self.backend.model_name
+        except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
+            return None
+
+    # ---- cancelling ----------------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Stop the program: its running Gen or Select is aborted, its pending Nodes become
+        `cancelled`, its fork branches are cancelled too, and its Python stops at its next
+        `s += ...` or read. The text and variables produced so far are kept; `error()` is a
+        ProgramCancelled. Returns at once; False if the program had already ended."""
+        with self._cond:
+            if self._finished or self._cancelled:
+                return False
+            self._cancelled = True
+            if self._error is None:
+                self._error = ProgramCancelled(f"program {self.id} was cancelled")
+            handles = list(self._inflight)
+            self._cond.notify_all()
+        for child in self._children:
+            child.cancel()
+        for handle in handles:
+            handle.cancel()
+        self.backend.cancel_program(self.id)  # anything submitted and not seen yet
+        if self.debug is not None:
+            self.debug.continue_()  # a held program must not stay held: it has to end
+        self._executor.wake()
+        return True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _cancel_error(self, what: str) -> ProgramCancelled:
+        return ProgramCancelled(what)
+
+    def _interruptible(self, wait):
+        """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
+        cancels the program before it propagates, so nothing is left running for it."""
+        try:
+            return wait()
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def wait(self, timeout: float | None = None) -> ProgramState:
+        """Block until the program has ended (its body returned and everything it queued
+        ran, or it was cancelled); returns the state. TimeoutError after `timeout` s."""
+        self._flush()
+        if not self._interruptible(lambda: self._ended.wait(timeout)):
+            raise TimeoutError(f"program {self.id} still running after {timeout} s")
+        return self
+
+    # ---- reading results ---------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Wait until everything queued so far has run; from outside the program (a
+        notebook cell reading a streamed run), until the program has finished."""
+        self._interruptible(self._sync)
+
+    def _sync(self) -> None:
+        self._flush()
+        if self._outside():
+            self._wait_outside(lambda: False)
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+
+    def _outside(self) -> bool:
+        """Called from a thread that is not the program's own body? (Its body may not have
+        queued the Nodes yet, so "nothing pending" does not mean "done".)"""
+        return self._has_body and threading.current_thread() is not self._body_thread
+
+    def _held(self) -> bool:
+        return self.debug is not None and self.debug.waiting_at is not None
+
+    def _wait_outside(self, ready) -> None:
+        """Until ready(), the program ends, or a step controller holds it (what exists then
+        is all there is until someone steps: waiting longer would hang a notebook cell)."""
+        with self._cond:
+            while not (ready() or self._finished or self._held()):
+                self._cond.wait(0.05)
+
+    def __getitem__(self, name: str):
+        return self._interruptible(lambda: self._get(name))
+
+    def _get(self, name: str):
+        self._flush()
+        if self._outside():
+            self._wait_outside(lambda: name in self._vars)
+            if name in self._vars:
+                return self._vars[name]
+            if not self._finished:
+                raise ProgramError(f"variable {name!r} is not produced yet: the program is "
+                                   "held by its step controller; step or continue it first")
+        with self._cond:
+            self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
+            if name in self._vars:
+                return self._vars[name]
+        if self._cancelled:
+            raise ProgramCancelled(f"variable {name!r} was not produced: program {self.id} "
+                                   "was cancelled")
+        if self._error is not None:
+            raise ProgramError(f"variable {name!r} was not produced: {self._error}")
+        raise KeyError(f"unknown variable {name!r}; this program has {sorted(self._vars)}")
+
+    def __setitem__(self, name: str, value) -> None:
+        with self._cond:
+            self._vars[name] = value
+            self._cond.notify_all()
+
+    def __contains__(self, name: str) -> bool:
+        self.sync()
+        return name in self._vars
+
+    def get_var(self, name: str):
+        """SGLang's spelling of s[name]."""
+        return self[name]
+
+    def set_var(self, name: str, value) -> None:
+        """SGLang's spelling of s[name] = value."""
+        self[name] = value
+
+    def text(self) -> str:
+        self.sync()
+        return self._text
+
+    def messages(self) -> list[dict]:
+        self.sync()
+        return [dict(m) for m in self._messages]
+
+    def variables(self) -> dict:
+        self.sync()
+        return dict(self._vars)
+
+    def get_meta_info(self, name: str) -> dict:
+        self.sync()
+        return self._meta.get(name, {})
+
+    def error(self) -> BaseException | None:
+        self.sync()
+        return self._error
+
+    def graph(self) -> str:
+        """The Nodes this program ran, each with the Instructions it ran (Init ... Return)."""
+        self.sync()
+        return listing(self.nodes)
+
+    listing = graph
+
+    def dot(self) -> str:
+        """The graph this program ran, as Graphviz DOT."""
+        self.sync()
+        return dot(f"program {self.id}", self.nodes)
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Text as it is produced (only variable `var_name`'s, if given), until the end.
+        An interrupt while it waits cancels the program."""
+        self._flush()
+        i = 0
+        while True:
+            with self._cond:
+                self._interruptible(lambda i=i: self._cond.wait_for(
+                    lambda: len(self._stream) > i or self._finished))
+                items, done = self._stream[i:], self._finished and len(self._stream) <= i
+            if done:
+                return
+            i += len(items)
+            for var, chunk in items:
+                if var_name is None or var == var_name:
+                    yield chunk
+
+    async def text_async_iter(self, var_name: str | None = None):
+        import asyncio
+
+        it = self.text_iter(var_name)
+        while True:
+            chunk = await asyncio.to_thread(next, it, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
+        """The body has returned (or raised `error`): what it queued runs, then Return."""
+        if self.parent is not None:
+            self._flush()
+            return
+        self._record(Node("Return", self.id, self._preds()), (error, frame_file))
+
+    def _set_error(self, error: BaseException, file: str | None = None) -> None:
+        tb = traceback.extract_tb(error.__traceback__)
+        lines = [f.lineno for f in tb if file is None or f.filename == file]
+        self._error_line = lines[-1] if lines else None
+        self._error = error
+
+    @property
+    def error_line(self) -> int | None:
+        return self._error_line
+
+    def _end_data(self) -> dict:
+        """The program_finished event's data."""
+        status = "cancelled" if self._cancelled else "error" if self._error else "done"
+        return {"error": repr(self._error) if self._error else None, "line": self._error_line,
+                "status": status}
+
+    def __repr__(self) -> str:
+        return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        with self._cond:
+            self._text += text
+            self._stream.append((var, text))
+            self._cond.notify_all()
+
+
+class ForkGroup:
+    """The branches of `s.fork(n)`: `forks[i] += ...`, `forks += lambda i: ...`, `join()`."""
+
+    def __init__(self, parent: ProgramState, states: list[ProgramState], node: Node):
+        self.parent, self.states, self.node = parent, states, node
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        if value is not self.states[i]:
+            raise TypeError("assign fork branches with `forks[i] += ...`")
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __iadd__(self, other) -> ForkGroup:
+        frame = sys._getframe(1)
+        for i, s in enumerate(self.states):
+            s._submit(other(i) if callable(other) else other, frame)
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(
+                f"join mode must be gather_variable or concate_and_append, got {mode!r}"
+            )
+        for s in self.states:
+            s._flush()  # every branch Node is queued before the Join that waits for them
+        p = self.parent
+        preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
+        caller = sys._getframe(1)
+        node = Node("Join", p.id, preds, None,
+                    {"mode": mode, "branches": [s.id for s in self.states]},
+                    caller.f_code.co_filename, caller.f_lineno)
+        p._record(node)
+        try:
+            p._wait_node(node)
+        except ProgramError as e:
+            if isinstance(e, ProgramCancelled):
+                raise
+            raise p._error from None  # a branch's own error, at its line

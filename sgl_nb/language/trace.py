@@ -1,0 +1,103 @@
+"""`f.trace(**args)`: the static part of a program as a graph, without running the model.
+
+The program runs against a state that only records Nodes; the first thing that needs a
+generated value (reading `s["x"]`, `s.text()`) ends the static part.
+"""
+
+from __future__ import annotations
+
+from sgl_nb.language.state import ForkGroup, ProgramState
+from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.listing import listing
+
+
+class _EndOfStatic(Exception):
+    pass
+
+
+class TraceState(ProgramState):
+    """Records what a program says; runs nothing."""
+
+    def __init__(self, defaults: dict, parent: TraceState | None = None, roles=None):
+        # Deliberately not ProgramState.__init__: no executor, no backend.
+        self.id, self.defaults, self.parent = id(self), defaults, parent
+        self.roles = roles  # ChatRoles, to show the text role markers will add
+        self.backend = self.debug = self.events = None
+        self.passes, self.pass_counts = frozenset(), {}
+        self._held_text = None
+        self.nodes: list[Node] = []
+        self._open_role = None
+        self._error, self._vars, self._text, self._fork_point = None, {}, "", 0
+
+    def _submit(self, expr, frame=None) -> None:
+        line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
+        for kind, name, detail, _ in self._to_nodes(expr):
+            preds = [self.nodes[-1].id] if self.nodes else []
+            if self.roles is not None and kind in ("RoleBegin", "RoleEnd"):
+                detail["text"] = self._role_text(kind, detail["role"])
+            self.nodes.append(Node(kind, self.id, preds, name, detail, file, line,
+                                   status="traced"))
+
+    def _role_text(self, kind: str, role: str) -> str:
+        if kind == "RoleEnd":
+            return self.roles.suffix[role]
+        first = not any(n.kind == "RoleBegin" for n in self.nodes) and not self.nodes
+        default = self.roles.default_system if first and role != "system" else ""
+        return default + self.roles.prefix[role]
+
+    def __getitem__(self, name: str):
+        raise _EndOfStatic(f"reads s[{name!r}]")
+
+    def sync(self) -> None:
+        pass
+
+    def text(self) -> str:
+        raise _EndOfStatic("reads s.text()")
+
+    def _fork(self, n: int, caller=None) -> ForkGroup:
+        preds = [self.nodes[-1].id] if self.nodes else []
+        node = Node("Fork", self.id, preds, None, {"n": n}, status="traced")
+        self.nodes.append(node)
+        return _TraceForks(self, [TraceState(self.defaults, self) for _ in range(n)], node)
+
+
+class _TraceForks(ForkGroup):
+    def join(self, mode: str = "gather_variable") -> None:
+        p = self.parent
+        for s in self.states:
+            p.nodes.extend(s.nodes)
+        preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
+        p.nodes.append(Node("Join", p.id, preds, None, {"mode": mode}, status="traced"))
+
+
+class ProgramGraph:
+    def __init__(self, name: str, nodes: list[Node], ends: str | None):
+        self.name, self.nodes = name, nodes
+        self.ends = ends  # why the static part ended, None if the whole program is static
+
+    @property
+    def complete(self) -> bool:
+        return self.ends is None
+
+    def listing(self) -> str:
+        tail = "" if self.ends is None else f"\n... dynamic from here: the program {self.ends}"
+        return listing(self.nodes) + tail
+
+    def dot(self) -> str:
+        return dot(self.name, self.nodes)
+
+    def __str__(self) -> str:
+        return self.listing()
+
+
+def trace_program(func, args: dict, defaults: dict, roles=None) -> ProgramGraph:
+    state = TraceState(defaults, roles=roles)
+    ends = None
+    try:
+        func(state, **args)
+    except _EndOfStatic as e:
+        ends = str(e)
+    except Exception as e:  # a program that fails while tracing: say where
+        line = e.__traceback__.tb_next.tb_lineno if e.__traceback__.tb_next else None
+        ends = f"raised {e!r} at line {line}"
+    return ProgramGraph(func.__name__, state.nodes, ends)

@@ -1,0 +1,315 @@
+"""IPython magics: `%%sgl` runs a cell as a program, `%sgl_model`, `%sgl_cache`,
+`%sgl_trace`. Load them with `%load_ext sgl_nb`.
+
+A `%%sgl` cell returns at once: the program's body runs on a pool thread, its Instructions
+on the executor's and the engine's, and its widget follows it from the event stream. Nothing
+here waits for the program, so the kernel stays free to deliver the widget's button clicks
+(docs/architecture.md, "Threads")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from sgl_nb.backends.backend import is_backend
+from sgl_nb.language.function import get_default_backend, set_default_backend
+from sgl_nb.language.state import ProgramState
+from sgl_nb.notebook.cell_program import compile_cell, parse_args
+
+PRIORITIES = ("interactive", "normal", "batch")
+
+
+def _parse(func, line: str):
+    """The magic's arguments; an unknown or bad option raises UsageError with the usage."""
+    try:
+        return parse_argstring(func, line)
+    except UsageError as e:
+        raise UsageError(f"{e}\n{usage(func)}") from None
+
+
+def usage(func) -> str:
+    # IPython's help formatter opens the usage with an rst "::" block marker.
+    text = func.parser.format_usage().strip().removeprefix("::").strip()
+    return "usage: " + " ".join(text.split())
+
+
+@magics_class
+class SglMagics(Magics):
+    def __init__(self, shell=None):
+        super().__init__(shell)
+        self.trace_file: str | None = None  # where `%sgl_trace start` records
+        self.tracing = False
+        self._owned_runtime = None  # a Runtime `%sgl_model PATH` loaded (shut down on switch)
+
+    @magic_arguments("%sgl")  # shown as %%sgl: a cell magic
+    @argument("name", nargs="?", default=None,
+              help="bind the program's state to NAME (and the reusable function to NAME.fn)")
+    @argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+              help="a program argument, visible in the cell as KEY (repeatable); VALUE is a "
+                   "Python literal when it parses as one, else a string")
+    @argument("--step", action="store_true", help="start paused in the stepper")
+    @argument("--trace", metavar="FILE", help="write this program's trace to FILE")
+    @argument("--priority", choices=PRIORITIES, default="interactive",
+              help="the scheduler's level for this program (default: interactive)")
+    @argument("--temperature", type=float, help="default temperature of every gen")
+    @argument("--max-tokens", type=int, help="default max_tokens of every gen")
+    @argument("--seed", type=int, help="default sampling seed of every gen")
+    @argument("--define", action="store_true", help="define the function, do not run it")
+    @argument("--no-widget", action="store_true", help="run without showing the widget")
+    @argument("--backend", metavar="NAME_OR_URL",
+              help="run on this backend: a notebook variable holding a Runtime or "
+              "RuntimeEndpoint, or a server URL (OpenAI-compatible API, e.g. vLLM)")
+    @cell_magic
+    def sgl(self, line: str, cell: str):
+        """Run the cell as an SGL program: `s` and gen, select, system, user, assistant,
+        gen_int, gen_string are in scope, the notebook's variables are visible, and
+        `{var}` in this line is replaced by the variable's value. The cell returns at once;
+        read results with NAME["var"], NAME.text(), or rerun with NAME.fn.run(...)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        args = _parse(self.sgl, line)
+        try:
+            program_args = parse_args(args.arg)
+        except ValueError as e:
+            raise UsageError(f"{e}\n{usage(self.sgl)}") from None
+        count = self.shell.execution_count if self.shell is not None else None
+        fn_name = args.name or f"sgl_cell_{count if count is not None else 0}"
+        fn = compile_cell(cell, fn_name, line, self.shell.user_ns, program_args, count,
+                          seed=args.seed)
+        fn.fn = fn
+        if args.define:
+            self.shell.user_ns[args.name or "_sgl"] = fn
+            return None
+        if args.name:
+            self._cancel_previous(args.name)
+        state, widget = self._run(fn, args)
+        self.shell.user_ns[args.name or "_sgl"] = state
+        if widget is not None:
+            display(widget)
+        return None
+
+    def _cancel_previous(self, name: str) -> None:
+        """Re-running `%%sgl NAME` while the previous NAME still runs cancels that run (its
+        output so far stays on its state and in its widget)."""
+        previous = self.shell.user_ns.get(name)
+        if isinstance(previous, ProgramState) and previous.cancel():
+            print(f"%%sgl {name}: cancelled the previous run (program {previous.id}), which "
+                  "was still running")
+
+    def _backend(self, spec: str | None):
+        """The backend a cell runs on: the default, a variable, or a server URL."""
+        if spec is None:
+            return get_default_backend()
+        if spec.startswith(("http://", "https://")):
+            from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
+
+            endpoints = self.__dict__.setdefault("_endpoints", {})
+            if spec not in endpoints:
+                endpoints[spec] = RuntimeEndpoint(spec)
+            return endpoints[spec]
+        backend = self.shell.user_ns.get(spec)
+        if not is_backend(backend):
+            raise UsageError(f"--backend {spec}: not a Runtime or RuntimeEndpoint in the "
+                             "notebook, nor an http(s):// URL")
+        return backend
+
+    def _run(self, fn, args):
+        backend = self._backend(args.backend)
+        widget = None
+        if not args.no_widget:
+            from sgl_nb.notebook.widgets import ProgramWidget
+
+            widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
+        if args.trace:
+            _start_tracing(args.trace)
+        # Subscribed after the tracer, so each event reaches the tracer first.
+        end = _ProgramEnd(backend.events)
+        defaults = {k: v for k, v in (("temperature", args.temperature),
+                                      ("max_new_tokens", args.max_tokens)) if v is not None}
+        state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
+                       backend=backend, **defaults)
+        state.fn, state.widget = fn, widget
+        end.watch(state)
+        state.wait = end.wait
+        if widget is not None:
+            widget.attach(state)
+        if args.trace:
+            end.trace_written = threading.Event()
+            threading.Thread(target=_stop_tracing_after, args=(end,),
+                             name="sgl-trace-cell", daemon=True).start()
+        return state, widget
+
+    @line_magic
+    def sgl_model(self, line: str):
+        """%sgl_model shows the model programs run on; %sgl_model PATH switches to a
+        checkpoint folder or .gguf file (loaded now)."""
+        path = line.strip()
+        if not path:
+            rt = get_default_backend()
+            print(_describe(rt))
+            return None
+        from sgl_nb.backends.local_runtime import Runtime
+
+        new = Runtime(path)
+        set_default_backend(new)
+        old, self._owned_runtime = self._owned_runtime, new
+        if old is not None:
+            old.shutdown()
+        print(_describe(new))
+        return None
+
+    @magic_arguments()
+    @argument("--text", action="store_true", help="print the tree as text, not a widget")
+    @argument("--max-nodes", type=int, default=300, help="nodes shown before the rest fold")
+    @line_magic
+    def sgl_cache(self, line: str):
+        """Show the radix cache tree of the default runtime, live (a widget) or as text."""
+        args = _parse(self.sgl_cache, line)
+        rt = get_default_backend()
+        if rt.cache is None:
+            print("this backend has no local radix cache")
+            return None
+        if args.text:
+            print(rt.cache.format_tree(rt.tokenizer))
+            return None
+        from sgl_nb.notebook.widgets import LiveCacheTree
+
+        display(LiveCacheTree(rt, max_nodes=args.max_nodes))
+        return None
+
+    @magic_arguments()
+    @argument("action", choices=["start", "stop", "export"])
+    @argument("file", nargs="?", default=None, help="export: the trace file to write")
+    @line_magic
+    def sgl_trace(self, line: str):
+        """%sgl_trace start | stop | export FILE: record every program's trace (into a
+        temporary file), stop recording, and copy what was recorded to FILE (OTLP/JSON, one
+        export per line; replay it with sgl_nb.tracing.load). One tracing session runs at a
+        time: a `%%sgl --trace FILE` cell replaces this one."""
+        args = _parse(self.sgl_trace, line)
+        if args.action == "start":
+            fd, path = tempfile.mkstemp(prefix="sgl-trace-", suffix=".jsonl")
+            os.close(fd)
+            _start_tracing(path)
+            self.trace_file, self.tracing = path, True
+            print("tracing on")
+        elif args.action == "stop":
+            if not self.tracing:
+                raise UsageError("tracing is not on; %sgl_trace start first")
+            _stop_tracing()
+            self.tracing = False
+            print("tracing off")
+        else:
+            if not args.file:
+                raise UsageError(f"export needs a FILE\n{usage(self.sgl_trace)}")
+            if self.trace_file is None:
+                raise UsageError("nothing recorded; %sgl_trace start first")
+            if self.tracing:
+                _flush_tracing()
+            shutil.copyfile(self.trace_file, args.file)
+            from sgl_nb.tracing.otlp_json import read_spans
+
+            print(f"wrote {len(read_spans(args.file))} spans to {args.file}")
+        return None
+
+
+def _describe(rt) -> str:
+    path = rt.model_path or rt.model_name
+    extra = ""
+    if rt.cache is not None:
+        s = rt.cache_stats()
+        extra = f"\nradix cache: {s.get('nodes', '?')} nodes, {s.get('cached_tokens', '?')} tokens"
+    return f"model: {path}{extra}"
+
+
+# ---- tracing: sgl.enable_tracing, imported when first used --------------------------------
+
+def _start_tracing(file: str) -> None:
+    from sgl_nb.tracing_api import enable_tracing
+
+    enable_tracing(file=file)
+
+
+def _stop_tracing() -> None:
+    from sgl_nb.tracing_api import disable_tracing
+
+    disable_tracing()  # closes the open spans and exports everything recorded
+
+
+def _flush_tracing() -> None:
+    from sgl_nb.tracing.session import current
+
+    session = current()
+    if session is not None:
+        session.flush()
+
+
+class _ProgramEnd:
+    """When a %%sgl program has ended: its program_finished event has been published (and
+    has reached the tracer, subscribed before). Backs NAME.wait() and `--trace FILE`."""
+
+    def __init__(self, bus):
+        self.bus, self.state = bus, None
+        self.trace_written: threading.Event | None = None  # set once --trace FILE is closed
+        self.ended: set[int] = set()  # programs seen ending until ours is known
+        self.cond = threading.Condition()
+        if bus is not None:
+            bus.subscribe(self._on_event)  # a callback: it must return at once, and does
+
+    def watch(self, state) -> None:
+        with self.cond:
+            self.state = state
+            done = state.id in self.ended
+        if done:
+            self._unsubscribe()
+
+    def _on_event(self, event) -> None:
+        if event.kind != "program_finished":
+            return
+        with self.cond:
+            self.ended.add(event.program)
+            self.cond.notify_all()
+            ours = self.state is not None and event.program == self.state.id
+        if ours:
+            self._unsubscribe()
+
+    def _unsubscribe(self) -> None:
+        if self.bus is not None:
+            self.bus.unsubscribe(self._on_event)
+
+    def wait(self, timeout: float | None = None):
+        """NAME.wait(): block until the program has ended (its body returned, everything it
+        queued ran, its end published; with --trace FILE, the file written); returns the
+        state. NAME["x"] waits for x only."""
+        if self.bus is None:  # no event stream: the end of its text is the end
+            for _ in self.state.text_iter():
+                pass
+            return self.state
+        with self.cond:
+            # An interrupt while it waits cancels the program (and then propagates).
+            ended = self.state._interruptible(
+                lambda: self.cond.wait_for(lambda: self.state.id in self.ended, timeout))
+        if ended and self.trace_written is not None:
+            ended = self.trace_written.wait(timeout)
+        if not ended:
+            raise TimeoutError(f"program {self.state.id} still running after {timeout} s")
+        return self.state
+
+
+def _stop_tracing_after(end: _ProgramEnd) -> None:
+    with end.cond:
+        end.cond.wait_for(lambda: end.state is not None and end.state.id in end.ended)
+    try:
+        _stop_tracing()  # closes the open spans and writes the file
+    finally:
+        end.trace_written.set()
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(SglMagics)

@@ -1,0 +1,234 @@
+"""The widget a `%%sgl` cell shows: its stream view, its stepper and the cache tree, all fed
+from one subscription to the runtime's events, folded into one Timeline.
+
+Create it (it subscribes) before the program starts, `attach(state)` once the program runs;
+its pump thread then renders at most ~30 times a second and stops after the program ends,
+leaving the final state in the traits. `sync()` folds and renders now (headless use, tests).
+"""
+
+from __future__ import annotations
+
+import html
+import linecache
+import threading
+
+import ipywidgets as W
+from traitlets import Int, Unicode
+
+from sgl_nb.notebook.widgets.cache_tree import CacheTreeView
+from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows
+from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
+from sgl_nb.notebook.widgets.throttle import EventPump, held
+from sgl_nb.runtime.events import Event
+from sgl_nb.tracing.timeline import NodeView, Timeline
+
+
+class ProgramWidget(W.VBox):
+    program_id = Int(None, allow_none=True).tag(sync=True)
+    status = Unicode("starting").tag(sync=True)
+    error = Unicode("").tag(sync=True)
+
+    def __init__(self, backend, title: str = "program", rate: float = 30.0, **kwargs):
+        self.backend = backend
+        self.timeline = Timeline()
+        self.forks: dict[int, list[int]] = {}
+        self.state = None
+        self.pump: EventPump | None = None
+        self.rate = rate
+        self._lock = threading.RLock()
+        self._last_hold = None
+        self._cached_chars: dict[tuple[int, int], int] = {}
+        self._live: dict = {}  # node id -> the live Node, refreshed on each render
+        self._family: set[int] = set()  # this program and its fork branches
+        self._queue = backend.events.subscribe()
+        self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
+        # Stop cancels the program (state.cancel()): a click only asks, and returns.
+        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="cancel this program (what it produced is kept)",
+                                    layout=W.Layout(width="auto"), disabled=True)
+        self.stop_button.on_click(lambda _: self.stop())
+        self.stream = StreamView()
+        self.stepper = StepperView()
+        self.stepper.on_command = self._poke
+        self.cache = CacheTreeView()
+        self.tabs = W.Tab(children=[self.stepper, self.cache])
+        self.tabs.titles = ("Stepper", "Cache tree")
+        header = W.HBox([self.title, self.stop_button],
+                        layout=W.Layout(justify_content="space-between", align_items="center"))
+        super().__init__(children=[header, self.stream, self.tabs], **kwargs)
+
+    # ---- wiring ------------------------------------------------------------------------
+
+    def attach(self, state) -> ProgramWidget:
+        """Follow this program (its events may already be queued: nothing is lost)."""
+        self.state = state
+        self.program_id = state.id
+        self.stop_button.disabled = False
+        self._family = {state.id}  # grows with the fork events
+        self.stepper.bind(state.debug,
+                          node_only=not getattr(state.backend, "instruction_stepping", True))
+        self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
+                              changed=self._hold_changed, rate=self.rate,
+                              on_stop=self._unsubscribe).start()
+        return self
+
+    def _unsubscribe(self) -> None:
+        self.backend.events.unsubscribe(self._queue)
+
+    def _fold(self, events: list[Event]) -> bool:
+        """Fold this program's events (and its fork branches'); others only say whether the
+        cache tree changed. Returns whether anything shown may have changed."""
+        changed = False
+        with self._lock:
+            for e in sorted(events, key=lambda e: e.seq):
+                if e.program not in self._family:
+                    changed |= e.kind.startswith("cache_")
+                    continue
+                self.timeline.apply(e)
+                changed = True
+                if e.kind == "fork" and e.data.get("children"):
+                    self.forks[e.node] = list(e.data["children"])
+                    self._family.update(e.data["children"])
+        return changed
+
+    def _finished(self) -> bool:
+        p = self.timeline.programs.get(self.program_id)
+        return p is not None and p.status in ("done", "error", "cancelled")
+
+    def _hold_changed(self) -> bool:
+        c = self.state.debug if self.state is not None else None
+        now = (c.waiting_at, getattr(c.current, "id", None), c.paused) if c else None
+        changed, self._last_hold = now != self._last_hold, now
+        return changed
+
+    def stop(self) -> bool:
+        """The Stop button: cancel the program; False if it had already ended."""
+        self._poke()
+        return self.state is not None and self.state.cancel()
+
+    def _poke(self) -> None:
+        self._last_hold = None  # a button was pressed: the pump renders on its next poll
+
+    def sync(self, timeout: float | None = 60.0) -> None:
+        """Fold everything published so far and render it (headless use, tests)."""
+        if self.pump is not None:
+            self.pump.flush(timeout)
+        else:
+            self.render()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the final render (after the program ended); True when it happened."""
+        return self.pump.join(timeout) if self.pump is not None else True
+
+    # ---- rendering -------------------------------------------------------------------------
+
+    def render(self) -> None:
+        with self._lock:
+            if self.program_id is None or self.program_id not in self.timeline.programs:
+                return
+            tl, pid = self.timeline, self.program_id
+            self._live = {n.id: n for n in list(self.state.nodes)}
+            model = StreamModel(tl, pid, self._node_text, self._prefix_chars, self.forks)
+            finished = self._finished()
+            rows = graph_rows(tl, _family(tl, pid), list(self.state.nodes))
+            text = model.text()
+            widgets = [self, *self.stream.widgets(), *self.stepper.widgets(),
+                       *self.cache.widgets()]
+            with held(widgets):
+                p = tl.programs[pid]
+                debug = self.state.debug
+                is_held = debug is not None and debug.waiting_at is not None and not finished
+                self.status = f"held at a {debug.waiting_at}" if is_held else p.status
+                self.error = self._error_text(p.error) if p.error else ""
+                self.stream.update(model, self.status if not self.error else "error")
+                if self.error:
+                    self.stream.header.value += (
+                        f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
+                self.stepper.update(rows, finished)
+                self.stop_button.disabled = finished
+                self.cache.update(self.backend.cache, self._tokenizer(),
+                                  self._path_tokens(model, text))
+
+    def _error_text(self, error: str) -> str:
+        line = getattr(self.state, "error_line", None)
+        fn = getattr(self.state, "fn", None)
+        file = getattr(getattr(fn, "func", None), "__code__", None)
+        src = linecache.getline(file.co_filename, line).strip() if file and line else ""
+        where = f" at cell line {line}: {src}" if line else ""
+        return f"{error}{where}"
+
+    def _tokenizer(self):
+        return self.backend.tokenizer
+
+    def _path_tokens(self, model: StreamModel, text: str) -> list[int]:
+        """The token ids of this program's path in the radix tree: its last Gen's prompt as
+        the engine tokenized it plus the ids it generated (re-tokenizing the whole text
+        could split differently), else the text so far."""
+        tok = self._tokenizer()
+        if tok is None:
+            return []
+        prompt, generated = model.last_request()
+        if generated:
+            return tok.encode(prompt) + generated
+        return tok.encode(text) if text else []
+
+    def _prefix_chars(self, prompt: str, n_tokens: int) -> int:
+        """Characters spanned by the first n tokens of prompt (where the cached part ends)."""
+        key = (hash(prompt), n_tokens)
+        if key not in self._cached_chars:
+            tok = self._tokenizer()
+            ids = tok.encode(prompt) if tok is not None else []
+            self._cached_chars[key] = (len(tok.decode(ids[:n_tokens])) if n_tokens < len(ids)
+                                       else len(prompt))
+        return self._cached_chars[key]
+
+    def _node_text(self, view: NodeView) -> str | None:
+        """A text Node's text from the live program when its events did not carry it."""
+        state = self.state
+        node = self._live.get(view.id)
+        if node is None:
+            return None
+        if node.kind == "Select":
+            value = state._vars.get(node.name) if node.name else None
+            return value if isinstance(value, str) else None
+        text = node.detail.get("text")
+        first = next((n for n in state.nodes if n.kind != "Init"), None)
+        if (node is first and node.kind == "RoleBegin" and text is not None
+                and node.detail.get("role") != "system"):
+            # A chat that opens without a system turn gets the template's default system
+            # prompt before this role's prefix (ProgramState._role_marker); the node's own
+            # text holds the prefix only. Unneeded once node_finished carries the text.
+            text = self.backend.chat_roles.default_system + text
+        return text
+
+
+class LiveCacheTree(CacheTreeView):
+    """`%sgl_cache`: the cache tree, re-rendered (throttled) on every cache event until
+    `stop()` (a newer view stops the older one, so only one pump runs)."""
+
+    _current: LiveCacheTree | None = None
+
+    def __init__(self, backend, rate: float = 10.0, **kwargs):
+        super().__init__(**kwargs)
+        self.backend = backend
+        self._queue = backend.events.subscribe()
+        self._stopped = threading.Event()
+        self.render()
+        if LiveCacheTree._current is not None:
+            LiveCacheTree._current.stop()
+        LiveCacheTree._current = self
+        self.pump = EventPump(self._queue, self._fold, self.render, self._stopped.is_set,
+                              rate=rate, on_stop=self._unsubscribe).start()
+
+    def _fold(self, events: list[Event]) -> None:
+        pass  # the tree is read from the engine itself; events only say when to re-read
+
+    def render(self) -> None:
+        with held(self.widgets()):
+            self.update(self.backend.cache, self.backend.tokenizer)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _unsubscribe(self) -> None:
+        self.backend.events.unsubscribe(self._queue)

@@ -1,0 +1,255 @@
+"""The stepper: a program's Node graph with the current Node and Instruction highlighted,
+the buttons Step node / Step instruction / Continue / Pause, and breakpoints on Nodes.
+
+The buttons call the program's StepController (`state.debug`), the same object code uses
+headless. A click only grants a step and returns: the kernel must stay free to deliver
+the next click, so nothing here waits for the program.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import ipywidgets as W
+from traitlets import Int, List, Unicode
+
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES
+from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.step_controller import Breakpoint, StepController
+from sgl_nb.tracing.timeline import Timeline
+
+_STYLE = """<style>
+.sgl-graph{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
+ border:1px solid #ddd;padding:4px}
+.sgl-node{padding:1px 4px;white-space:pre}.sgl-node.sgl-current{background:#fde68a;
+ font-weight:bold}.sgl-ins{padding-left:28px;color:#555;white-space:pre}
+.sgl-ins.sgl-current{background:#fcd34d;color:#000}.sgl-bp{color:#dc2626}
+.sgl-st-done{color:#15803d}.sgl-st-running{color:#2563eb}.sgl-st-pending{color:#888}
+.sgl-st-error{color:#b91c1c}.sgl-st-skipped{color:#888}.sgl-st-cancelled{color:#a21caf}
+</style>"""
+
+NODE_ONLY = "stepping by Node only: Instructions run on the server"
+
+
+@dataclass
+class Row:
+    """One Node of the graph, whether it ran (Timeline) or is still queued (live Node)."""
+
+    id: int
+    kind: str | None
+    name: str | None
+    label: str
+    line: int | None
+    status: str
+    preds: list[int] = field(default_factory=list)
+    instructions: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+
+def graph_rows(tl: Timeline, programs: list[int], live_nodes: list) -> list[Row]:
+    """The Nodes of these programs (fork branches included) in the order they started,
+    then the ones still queued."""
+    rows, seen = [], set()
+    started = [tl.nodes[nid] for pid in programs if pid in tl.programs
+               for nid in tl.programs[pid].nodes]
+    for n in sorted(started, key=lambda n: (n.start_ns or 0, n.id)):
+        ins = [f"{i.kind} [{i.status}]" for i in n.instructions]
+        rows.append(Row(n.id, n.kind, n.name, n.label or n.kind or "?", n.line, n.status,
+                        list(n.preds), ins, len(n.tokens)))
+        seen.add(n.id)
+    for node in live_nodes:
+        if node.id not in seen and node.kind not in PROGRAM_NODES:
+            rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
+                            node.status, list(node.preds),
+                            [f"{i.kind} [pending]" for i in lower(node)]))
+    return rows
+
+
+def parse_breakpoint(spec: str) -> Breakpoint:
+    """'answer' (a variable name), 'name=answer', 'kind=Gen', 'line=3', or several of them
+    separated by spaces."""
+    fields: dict = {}
+    for part in spec.split():
+        key, sep, value = part.partition("=")
+        if not sep:
+            key, value = "name", part
+        if key not in ("name", "kind", "line"):
+            raise ValueError(f"a breakpoint is name=, kind= or line=, got {part!r}")
+        if key == "line":
+            if not value.isdigit():
+                raise ValueError(f"line= takes a number, got {value!r}")
+            value = int(value)
+        fields[key] = value
+    if not fields:
+        raise ValueError("an empty breakpoint: give a name, kind= or line=")
+    return Breakpoint(**fields)
+
+
+def describe(bp: Breakpoint) -> str:
+    return " ".join(f"{k}={v}" for k, v in (("name", bp.name), ("kind", bp.kind),
+                                              ("line", bp.line)) if v is not None)
+
+
+class StepperView(W.VBox):
+    current_node = Int(None, allow_none=True).tag(sync=True)
+    current_instruction = Unicode("").tag(sync=True)
+    waiting_at = Unicode("").tag(sync=True)  # "node" | "decode" | "" (not held)
+    breakpoints = List(Unicode()).tag(sync=True)
+    message = Unicode("").tag(sync=True)
+
+    def __init__(self, **kwargs):
+        self.controller: StepController | None = None
+        self._node_only = False
+        self._rows: dict[int, Row] = {}
+        self.on_command = None  # called after each button, so the owner re-renders soon
+        auto = {"layout": W.Layout(width="auto")}
+        self.step_node = W.Button(description="Step node", icon="step-forward", **auto)
+        self.step_instruction = W.Button(description="Step instruction", icon="forward", **auto)
+        self.continue_button = W.Button(description="Continue", icon="play", **auto)
+        self.pause_button = W.Button(description="Pause", icon="pause", **auto)
+        self.node_choice = W.Dropdown(options=[], description="Node",
+                                      layout=W.Layout(width="420px"))
+        self.toggle_bp = W.Button(description="Toggle breakpoint", icon="circle", **auto)
+        self.bp_spec = W.Text(placeholder="answer | kind=Gen | line=3",
+                              description="Break on", layout=W.Layout(width="420px"))
+        self.add_bp = W.Button(description="Add breakpoint", **auto)
+        self.graph = W.HTML("")
+        self.graph.add_class("sgl-stepper-graph")
+        self.status_html = W.HTML("")
+        self.buttons = [self.step_node, self.step_instruction, self.continue_button,
+                        self.pause_button]
+        for b, fn in zip(self.buttons, ("step", "step_instruction", "continue_", "pause")):
+            b.on_click(lambda _b, fn=fn: self._command(fn))
+        self.toggle_bp.on_click(lambda _b: self._toggle_breakpoint())
+        self.add_bp.on_click(lambda _b: self._add_breakpoint())
+        super().__init__(children=[
+            W.HBox(self.buttons), self.status_html, self.graph,
+            W.HBox([self.node_choice, self.toggle_bp]), W.HBox([self.bp_spec, self.add_bp]),
+        ], **kwargs)
+        self.bind(None)
+
+    def bind(self, controller: StepController | None, node_only: bool = False) -> None:
+        """node_only: a remote backend, whose Instructions run on the server."""
+        self.controller, self._node_only = controller, node_only
+        for b in [*self.buttons, self.toggle_bp, self.add_bp]:
+            b.disabled = controller is None
+        if node_only:
+            self.step_instruction.disabled = True
+            self.step_instruction.tooltip = NODE_ONLY
+            self.message = NODE_ONLY
+
+    # ---- the controls --------------------------------------------------------------------
+
+    def _command(self, name: str) -> None:
+        if self.controller is None:
+            return
+        getattr(self.controller, name)()
+        self.message = {"step": "stepping one Node", "step_instruction": "stepping one "
+                        "Instruction", "continue_": "running", "pause": "pausing"}[name]
+        if self.on_command is not None:
+            self.on_command()
+
+    def _toggle_breakpoint(self) -> None:
+        row = self._rows.get(self.node_choice.value) if self.node_choice.value else None
+        if self.controller is None or row is None:
+            return
+        bp = Breakpoint(name=row.name, kind=row.kind, line=row.line)
+        if bp in self.controller.breakpoints:
+            self.controller.clear_breakpoint(bp)
+        else:
+            self.controller.breakpoints.add(bp)
+        self._after_breakpoints()
+
+    def _add_breakpoint(self) -> None:
+        if self.controller is None:
+            return
+        try:
+            bp = parse_breakpoint(self.bp_spec.value)
+        except ValueError as e:
+            self.message = str(e)
+        else:
+            self.controller.breakpoints.add(bp)
+            self.bp_spec.value = ""
+            self.message = f"breakpoint {describe(bp)}"
+        self._after_breakpoints()
+
+    def _after_breakpoints(self) -> None:
+        if self.controller is not None:
+            self.breakpoints = sorted(describe(b) for b in self.controller.breakpoints)
+        if self.on_command is not None:
+            self.on_command()
+
+    # ---- rendering -------------------------------------------------------------------------
+
+    def update(self, rows: list[Row], finished: bool) -> None:
+        """Set every trait from the rows and the controller; call inside hold_sync."""
+        c = self.controller
+        held = c.waiting_at if c is not None else None
+        current = c.current.id if c is not None and c.current is not None and held else None
+        if current is None:
+            running = [r for r in rows if r.status == "running"]
+            current = running[-1].id if running else None
+        self._rows = {r.id: r for r in rows}
+        self.waiting_at = held or ""
+        self.current_node = current
+        self.current_instruction = self._current_instruction(self._rows.get(current), held)
+        bps = c.breakpoints if c is not None else set()
+        self.breakpoints = sorted(describe(b) for b in bps)
+        options = [(f"#{r.id} {r.label}", r.id) for r in rows]
+        if [o[1] for o in self.node_choice.options] != [o[1] for o in options]:
+            chosen = self.node_choice.value
+            self.node_choice.options = options
+            ids = [o[1] for o in options]
+            # Keep the user's choice; else offer the current Node (what one breaks on next).
+            self.node_choice.value = (chosen if chosen in ids else current if current in ids
+                                      else ids[0] if ids else None)
+        self.graph.value = _STYLE + self._graph_html(rows, current, bps)
+        state = ("finished" if finished else f"held at a {held}" if held
+                 else "paused" if c is not None and c.paused else "running")
+        for b in self.buttons:
+            b.disabled = c is None or finished
+        self.step_instruction.disabled |= self._node_only
+        self.status_html.value = (
+            f"<b>{state}</b> · current: {html.escape(self._label(current))}"
+            f"{' · ' + html.escape(self.current_instruction) if self.current_instruction else ''}"
+            f"{' · ' + html.escape(self.message) if self.message else ''}")
+
+    def _label(self, nid: int | None) -> str:
+        row = self._rows.get(nid) if nid is not None else None
+        return f"#{row.id} {row.label}" if row else "-"
+
+    def _current_instruction(self, row: Row | None, held: str | None) -> str:
+        if row is None:
+            return ""
+        if held == "decode":
+            return f"Decode (token {row.tokens + 1})"
+        if held == "node":
+            first = row.instructions[0].split(" ")[0] if row.instructions else "—"
+            return f"{first} (next)"
+        running = [i for i in row.instructions if i.endswith("[running]")]
+        return running[-1].split(" ")[0] if running else ""
+
+    def _graph_html(self, rows: list[Row], current: int | None, bps: set) -> str:
+        out = []
+        for r in rows:
+            cur = " sgl-current" if r.id == current else ""
+            mark = '<span class="sgl-bp">●</span>' if any(b.hits(r) for b in bps) else " "
+            line = f"line {r.line}" if r.line else ""
+            preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
+            out.append(
+                f'<div class="sgl-node{cur}" data-node="{r.id}">{mark} #{r.id:<4} '
+                f'{html.escape(f"{r.label:<40}")} {line:<8} '
+                f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>')
+            for i, ins in enumerate(r.instructions):
+                icur = " sgl-current" if cur and i == self._ins_index(r) else ""
+                extra = f" {r.tokens} tokens" if ins.startswith("Decode") and r.tokens else ""
+                out.append(f'<div class="sgl-ins{icur}">{html.escape(ins)}{extra}</div>')
+        return f'<div class="sgl-graph">{"".join(out)}</div>'
+
+    def _ins_index(self, r: Row) -> int:
+        running = [i for i, s in enumerate(r.instructions) if s.endswith("[running]")]
+        return running[-1] if running else 0
+
+    def widgets(self) -> list:
+        return [self, self.graph, self.status_html, self.node_choice, *self.buttons]

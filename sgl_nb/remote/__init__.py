@@ -1,2 +1,0 @@
-"""Remote backends: HTTP clients for vLLM's OpenAI-compatible API and SGLang's native API
-(used by sgl_nb.runtime_endpoint.RuntimeEndpoint)."""
