@@ -41,24 +41,6 @@ def test_fuse_text_and_static_select_change_nothing_but_the_count():
     assert on.get_meta_info("tone")["resolved"] == "static"
 
 
-def test_shared_prefix_pass_computes_the_batch_prefix_once(runtime):
-    @sgl.function
-    def review(s, item):
-        s += "You are a careful reviewer of household objects. " * 8
-        s += f"Review: {item}\n"
-        s += sgl.gen("r", max_tokens=4)
-
-    items = [{"item": x} for x in ("kettle", "lamp", "chair", "rug")]
-    runtime.engine.cache.reset()
-    on = review.run_batch(items)
-    report = review.last_batch_report
-    assert report.name == "shared_prefix" and report.changed == 4
-    runtime.engine.cache.reset()
-    off = review.run_batch(items, passes=())
-    assert review.last_batch_report is None
-    assert [s["r"] for s in on] == [s["r"] for s in off]
-
-
 @sgl.function
 def ruled(s):
     s += "Pick a number: " + sgl.gen("n", choices=["one", "2", "three"], dtype=int)
@@ -115,16 +97,19 @@ def _events_of(runtime, run):
     return out, events
 
 
-def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
-    @sgl.function
-    def review(s, item):
-        s += "You are a careful reviewer of household objects, brief and fair. " * 6
-        s += f"Review: {item}\n"
-        s += sgl.gen("r", max_tokens=3)
+@sgl.function
+def review(s, item):
+    s += "You are a careful reviewer of household objects, brief and fair. " * 6
+    s += f"Review: {item}\n"
+    s += sgl.gen("r", max_tokens=3)
 
+
+def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
     items = [{"item": x} for x in ("kettle", "lamp", "chair")]
     runtime.engine.cache.reset()
     states, events = _events_of(runtime, lambda: review.run_batch(items))
+    report = review.last_batch_report
+    assert report.name == "shared_prefix" and report.changed == 3
     first = states[0]
     init, shared = first.nodes[0].instructions
     assert shared.kind == "Extend" and shared.shared and shared.status == "done"
@@ -144,8 +129,9 @@ def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
     assert len(decodes) == 3
     assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
     runtime.engine.cache.reset()
-    alone = [review.run(**kw, passes=()) for kw in items]
-    assert [s["r"] for s in states] == [s["r"] for s in alone]
+    off = review.run_batch(items, passes=())
+    assert review.last_batch_report is None and off[0].nodes[0].instructions[1:] == []
+    assert [s["r"] for s in states] == [s["r"] for s in off]
 
 
 @sgl.function

@@ -245,11 +245,8 @@ class ProgramEffects:
         return handle.rid
 
     def _speculated_answer(self, handle, g, stop: list[str], done: Done) -> None:
-        self._inflight.discard(handle)
-        try:
-            result = handle.result(0)
-        except BaseException as e:  # noqa: BLE001
-            done(e, handle.usage())
+        result = self._outcome(handle, done)
+        if result is None:
             return
         value, self.speculated = speculation.take(result.text, stop)
         self._speculated_value(g, value, result.meta)
@@ -264,11 +261,8 @@ class ProgramEffects:
             self[g.name] = g.convert(value)
 
     def _decoded(self, handle, g, prompt: str, done: Done) -> None:
-        self._inflight.discard(handle)
-        try:
-            result = handle.result(0)
-        except BaseException as e:  # noqa: BLE001 - the Instruction fails, not the executor
-            done(e, handle.usage())
+        result = self._outcome(handle, done)
+        if result is None:
             return
         aborted = result.meta.get("finish_reason") == "abort"
         self._kv_len = len(self._text)  # the prompt and what was generated are cached
@@ -313,11 +307,8 @@ class ProgramEffects:
         return [h.rid for h in handles]
 
     def _scored(self, node: Node, ins, handle, done: Done) -> None:
-        self._inflight.discard(handle)
-        try:
-            out = handle.result(0)
-        except BaseException as e:  # noqa: BLE001
-            done(e, handle.usage())
+        out = self._outcome(handle, done)
+        if out is None:
             return
         if self._cancelled or out.meta.get("finish_reason") == "abort":
             done(self._cancel_error(f"select {ins.name!r} was aborted"), handle.usage())
@@ -390,6 +381,16 @@ class ProgramEffects:
             self[k] = [s._vars.get(k) for s in states]
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _outcome(self, handle, done: Done):
+        """A finished request's output; None, with `done` told the error, if it failed (the
+        Instruction fails, not the executor)."""
+        self._inflight.discard(handle)
+        try:
+            return handle.result(0)
+        except BaseException as e:  # noqa: BLE001
+            done(e, handle.usage())
+            return None
 
     def _hold(self, handle) -> None:
         """Keep a request in flight where cancel() finds it; a cancel that came first
