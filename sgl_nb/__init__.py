@@ -57,7 +57,15 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache and %sgl_trace magics."""
+    """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache, %sgl_trace and %sgl_widget
+    magics, `%config SglMagics.widget`, and one summary widget for a cell's run_batch."""
     from sgl_nb.notebook.magics import load_ipython_extension as load  # IPython only when asked
 
     load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """`%unload_ext sgl_nb`: run_batch shows no summary any more."""
+    from sgl_nb.notebook.magics import unload_ipython_extension as unload
+
+    unload(ipython)

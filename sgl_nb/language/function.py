@@ -194,14 +194,19 @@ class SglFunction:
             common, self.last_batch_report = self._batch_prefix(batch_kwargs, backend)
         pool = BodyPool(threads, name=f"sgl-batch-{self.func.__name__}")
         futures, shared = [], None
-        for kw in batch_kwargs:
-            fut = self._start(dict(kw), backend, passes=chosen, priority=priority, pool=pool,
-                              shared_prefix=common if shared is None else "", after=shared,
-                              **defaults)
-            if common and shared is None:
-                shared = fut.state.nodes[0].instructions[1]  # Init, then the shared Extend
-                fut.state.pass_counts["shared_prefix"] = self.last_batch_report.changed
-            futures.append(fut)
+        view = self.last_batch_view = _batch_view_for(self.func.__name__, backend, batch_kwargs)
+        try:
+            for kw in batch_kwargs:
+                fut = self._start(dict(kw), backend, passes=chosen, priority=priority,
+                                  pool=pool, shared_prefix=common if shared is None else "",
+                                  after=shared, **defaults)
+                if common and shared is None:
+                    shared = fut.state.nodes[0].instructions[1]  # Init, then the shared Extend
+                    fut.state.pass_counts["shared_prefix"] = self.last_batch_report.changed
+                futures.append(fut)
+        finally:
+            if view is not None:
+                view.attach(futures)  # the items queued (all of them unless one failed)
         pool.close()  # its threads end when the last body has run
         try:
             if progress_bar:
@@ -230,6 +235,25 @@ class SglFunction:
                 kwargs.pop(k, None)
         call.update(kwargs)
         return call, defaults
+
+
+# ---- the run_batch view: a hook the notebook layer sets (this layer imports nothing above) --
+
+_batch_view = None
+
+
+def set_batch_view(factory) -> None:
+    """`factory(name, backend, batch_kwargs)` is called by every run_batch before its items
+    start and returns a view (with `attach(futures)`, called once they are queued) or None.
+    `%load_ext sgl_nb` sets it: a notebook cell's run_batch shows one summary widget. None
+    removes it."""
+    global _batch_view
+    _batch_view = factory
+
+
+def _batch_view_for(name: str, backend, batch_kwargs: list[dict]):
+    factory = _batch_view
+    return factory(name, backend, batch_kwargs) if factory is not None else None
 
 
 def _run_defaults(options: dict) -> dict:

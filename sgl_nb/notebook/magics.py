@@ -1,5 +1,6 @@
 """IPython magics: `%%sgl` runs a cell as a program, `%sgl_model`, `%sgl_cache`,
-`%sgl_trace`. Load them with `%load_ext sgl_nb`.
+`%sgl_trace`, `%sgl_widget`. Load them with `%load_ext sgl_nb`. `SglMagics.widget` (a
+`%config` trait) says what cells show; a cell's run_batch shows one summary widget.
 
 A `%%sgl` cell returns at once: the program's body runs on a pool thread, its Instructions
 on the executor's and the engine's, and its widget follows it from the event stream. Nothing
@@ -17,13 +18,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
+from traitlets import TraitError, Unicode, validate
 
 from sgl_nb.backends.backend import is_backend
-from sgl_nb.language.function import get_default_backend, set_default_backend
+from sgl_nb.language.function import get_default_backend, set_batch_view, set_default_backend
 from sgl_nb.language.state import ProgramState
 from sgl_nb.notebook.cell_program import compile_cell, parse_args
 
 PRIORITIES = ("interactive", "normal", "batch")
+# What a %%sgl cell (and a cell's run_batch) shows: the full widget, one line, or nothing.
+WIDGET_LEVELS = ("full", "compact", "none")
 
 
 def _parse(func, line: str):
@@ -42,11 +46,51 @@ def usage(func) -> str:
 
 @magics_class
 class SglMagics(Magics):
-    def __init__(self, shell=None):
-        super().__init__(shell)
+    widget = Unicode("full", help="what every %%sgl cell shows: full (the ProgramWidget), "
+                     "compact (one line: status, tokens, tok/s, cache hit) or none; a cell's "
+                     "run_batch shows one summary unless none. A cell's --widget LEVEL or "
+                     "--no-widget overrides it.").tag(config=True)
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell, **kwargs)
         self.trace_file: str | None = None  # where `%sgl_trace start` records
         self.tracing = False
         self._owned_runtime = None  # a Runtime `%sgl_model PATH` loaded (shut down on switch)
+        self._cell_thread: threading.Thread | None = None  # the thread running a cell, if any
+
+    @validate("widget")
+    def _check_widget(self, proposal):
+        value = proposal["value"]
+        if value not in WIDGET_LEVELS:
+            raise TraitError(f"SglMagics.widget must be one of {', '.join(WIDGET_LEVELS)}; "
+                             f"got {value!r}")
+        return value
+
+    def widget_level(self, args=None) -> str:
+        """The level a cell shows: --no-widget, else --widget LEVEL, else SglMagics.widget."""
+        if args is not None and args.no_widget:
+            if args.widget not in (None, "none"):
+                raise UsageError(f"--no-widget and --widget {args.widget}: give one of them")
+            return "none"
+        if args is not None and args.widget is not None:
+            return args.widget
+        return self.widget
+
+    @magic_arguments()
+    @argument("level", nargs="?", default=None, help="full | compact | none")
+    @line_magic
+    def sgl_widget(self, line: str):
+        """%sgl_widget shows what %%sgl cells show; %sgl_widget full | compact | none sets it
+        (as `%config SglMagics.widget = "compact"` does)."""
+        level = line.strip().strip("'\"")
+        if not level:
+            print(f"SglMagics.widget = {self.widget!r}")
+            return None
+        if level not in WIDGET_LEVELS:
+            raise UsageError(f"%sgl_widget {level}: the level is one of "
+                             f"{', '.join(WIDGET_LEVELS)}")
+        self.widget = level
+        return None
 
     @magic_arguments("%sgl")  # shown as %%sgl: a cell magic
     @argument("name", nargs="?", default=None,
@@ -63,6 +107,9 @@ class SglMagics(Magics):
     @argument("--seed", type=int, help="default sampling seed of every gen")
     @argument("--define", action="store_true", help="define the function, do not run it")
     @argument("--no-widget", action="store_true", help="run without showing the widget")
+    @argument("--widget", choices=WIDGET_LEVELS, default=None,
+              help="what this cell shows: full, compact (one line) or none (default: "
+              "SglMagics.widget, set with %%config or %%sgl_widget)")
     @argument("--backend", metavar="NAME_OR_URL",
               help="run on this backend: a notebook variable holding a Runtime or "
               "RuntimeEndpoint, or a server URL (OpenAI-compatible API, e.g. vLLM)")
@@ -122,10 +169,15 @@ class SglMagics(Magics):
     def _run(self, fn, args):
         backend = self._backend(args.backend)
         widget = None
-        if not args.no_widget:
+        level = self.widget_level(args)
+        if level == "full":
             from sgl_nb.notebook.widgets import ProgramWidget
 
             widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
+        elif level == "compact":
+            from sgl_nb.notebook.widgets.compact import CompactView
+
+            widget = CompactView(backend, title=args.name or fn.__name__)  # subscribes now
         if args.trace:
             _start_tracing(args.trace)
         # Subscribed after the tracer, so each event reaches the tracer first.
@@ -217,6 +269,27 @@ class SglMagics(Magics):
 
             print(f"wrote {len(read_spans(args.file))} spans to {args.file}")
         return None
+
+    # ---- run_batch in a cell: one summary widget (the hook sgl_nb/language/function.py calls)
+
+    def _cell_started(self, *_) -> None:
+        self._cell_thread = threading.current_thread()
+
+    def _cell_ended(self, *_) -> None:
+        self._cell_thread = None
+
+    def batch_view(self, name: str, backend, batch_kwargs: list[dict]):
+        """The summary a cell's `f.run_batch(items)` shows (displayed now, before the items
+        start), or None: outside a cell's own thread (a program body, a script), with no
+        event stream, or at level none."""
+        if (self.widget == "none" or self._cell_thread is not threading.current_thread()
+                or getattr(backend, "events", None) is None):
+            return None
+        from sgl_nb.notebook.widgets.batch import BatchSummary
+
+        view = BatchSummary(backend, name, batch_kwargs)  # subscribes now
+        display(view)
+        return view
 
 
 def _describe(rt) -> str:
@@ -312,4 +385,24 @@ def _stop_tracing_after(end: _ProgramEnd) -> None:
 
 
 def load_ipython_extension(ipython) -> None:
-    ipython.register_magics(SglMagics)
+    unload_ipython_extension(ipython)
+    for old in [c for c in ipython.configurables if isinstance(c, SglMagics)]:
+        ipython.configurables.remove(old)  # a second load replaces the first
+    # Magics joins the shell's configurables (so `%config SglMagics.widget = ...` reaches
+    # it) and reads c.SglMagics.* from the shell's config, its parent.
+    magics = SglMagics(shell=ipython)
+    ipython.register_magics(magics)
+    ipython.events.register("pre_run_cell", magics._cell_started)
+    ipython.events.register("post_run_cell", magics._cell_ended)
+    set_batch_view(magics.batch_view)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """A cell's run_batch shows no summary any more (IPython keeps the magics)."""
+    for magics in [c for c in ipython.configurables if isinstance(c, SglMagics)]:
+        for event, callback in (("pre_run_cell", magics._cell_started),
+                                ("post_run_cell", magics._cell_ended)):
+            if callback in ipython.events.callbacks[event]:
+                ipython.events.unregister(event, callback)
+        magics._cell_thread = None
+    set_batch_view(None)
