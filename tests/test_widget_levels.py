@@ -211,7 +211,7 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     assert any(0 < s < 100 for s in samples), sorted(set(samples))
     assert view.renders <= 30 * elapsed + 3
     # Items open on demand, and only then: item 7's line and text.
-    assert view.item_text.value == ""
+    assert view.item_text.value == "" and view.item.children == ()
     box = view.open_item(7)
     assert box is view.item and view.items.value == 7
     assert states[7].text().startswith("Item 7:")
@@ -220,6 +220,14 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     view.items.value = 42  # what picking it in the dropdown does
     assert html.escape(states[42].text()) in view.item_text.value
     assert len(view.items.options) == 101 and view.items.options[43] == ("#42 i=42", 42)
+    # The full widget of an item, built when asked: its events replayed into it.
+    assert view.full == {} and view.item.children[-1] is view.full_button
+    view.full_button.click()
+    full = view.full[42]
+    assert isinstance(full, ProgramWidget) and view.item.children[-1] is full
+    assert full.wait(60) and full.status == "done" and full.program_id == states[42].id
+    assert full.stream.text == states[42].text()
+    assert view.open_full(42) is full and list(view.full) == [42]
 
 
 def test_run_batch_counts_failed_items(shell):

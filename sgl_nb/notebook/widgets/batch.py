@@ -5,11 +5,14 @@ A progress bar and one line (items done / running / failed / cancelled of N, gen
 tokens, tok/s over the batch's wall time, cache hit) follow the event stream through one
 subscription, folded into one Timeline and rendered at most `rate` times a second. The
 items are opened on demand from a dropdown (`open_item(i)` from Python): an opened item shows
-its own compact line and its text, and nothing is built for the items nobody opens.
+its own compact line and its text, and its **Full widget** button (`open_full(i)`) builds
+that item's ProgramWidget, fed with the item's events recorded so far and then the live
+ones. Nothing is built for the items nobody opens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import threading
 import time
@@ -19,7 +22,7 @@ import ipywidgets as W
 from sgl_nb.notebook.widgets.compact import ENDED, Tally, cache_text, gen_seconds, line_html
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
 from sgl_nb.notebook.widgets.throttle import EventPump, held
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import Event, EventBus
 from sgl_nb.tracing.timeline import Timeline
 
 _LABEL_CHARS = 60
@@ -30,6 +33,19 @@ def _label(i: int, kwargs: dict) -> str:
     if len(args) > _LABEL_CHARS:
         args = args[:_LABEL_CHARS - 1] + "…"
     return f"#{i} {args}".rstrip()
+
+
+class _Replay:
+    """The backend an item's ProgramWidget sees when it is opened late: the real one's model,
+    tokenizer and cache, and an event stream of its own, fed by the summary with what it
+    recorded for the item and then, while the item runs, what comes next."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.events = EventBus()
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
 
 
 class BatchSummary(W.VBox):
@@ -61,7 +77,14 @@ class BatchSummary(W.VBox):
         self.item_line = W.HTML("")
         self.item_text = W.HTML("")
         self.item_text.add_class("sgl-stream-view")
-        self.item = W.VBox([self.item_line, self.item_text])
+        self.full_button = W.Button(description="Full widget", icon="search-plus",
+                                    tooltip="this item's stream view, stepper and cache tree",
+                                    layout=W.Layout(width="auto"))
+        self.full_button.on_click(lambda _: self._opened is not None
+                                  and self.open_full(self._opened))
+        self.full: dict[int, W.Widget] = {}  # item -> its ProgramWidget, once opened
+        self._replays: dict[int, _Replay] = {}
+        self.item = W.VBox([])
         super().__init__(children=[W.HBox([self.progress, self.line],
                                           layout=W.Layout(align_items="center")),
                                    self.items, self.item], **kwargs)
@@ -94,6 +117,8 @@ class BatchSummary(W.VBox):
                 if item is None:
                     continue
                 self.timeline.apply(e)
+                if item in self._replays:  # an opened full widget follows it live
+                    self._replays[item].events.publish(dataclasses.replace(e))
                 self.tallies[item].add(e)
                 changed = True
                 if self._start_ns is None or e.ts < self._start_ns:
@@ -180,11 +205,33 @@ class BatchSummary(W.VBox):
     def _show(self, i: int | None) -> None:
         with self._lock:
             self._opened = i
-            with held([self.item_line, self.item_text]):
+            with held([self.item, self.item_line, self.item_text]):
                 if i is None:
                     self.item_line.value = self.item_text.value = ""
+                    self.item.children = ()
                 else:
                     self._render_item(i)
+                    self.item.children = (self.item_line, self.item_text,
+                                          self.full.get(i, self.full_button))
+
+    def open_full(self, i: int):
+        """Item i's ProgramWidget (built on the first call): its events so far are replayed
+        into it, the rest follow live. Shown under the item when the item is open."""
+        from sgl_nb.notebook.widgets.program import ProgramWidget
+
+        with self._lock:
+            if i not in self.full:
+                replay = _Replay(self.backend)
+                widget = ProgramWidget(replay, title=f"{self.name} #{i}")  # subscribes
+                family = {p for p, item in self._root.items() if item == i}
+                for e in list(self.timeline.events):
+                    if e.program in family:
+                        replay.events.publish(dataclasses.replace(e))  # its own seq
+                self._replays[i] = replay
+                self.full[i] = widget.attach(self.futures[i].state)
+            if self._opened == i:
+                self.item.children = (self.item_line, self.item_text, self.full[i])
+            return self.full[i]
 
     def item_line_text(self, i: int) -> str:
         return " · ".join(self._item_parts(i))
