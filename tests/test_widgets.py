@@ -169,7 +169,7 @@ def test_stepper_buttons(default_backend):
     nodes = [n for n in st.nodes if n.kind not in ("Init", "Return")]
     assert stepper.waiting_at == "node" and stepper.current_node == nodes[0].id
     assert stepper.current_instruction == "Extend (next)"
-    assert f'sgl-node sgl-current" data-node="{nodes[0].id}"' in stepper.graph.value
+    assert f'sgl-node sgl-current" data-node="{nodes[0].id}"' in stepper.graph.html()
 
     stepper.step_node.click()
     settle()
@@ -199,7 +199,7 @@ def test_stepper_buttons(default_backend):
     settle()
     assert stepper.current_node == gen_b.id and stepper.waiting_at == "node"
     assert any(bp.startswith("name=b kind=Gen") for bp in stepper.breakpoints)
-    assert f'<span class="sgl-bp">●</span> #{gen_b.id}' in stepper.graph.value
+    assert f'<span class="sgl-bp">●</span> #{gen_b.id}' in stepper.graph.html()
 
     stepper.pause_button.click()
     assert debug.paused
@@ -223,13 +223,14 @@ def test_cache_tree_view(default_backend, runtime):
     assert w.wait(120)
     view = w.cache
     assert view.nodes > 0 and view.cached_tokens > 0 and len(view.path) > 0
-    tree = view.tree.value
+    tree = view.tree.html()
     assert "radix tree" in tree and "evictable" in tree and "hits" in tree
-    assert 'class="sgl-onpath"' in tree  # this program's path is highlighted
+    # this program's path is highlighted
+    assert re.search(r'class="sgl-item [^"]*\bsgl-onpath\b', tree)
     small = CacheTreeView(max_nodes=1)
     small.update(runtime.engine.cache, runtime.tokenizer)
     if small.nodes > 1:
-        assert "more nodes" in small.tree.value
+        assert "more nodes" in small.tree.html()
 
 
 @slow
@@ -242,7 +243,7 @@ def test_cache_tree_shows_locked_nodes_while_a_request_runs(default_backend):
     assert st.debug.wait_until_held(120)
     other = qa.run(q="Another program, run while this one is held.")
     w.sync()
-    assert w.cache.locked_tokens > 0 and "locked×" in w.cache.tree.value
+    assert w.cache.locked_tokens > 0 and "locked×" in w.cache.tree.html()
     assert other.id not in w.timeline.programs  # the widget folds its own program's events
     st.debug.continue_()
     assert w.wait(120)

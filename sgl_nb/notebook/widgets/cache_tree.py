@@ -1,7 +1,8 @@
 """The cache tree: the engine's radix tree as it is now, each edge's text decoded, its hit
 count, locked (in use by a running request) or evictable, and the path of this program's
 text highlighted. Nested <details> collapse, the box scrolls, and past `max_nodes` the rest
-is summarised, so a long tree stays readable."""
+is summarised, so a long tree stays readable. One row per tree node (keyed.py): a render
+sends only the nodes whose text, hits, lock or children changed."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import html
 import ipywidgets as W
 from traitlets import Float, Int, List
 
-_STYLE = """<style>
+from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+
+_CSS = """
 .sgl-cache{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
- border:1px solid #ddd;padding:4px}.sgl-cache details{margin-left:14px}
-.sgl-cache summary,.sgl-cache .sgl-leaf{white-space:pre}.sgl-cache .sgl-leaf{margin-left:26px}
+ border:1px solid #ddd;padding:4px}.sgl-cache .sgl-kids{margin-left:14px}
+.sgl-cache summary,.sgl-cache .sgl-leaf{white-space:pre}.sgl-cache .sgl-leaf{margin-left:12px}
 .sgl-edge{background:#f3f4f6}.sgl-onpath>summary .sgl-edge,.sgl-leaf.sgl-onpath .sgl-edge{
  background:#fde68a;font-weight:bold}.sgl-locked{color:#b91c1c}.sgl-evictable{color:#15803d}
 .sgl-meta{color:#666;font-size:11px}
-</style>"""
+"""
 
 
 def path_nodes(root, tokens: list[int]) -> list[int]:
@@ -40,8 +43,9 @@ def path_nodes(root, tokens: list[int]) -> list[int]:
     return out
 
 
-class TreeHTML:
-    """Renders a RadixCache; `decode` turns a key into text (memoised by the caller)."""
+class TreeItems:
+    """The rows of a RadixCache: a head line of figures, then one row per tree node nested
+    under its parent; `decode` turns a key into text (memoised by the caller)."""
 
     def __init__(self, decode, on_path: set[int], max_nodes: int = 300, edge_chars: int = 48,
                  open_depth: int = 1):
@@ -49,30 +53,38 @@ class TreeHTML:
         self.max_nodes, self.edge_chars, self.open_depth = max_nodes, edge_chars, open_depth
         self.count = 0
 
-    def render(self, cache) -> str:
+    def items(self, cache) -> list[Item]:
         s = cache.stats()
-        head = (f'<div class="sgl-meta">{s["nodes"]} nodes · {s["cached_tokens"]} tokens cached '
-                f'({s["protected_tokens"]} locked, {s["evictable_tokens"]} evictable) · '
-                f'hit rate {s["hit_rate"]:.1%} · evicted {s["evicted_tokens"]}</div>')
-        body = "".join(self._node(c, 0) for c in _children(cache.root))
+        out = [Item("head", f'<div class="sgl-meta">{s["nodes"]} nodes · {s["cached_tokens"]} '
+                            f'tokens cached ({s["protected_tokens"]} locked, '
+                            f'{s["evictable_tokens"]} evictable) · hit rate {s["hit_rate"]:.1%}'
+                            f' · evicted {s["evicted_tokens"]}</div>')]
+        kids = _children(cache.root)
+        for c in kids:
+            self._node(c, "", 0, out)
+        if not kids:
+            out.append(Item("empty", "(empty)"))
         rest = s["nodes"] - self.count
-        more = f'<div class="sgl-meta">… {rest} more nodes</div>' if rest > 0 else ""
-        return f'{_STYLE}{head}<div class="sgl-cache">{body or "(empty)"}{more}</div>'
+        if rest > 0:
+            out.append(Item("more", f'<div class="sgl-meta">… {rest} more nodes</div>'))
+        return out
 
-    def _node(self, node, depth: int) -> str:
+    def _node(self, node, parent: str, depth: int, out: list[Item]) -> None:
         if self.count >= self.max_nodes:
-            return ""
+            return
         self.count += 1
         kids = _children(node)
         on = node.id in self.on_path
-        label = self._label(node)
-        cls = " sgl-onpath" if on else ""
+        key = f"c{node.id}"
+        label = f'<span data-node="{node.id}">{self._label(node)}</span>'
+        cls = "sgl-onpath" if on else ""
         if not kids:
-            return f'<div class="sgl-leaf{cls}" data-node="{node.id}">{label}</div>'
-        opened = " open" if on or depth < self.open_depth else ""
-        inner = "".join(self._node(c, depth + 1) for c in kids)
-        return (f'<details class="{cls.strip()}"{opened} data-node="{node.id}">'
-                f'<summary>{label}</summary>{inner}</details>')
+            out.append(Item(key, label, parent, cls=f"sgl-leaf {cls}".strip()))
+            return
+        out.append(Item(key, label, parent, fold=True, open=on or depth < self.open_depth,
+                        cls=cls))
+        for c in kids:
+            self._node(c, key, depth + 1, out)
 
     def _label(self, node) -> str:
         text = self.decode(node.key)
@@ -94,6 +106,16 @@ def _children(node) -> list:
     return []
 
 
+class CacheTreeGraph(KeyedView):
+    """The tree itself: a node whose hits, lock or children changed is the only row sent
+    (with its new children); the rest of the tree stays as the front end has it."""
+
+    _css = _CSS
+
+    def __init__(self, **kwargs):
+        super().__init__(root_class="sgl-cache", **kwargs)
+
+
 class CacheTreeView(W.VBox):
     nodes = Int(0).tag(sync=True)
     cached_tokens = Int(0).tag(sync=True)
@@ -105,20 +127,20 @@ class CacheTreeView(W.VBox):
     def __init__(self, max_nodes: int = 300, **kwargs):
         self.max_nodes = max_nodes
         self._decoded: dict[tuple, str] = {}
-        self.tree = W.HTML("")
+        self.tree = CacheTreeGraph()
         self.tree.add_class("sgl-cache-view")
         super().__init__(children=[self.tree], **kwargs)
 
     def update(self, cache, tokenizer, program_tokens: list[int] | None = None) -> None:
         """Set every trait from the cache as it is now; call inside hold_sync."""
         if cache is None:
-            self.tree.value = "<i>this backend has no local radix cache</i>"
+            self.tree.show([Item("none", "<i>this backend has no local radix cache</i>")])
             return
         self.path = path_nodes(cache.root, program_tokens or [])
-        view = TreeHTML(lambda key: self._decode(tokenizer, key), set(self.path),
-                        self.max_nodes)
+        view = TreeItems(lambda key: self._decode(tokenizer, key), set(self.path),
+                         self.max_nodes)
         try:
-            self.tree.value = view.render(cache)
+            self.tree.show(view.items(cache))
         except RuntimeError:  # the tree changed under us; the next render catches up
             return
         s = cache.stats()

@@ -1,5 +1,7 @@
 """The stepper: a program's Node graph with the current Node and Instruction highlighted,
 the buttons Step node / Step instruction / Continue / Pause, and breakpoints on Nodes.
+Each Node's row shows its timing (queue, prefill, decode, cached tokens: timing.py) and is
+sent only when it changed (keyed.py); a selected Node shows its line in the cell.
 
 The buttons call the program's StepController (`state.debug`), the same object code uses
 headless. A click only grants a step and returns: the kernel must stay free to deliver
@@ -9,25 +11,30 @@ the next click, so nothing here waits for the program.
 from __future__ import annotations
 
 import html
+import linecache
 from dataclasses import dataclass, field
 
 import ipywidgets as W
 from traitlets import Int, List, Unicode
 
+from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.step_controller import Breakpoint, StepController
 from sgl_nb.tracing.timeline import Timeline
 
-_STYLE = """<style>
+_CSS = """
 .sgl-graph{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
  border:1px solid #ddd;padding:4px}
 .sgl-node{padding:1px 4px;white-space:pre}.sgl-node.sgl-current{background:#fde68a;
- font-weight:bold}.sgl-ins{padding-left:28px;color:#555;white-space:pre}
+ font-weight:bold}.sgl-node[data-selected]{outline:2px solid #2563eb}
+.sgl-ins{padding-left:28px;color:#555;white-space:pre}
 .sgl-ins.sgl-current{background:#fcd34d;color:#000}.sgl-bp{color:#dc2626}
+.sgl-timing{padding-left:28px;color:#6b7280;white-space:pre;font-size:11px}
 .sgl-st-done{color:#15803d}.sgl-st-running{color:#2563eb}.sgl-st-pending{color:#888}
 .sgl-st-error{color:#b91c1c}.sgl-st-skipped{color:#888}.sgl-st-cancelled{color:#a21caf}
-</style>"""
+"""
 
 NODE_ONLY = "stepping by Node only: Instructions run on the server"
 
@@ -45,9 +52,12 @@ class Row:
     preds: list[int] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)
     tokens: int = 0
+    timing: str = ""  # queue / prefill / decode and cached tokens (timing.py)
+    file: str | None = None  # where the program said it (a cell's linecache name)
 
 
-def graph_rows(tl: Timeline, programs: list[int], live_nodes: list) -> list[Row]:
+def graph_rows(tl: Timeline, programs: list[int], live_nodes: list,
+               timings: Timings | None = None) -> list[Row]:
     """The Nodes of these programs (fork branches included) in the order they started,
     then the ones still queued."""
     rows, seen = [], set()
@@ -55,15 +65,22 @@ def graph_rows(tl: Timeline, programs: list[int], live_nodes: list) -> list[Row]
                for nid in tl.programs[pid].nodes]
     for n in sorted(started, key=lambda n: (n.start_ns or 0, n.id)):
         ins = [f"{i.kind} [{i.status}]" for i in n.instructions]
+        timing = timings.node(n.id).summary() if timings is not None else ""
         rows.append(Row(n.id, n.kind, n.name, n.label or n.kind or "?", n.line, n.status,
-                        list(n.preds), ins, len(n.tokens)))
+                        list(n.preds), ins, len(n.tokens), timing, n.file))
         seen.add(n.id)
     for node in live_nodes:
         if node.id not in seen and node.kind not in PROGRAM_NODES:
             rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
                             node.status, list(node.preds),
-                            [f"{i.kind} [pending]" for i in lower(node)]))
+                            [f"{i.kind} [pending]" for i in lower(node)],
+                            file=node.file))
     return rows
+
+
+def source_line(file: str | None, line: int | None) -> str:
+    """A program line as written (a cell's source is in linecache), or ""."""
+    return linecache.getline(file, line).strip() if file and line else ""
 
 
 def parse_breakpoint(spec: str) -> Breakpoint:
@@ -91,12 +108,23 @@ def describe(bp: Breakpoint) -> str:
                                               ("line", bp.line)) if v is not None)
 
 
+class StepperGraph(KeyedView):
+    """The Node list: one row per Node (its Instructions and timing under it); a Node whose
+    status, Instruction or timing changed is the only row sent."""
+
+    _css = _CSS
+
+    def __init__(self, **kwargs):
+        super().__init__(root_class="sgl-graph", **kwargs)
+
+
 class StepperView(W.VBox):
     current_node = Int(None, allow_none=True).tag(sync=True)
     current_instruction = Unicode("").tag(sync=True)
     waiting_at = Unicode("").tag(sync=True)  # "node" | "decode" | "" (not held)
     breakpoints = List(Unicode()).tag(sync=True)
     message = Unicode("").tag(sync=True)
+    selected_source = Unicode("").tag(sync=True)  # the chosen Node's line: "3: s += ..."
 
     def __init__(self, **kwargs):
         self.controller: StepController | None = None
@@ -114,18 +142,23 @@ class StepperView(W.VBox):
         self.bp_spec = W.Text(placeholder="answer | kind=Gen | line=3",
                               description="Break on", layout=W.Layout(width="420px"))
         self.add_bp = W.Button(description="Add breakpoint", **auto)
-        self.graph = W.HTML("")
+        self.graph = StepperGraph()
         self.graph.add_class("sgl-stepper-graph")
         self.status_html = W.HTML("")
         self.buttons = [self.step_node, self.step_instruction, self.continue_button,
                         self.pause_button]
         for b, fn in zip(self.buttons, ("step", "step_instruction", "continue_", "pause")):
             b.on_click(lambda _b, fn=fn: self._command(fn))
+        self._drawn: tuple = ([], None, set())  # what the graph shows: rows, current, bps
+        self.source_html = W.HTML("")
+        self.source_html.add_class("sgl-node-source")
+        self.node_choice.observe(lambda _c: self._redraw(), names="value")
         self.toggle_bp.on_click(lambda _b: self._toggle_breakpoint())
         self.add_bp.on_click(lambda _b: self._add_breakpoint())
         super().__init__(children=[
             W.HBox(self.buttons), self.status_html, self.graph,
-            W.HBox([self.node_choice, self.toggle_bp]), W.HBox([self.bp_spec, self.add_bp]),
+            W.HBox([self.node_choice, self.toggle_bp]), self.source_html,
+            W.HBox([self.bp_spec, self.add_bp]),
         ], **kwargs)
         self.bind(None)
 
@@ -196,6 +229,7 @@ class StepperView(W.VBox):
         self.current_instruction = self._current_instruction(self._rows.get(current), held)
         bps = c.breakpoints if c is not None else set()
         self.breakpoints = sorted(describe(b) for b in bps)
+        self._drawn = (rows, current, set(bps))
         options = [(f"#{r.id} {r.label}", r.id) for r in rows]
         if [o[1] for o in self.node_choice.options] != [o[1] for o in options]:
             chosen = self.node_choice.value
@@ -204,7 +238,9 @@ class StepperView(W.VBox):
             # Keep the user's choice; else offer the current Node (what one breaks on next).
             self.node_choice.value = (chosen if chosen in ids else current if current in ids
                                       else ids[0] if ids else None)
-        self.graph.value = _STYLE + self._graph_html(rows, current, bps)
+        self.graph.show(self._graph_items(rows, current, bps))
+        if finished:
+            self.graph.freeze()  # the final list in the widget state (saved notebooks)
         state = ("finished" if finished else f"held at a {held}" if held
                  else "paused" if c is not None and c.paused else "running")
         for b in self.buttons:
@@ -230,26 +266,55 @@ class StepperView(W.VBox):
         running = [i for i in row.instructions if i.endswith("[running]")]
         return running[-1].split(" ")[0] if running else ""
 
-    def _graph_html(self, rows: list[Row], current: int | None, bps: set) -> str:
-        out = []
-        for r in rows:
-            cur = " sgl-current" if r.id == current else ""
-            mark = '<span class="sgl-bp">●</span>' if any(b.hits(r) for b in bps) else " "
-            line = f"line {r.line}" if r.line else ""
-            preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
-            out.append(
-                f'<div class="sgl-node{cur}" data-node="{r.id}">{mark} #{r.id:<4} '
-                f'{html.escape(f"{r.label:<40}")} {line:<8} '
-                f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>')
-            for i, ins in enumerate(r.instructions):
-                icur = " sgl-current" if cur and i == self._ins_index(r) else ""
-                extra = f" {r.tokens} tokens" if ins.startswith("Decode") and r.tokens else ""
-                out.append(f'<div class="sgl-ins{icur}">{html.escape(ins)}{extra}</div>')
-        return f'<div class="sgl-graph">{"".join(out)}</div>'
+    def _graph_items(self, rows: list[Row], current: int | None, bps: set) -> list[Item]:
+        """One row per Node: what the front end shows, sent only where it changed."""
+        selected = self.node_choice.value
+        return [Item(f"n{r.id}", self._row_html(r, current, bps, selected)) for r in rows]
+
+    def _row_html(self, r: Row, current: int | None, bps: set, selected) -> str:
+        cur = " sgl-current" if r.id == current else ""
+        sel = ' data-selected="1"' if r.id == selected else ""
+        mark = '<span class="sgl-bp">●</span>' if any(b.hits(r) for b in bps) else " "
+        line = f"line {r.line}" if r.line else ""
+        preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
+        out = [f'<div class="sgl-node{cur}" data-node="{r.id}"{sel}>{mark} #{r.id:<4} '
+               f'{html.escape(f"{r.label:<40}")} {line:<8} '
+               f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>']
+        for i, ins in enumerate(r.instructions):
+            icur = " sgl-current" if cur and i == self._ins_index(r) else ""
+            extra = f" {r.tokens} tokens" if ins.startswith("Decode") and r.tokens else ""
+            out.append(f'<div class="sgl-ins{icur}">{html.escape(ins)}{extra}</div>')
+        if r.timing:
+            out.append(f'<div class="sgl-timing">{html.escape(r.timing)}</div>')
+        return "".join(out)
+
+    def _redraw(self) -> None:
+        """The selection moved: re-send the rows it marks (two at most)."""
+        rows, current, bps = self._drawn
+        self.graph.show(self._graph_items(rows, current, bps))
+        row = self._rows.get(self.node_choice.value) if self.node_choice.value else None
+        source = source_line(row.file, row.line) if row is not None else ""
+        self.selected_source = f"{row.line}: {source}" if row is not None and row.line else ""
+        self.source_html.value = (
+            f'<div style="font-family:monospace;font-size:12px">#{row.id} {html.escape(row.label)}'
+            f' · cell line {row.line}: <code>{html.escape(source)}</code></div>'
+            if self.selected_source else "")
+
+    def select(self, node_id: int) -> bool:
+        """Select a Node in the list (a token click): True if it is listed."""
+        if node_id not in self._rows:
+            return False
+        self.node_choice.value = node_id
+        return True
+
+    @property
+    def rows(self) -> list[Row]:
+        return list(self._rows.values())
 
     def _ins_index(self, r: Row) -> int:
         running = [i for i, s in enumerate(r.instructions) if s.endswith("[running]")]
         return running[-1] if running else 0
 
     def widgets(self) -> list:
-        return [self, self.graph, self.status_html, self.node_choice, *self.buttons]
+        return [self, self.graph, self.status_html, self.node_choice, self.source_html,
+                *self.buttons]

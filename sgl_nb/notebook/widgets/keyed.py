@@ -1,0 +1,195 @@
+"""A view that sends what changed: a keyed tree of rows (the stepper's Nodes, the cache
+tree's nodes, the variables, the call stack's frames).
+
+The Python side keeps what the front end has (`Item` by key). `show(items)` compares and
+sends one custom message with only the rows that changed, the keys removed, and the new
+order of the parents whose children changed; an unchanged render sends nothing. A view
+opening later (a second output, a page reload) asks for everything once ("hello"). When
+the owner is done, `freeze()` puts the whole tree in the `snapshot` trait, so a notebook
+saved with its widget state shows it without a kernel.
+"""
+
+from __future__ import annotations
+
+import html as _html
+from dataclasses import dataclass
+
+import anywidget
+from traitlets import Int, List, Unicode
+
+_ESM = r"""
+function render({ model, el }) {
+  const root = document.createElement("div");
+  root.className = model.get("root_class");
+  el.appendChild(root);
+  let nodes = new Map();  // key -> {wrap, row, kids, fold}
+  function make(item) {
+    const wrap = document.createElement(item.fold ? "details" : "div");
+    const row = document.createElement(item.fold ? "summary" : "div");
+    const kids = document.createElement("div");
+    kids.className = "sgl-kids";
+    wrap.appendChild(row);
+    wrap.appendChild(kids);
+    if (item.fold) wrap.open = !!item.open;
+    return { wrap, row, kids, fold: !!item.fold };
+  }
+  function set(item) {
+    let n = nodes.get(item.key);
+    if (!n) {
+      n = make(item);
+      nodes.set(item.key, n);
+    } else if (n.fold !== !!item.fold) {  // a leaf that got children, or the reverse
+      const m = make(item);
+      m.kids.replaceWith(n.kids);
+      m.kids = n.kids;
+      n.wrap.replaceWith(m.wrap);
+      n = m;
+      nodes.set(item.key, n);
+    }
+    n.row.innerHTML = item.html;
+    n.wrap.className = "sgl-item " + (item.cls || "");
+    n.wrap.dataset.key = item.key;
+  }
+  function place(parent, keys) {
+    const box = parent === "" ? root : (nodes.get(parent) || {}).kids;
+    if (!box) return;
+    for (const k of keys) {
+      const n = nodes.get(k);
+      if (n) box.appendChild(n.wrap);  // moves an existing row, sends nothing again
+    }
+  }
+  function apply(msg) {
+    if (msg.reset) {
+      root.replaceChildren();
+      nodes = new Map();
+    }
+    for (const item of msg.set || []) set(item);
+    for (const k of msg.del || []) {
+      const n = nodes.get(k);
+      if (n) n.wrap.remove();
+      nodes.delete(k);
+    }
+    for (const [parent, keys] of Object.entries(msg.order || {})) place(parent, keys);
+  }
+  function fromSnapshot() {
+    const items = model.get("snapshot") || [];
+    if (!items.length) return;
+    const order = {};
+    for (const it of items) (order[it.parent || ""] ||= []).push(it.key);
+    apply({ reset: true, set: items, order });
+  }
+  fromSnapshot();
+  model.on("change:snapshot", fromSnapshot);
+  model.on("msg:custom", apply);
+  try {
+    model.send({ hello: true });  // the kernel, if any, answers with everything it has
+  } catch (e) {
+    // no kernel (a saved notebook): the snapshot is all there is
+  }
+}
+export default { render };
+"""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One row: `key` unique in the view, `parent` the key of the row it nests under ("" at
+    the top), `html` its own markup, `fold` a collapsible row (<details>), `open` whether it
+    opens when first drawn, `cls` extra classes on its wrapper."""
+
+    key: str
+    html: str
+    parent: str = ""
+    fold: bool = False
+    open: bool = False
+    cls: str = ""
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "html": self.html, "parent": self.parent,
+                "fold": self.fold, "open": self.open, "cls": self.cls}
+
+
+class KeyedView(anywidget.AnyWidget):
+    _esm = _ESM
+    root_class = Unicode("").tag(sync=True)
+    snapshot = List().tag(sync=True)  # the whole tree, set by freeze() (saved notebooks)
+    patches = Int(0)  # messages sent so far (not synced: for tests and the curious)
+    rows_sent = Int(0)  # rows sent so far, over all messages
+
+    def __init__(self, root_class: str = "", **kwargs):
+        super().__init__(root_class=root_class, **kwargs)
+        self._items: dict[str, Item] = {}  # what the front end has, in order
+        self.on_msg(self._on_front_end)
+        self.last_patch: dict = {}
+        self.sent: list[dict] = []  # the patches sent, newest last (the last 1,000 at most)
+
+    @property
+    def items(self) -> list[Item]:
+        return list(self._items.values())
+
+    def show(self, items: list[Item]) -> dict:
+        """Make the front end show exactly `items` (in order); sends only the difference.
+        Returns the patch sent ({} when nothing changed)."""
+        new = {it.key: it for it in items}
+        changed = [it for it in items if self._items.get(it.key) != it]
+        gone = [k for k in self._items if k not in new]
+        order: dict[str, list[str]] = {}
+        old_kids, new_kids = _children(self._items.values()), _children(items)
+        for parent, keys in new_kids.items():
+            if old_kids.get(parent) != keys:
+                order[parent] = keys
+        self._items = new
+        patch = {}
+        if changed:
+            patch["set"] = [it.as_dict() for it in changed]
+        if gone:
+            patch["del"] = gone
+        if order:
+            patch["order"] = order
+        if patch:
+            self.send(patch)
+            self.sent.append(patch)
+            if len(self.sent) > 1000:
+                del self.sent[:500]
+            self.patches += 1
+            self.rows_sent += len(changed)
+        self.last_patch = patch
+        return patch
+
+    def freeze(self) -> None:
+        """Put the whole tree in the synced state (the final view, kept when saved)."""
+        self.snapshot = [it.as_dict() for it in self._items.values()]
+
+    def _on_front_end(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("hello"):
+            items = self.items
+            self.send({"reset": True, "set": [it.as_dict() for it in items],
+                       "order": _children(items)})
+
+    def html(self) -> str:
+        """The markup the front end builds from the rows (static output, tests)."""
+        kids = _children(self._items.values())
+
+        def build(key: str) -> str:
+            it = self._items[key]
+            inner = "".join(build(k) for k in kids.get(key, []))
+            cls = _html.escape(f"sgl-item {it.cls}".strip())
+            if it.fold:
+                opened = " open" if it.open else ""
+                return (f'<details class="{cls}"{opened} data-key="{_html.escape(key)}">'
+                        f'<summary>{it.html}</summary><div class="sgl-kids">{inner}</div>'
+                        "</details>")
+            return (f'<div class="{cls}" data-key="{_html.escape(key)}"><div>{it.html}</div>'
+                    f'<div class="sgl-kids">{inner}</div></div>')
+
+        body = "".join(build(k) for k in kids.get("", []))
+        css = getattr(self, "_css", "")
+        style = f"<style>{css}</style>" if css else ""
+        return f'{style}<div class="{_html.escape(self.root_class)}">{body}</div>'
+
+
+def _children(items) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for it in items:
+        out.setdefault(it.parent, []).append(it.key)
+    return out
