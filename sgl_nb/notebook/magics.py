@@ -137,7 +137,9 @@ class SglMagics(Magics):
             self._cancel_previous(args.name)
         state, widget = self._run(fn, args)
         self.shell.user_ns[args.name or "_sgl"] = state
-        if widget is not None:
+        if hasattr(widget, "show"):  # a ProgramWidget: its static text/html kept up to date
+            widget.show()
+        elif widget is not None:
             display(widget)
         return None
 

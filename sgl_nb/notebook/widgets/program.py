@@ -4,6 +4,12 @@ from one subscription to the runtime's events, folded into one Timeline.
 Create it (it subscribes) before the program starts, `attach(state)` once the program runs;
 its pump thread then renders at most ~30 times a second and stops after the program ends,
 leaving the final state in the traits. `sync()` folds and renders now (headless use, tests).
+
+Beside the stream: the Variables panel (variables.py) and the Call stack panel
+(call_stack.py); the stepper lists each Node with its timing (timing.py). A click on a
+token (the stream view's `clicked_node`) selects the Node that produced it and shows its
+line. `show()` displays it with a static `text/html` copy for viewers that run no widgets
+(static_view.py), brought up to date when the program ends.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ import ipywidgets as W
 from traitlets import Int, Unicode
 
 from sgl_nb.notebook.widgets.cache_tree import CacheTreeView
-from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows
+from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
+from sgl_nb.notebook.widgets.static_view import static_html
+from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
 from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
 from sgl_nb.notebook.widgets.throttle import EventPump, held
+from sgl_nb.notebook.widgets.timing import Timings
+from sgl_nb.notebook.widgets.variables import VariablesPanel
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
@@ -31,6 +41,10 @@ class ProgramWidget(W.VBox):
     def __init__(self, backend, title: str = "program", rate: float = 30.0, **kwargs):
         self.backend = backend
         self.timeline = Timeline()
+        self.timings = Timings()
+        self._handle = None  # the display handle show() made (its text/html is updated)
+        self._final_shown = False  # the final state was re-sent from the kernel's thread
+        self._final_updated = False  # the display was updated once the program ended
         self.forks: dict[int, list[int]] = {}
         self.state = None
         self.pump: EventPump | None = None
@@ -41,6 +55,7 @@ class ProgramWidget(W.VBox):
         self._live: dict = {}  # node id -> the live Node, refreshed on each render
         self._family: set[int] = set()  # this program and its fork branches
         self._queue = backend.events.subscribe()
+        self.title_text = title
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
         # Stop cancels the program (state.cancel()): a click only asks, and returns.
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
@@ -51,11 +66,19 @@ class ProgramWidget(W.VBox):
         self.stepper = StepperView()
         self.stepper.on_command = self._poke
         self.cache = CacheTreeView()
+        self.variables = VariablesPanel()
+        self.call_stack = CallStackPanel()
         self.tabs = W.Tab(children=[self.stepper, self.cache])
         self.tabs.titles = ("Stepper", "Cache tree")
         header = W.HBox([self.title, self.stop_button],
                         layout=W.Layout(justify_content="space-between", align_items="center"))
-        super().__init__(children=[header, self.stream, self.tabs], **kwargs)
+        panels = W.HBox([
+            W.VBox([W.HTML("<b>Variables</b>"), self.variables], layout=W.Layout(flex="2")),
+            W.VBox([W.HTML("<b>Call stack</b>"), self.call_stack], layout=W.Layout(flex="1")),
+        ])
+        super().__init__(children=[header, self.stream, panels, self.tabs], **kwargs)
+        if self.stream.has_trait("clicked_node"):  # a click on a token names its Node
+            self.stream.observe(self._token_clicked, names="clicked_node")
 
     # ---- wiring ------------------------------------------------------------------------
 
@@ -85,6 +108,7 @@ class ProgramWidget(W.VBox):
                     changed |= e.kind.startswith("cache_")
                     continue
                 self.timeline.apply(e)
+                self.timings.apply(e)
                 changed = True
                 if e.kind == "fork" and e.data.get("children"):
                     self.forks[e.node] = list(e.data["children"])
@@ -130,10 +154,10 @@ class ProgramWidget(W.VBox):
             self._live = {n.id: n for n in list(self.state.nodes)}
             model = StreamModel(tl, pid, self._node_text, self._prefix_chars, self.forks)
             finished = self._finished()
-            rows = graph_rows(tl, _family(tl, pid), list(self.state.nodes))
+            rows = graph_rows(tl, _family(tl, pid), list(self.state.nodes), self.timings)
             text = model.text()
             widgets = [self, *self.stream.widgets(), *self.stepper.widgets(),
-                       *self.cache.widgets()]
+                       *self.cache.widgets(), self.variables, self.call_stack]
             with held(widgets):
                 p = tl.programs[pid]
                 debug = self.state.debug
@@ -148,7 +172,91 @@ class ProgramWidget(W.VBox):
                 self.stop_button.disabled = finished
                 self.cache.update(self.backend.cache, self._tokenizer(),
                                   self._path_tokens(model, text))
+                self.variables.update(self.state)
+                self._update_call_stack(finished)
+                if finished:
+                    for view in (self.variables, self.call_stack, self.cache.tree):
+                        view.freeze()  # the final rows in the widget state
+        if finished and not self._final_updated:
+            self._final_updated = True
+            self._show_final()
 
+    def _update_call_stack(self, finished: bool) -> None:
+        """The frames of the Node the program is at (the stepper's current Node)."""
+        nid = None if finished else self.stepper.current_node
+        node = self._live.get(nid) if nid is not None else None
+        if node is None:
+            view = self.timeline.nodes.get(nid) if nid is not None else None
+            stack, line, file = ((view.stack, view.line, view.file) if view is not None
+                                 else ((), None, None))
+        else:
+            stack, line, file = node.stack, node.line, node.file
+        frames = frames_of(stack, list(self.state.call_stack), line, source_line(file, line))
+        self.call_stack.update(frames, nid, "program finished" if finished else "")
+
+    # ---- token clicks, display, the static copy -----------------------------------------
+
+    def _token_clicked(self, change) -> None:
+        nid = change.get("new")
+        if nid is not None:
+            self.select_node(nid)
+
+    def select_node(self, node_id: int) -> bool:
+        """Select the Node in the stepper and show its line (what a token click does);
+        False if the program has no such Node."""
+        with self._lock:
+            ok = self.stepper.select(node_id)
+        if ok:
+            self.tabs.selected_index = 0
+        return ok
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = super()._repr_mimebundle_(**kwargs)
+        if isinstance(data, tuple):  # (data, metadata)
+            data = data[0]
+        data = dict(data or {})
+        data["text/html"] = self.static_html()
+        return data
+
+    def static_html(self) -> str:
+        """The program as a viewer that runs no widgets shows it: its text coloured by
+        origin, its Node list with statuses and timing, its variables."""
+        with self._lock:
+            return static_html(self)
+
+    def show(self):
+        """Display the widget (with its static text/html copy) and keep the handle: when
+        the program ends the copy is updated, so a saved notebook shows the final state."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        self._handle = display(self, display_id=True)
+        ip = get_ipython()
+        if ip is not None:
+            ip.events.register("post_execute", self._after_cell)
+        return self._handle
+
+    def _show_final(self) -> None:
+        if self._handle is not None:
+            self._handle.update(self)
+
+    def _after_cell(self) -> None:
+        """After each cell, on the kernel's own thread, once the program has ended: send the
+        final state and the final static copy again. Messages sent from the pump thread
+        belong to the cell that started the program; a notebook runner (nbclient) records
+        only those of the cell it is running, so the final state is sent here too."""
+        if self._final_shown or not self._finished() or (
+                self.pump is not None and not self.pump.join(0)):
+            return
+        self._final_shown = True
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None:
+            ip.events.unregister("post_execute", self._after_cell)
+        for w in _tree(self):
+            w.send_state()
+        self._show_final()
     def _error_text(self, error: str) -> str:
         line = getattr(self.state, "error_line", None)
         fn = getattr(self.state, "fn", None)
@@ -200,6 +308,17 @@ class ProgramWidget(W.VBox):
             # text holds the prefix only. Unneeded once node_finished carries the text.
             text = self.backend.chat_roles.default_system + text
         return text
+
+
+def _tree(widget) -> list:
+    """The widget and every widget under it."""
+    out, todo = [], [widget]
+    while todo:
+        w = todo.pop()
+        if isinstance(w, W.Widget) and w not in out:
+            out.append(w)
+            todo.extend(getattr(w, "children", ()) or ())
+    return out
 
 
 class LiveCacheTree(CacheTreeView):
