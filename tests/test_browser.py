@@ -1,5 +1,7 @@
 """A real browser on a real JupyterLab: a `%%sgl` cell runs, its stream widget shows the
-generated text, and a click on Step node advances the stepper.
+generated text, and a click on Step node advances the stepper; a nested call held at a
+breakpoint shows its Variables and Call stack panels, and a click on a token selects the
+Node that produced it.
 
 JupyterLab runs from this venv on 127.0.0.1 with a token; Debian's Chromium is driven by the
 playwright package (its own browser download is never used). Screenshots and the server log
@@ -34,6 +36,12 @@ CELLS = [
     's += gen("answer", ignore_eos=True)',
     'colours.wait()\nprint("GENERATED<<" + colours["answer"] + ">>")',
     '%%sgl stepped --step\ns += "One, two,"\ns += gen("n", max_tokens=3)',
+    'import sgl_nb as sgl\n\n@sgl.function\ndef inner(s, topic):\n'
+    '    s += f" One word about {topic}:"\n'
+    '    s += sgl.gen("word", max_tokens=3, ignore_eos=True)\n'
+    '    s["n"] = len(s["word"])',
+    '%%sgl nested --step\ns += "Pick an animal: "\n'
+    's += select("pick", choices=["cat", "dog"])\ninner(s, topic="pets")',
 ]
 
 
@@ -178,3 +186,29 @@ def _run(page, url: str, expect) -> None:
     expect(stepper.locator(f'.sgl-node[data-node="{first}"]')).to_contain_text("[done]")
     page.screenshot(path=str(ARTIFACTS / "4-stepped.png"), full_page=True)
 
+    # A nested call: break at inner's gen, then read the Variables and Call stack panels.
+    nested = cells.nth(5)
+    nested.get_by_placeholder("answer | kind=Gen | line=3").fill("word")
+    nested.get_by_role("button", name="Add breakpoint").click()
+    nested.get_by_role("button", name="Continue").click()
+    frames = nested.locator(".sgl-stack .sgl-frame")
+    expect(frames).to_have_count(2, timeout=TIMEOUT_MS)
+    expect(frames.nth(0)).to_contain_text("nested()")
+    expect(frames.nth(1)).to_contain_text("inner(topic='pets')")
+    expect(nested.locator(".sgl-stack .sgl-frame.sgl-current")).to_contain_text("inner(")
+    expect(nested.locator(".sgl-stack")).to_contain_text('sgl.gen("word"')
+    pick = nested.locator('.sgl-vars [data-var="pick"]')
+    expect(pick).to_contain_text("Select")
+    expect(nested.locator(".sgl-vars")).to_contain_text("scores='cat': ")
+    expect(nested.locator(".sgl-node.sgl-current")).to_contain_text("Gen word")
+    page.screenshot(path=str(ARTIFACTS / "5-nested-held.png"), full_page=True)
+
+    nested.get_by_role("button", name="Continue").click()
+    expect(nested.locator('.sgl-vars [data-var="word"]')).to_be_visible(timeout=TIMEOUT_MS)
+    expect(nested.locator(".sgl-vars")).to_contain_text("finish_reason=length")
+    expect(nested.locator(".sgl-stack")).to_contain_text("program finished")
+    # A click on one of gen word's tokens selects its Node and shows its line.
+    nested.locator('.sgl-stream [data-var="word"][title]').first.click()
+    expect(nested.locator(".sgl-node[data-selected]")).to_contain_text("Gen word")
+    expect(nested.locator(".sgl-node-source")).to_contain_text('sgl.gen("word"')
+    page.screenshot(path=str(ARTIFACTS / "6-token-clicked.png"), full_page=True)
