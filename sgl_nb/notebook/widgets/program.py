@@ -230,10 +230,12 @@ class ProgramWidget(W.VBox):
         from IPython import get_ipython
         from IPython.display import display
 
-        self._handle = display(self, display_id=True)
         ip = get_ipython()
-        if ip is not None:
-            ip.events.register("post_execute", self._after_cell)
+        if ip is None or getattr(ip, "kernel", None) is None:
+            display(self)  # a terminal prints it once: no saved output to keep up to date
+            return None
+        self._handle = display(self, display_id=True)
+        ip.events.register("post_execute", self._after_cell)
         return self._handle
 
     def _show_final(self) -> None:
