@@ -293,6 +293,12 @@ class Timeline:
         """The seq of every instruction_started event: the stops of stepping by Instruction."""
         return [e.seq for e in self.events if e.kind == "instruction_started"]
 
+    def fork_children(self) -> dict[int, list[int]]:
+        """Fork Node id -> the program ids of its branches, in branch order (branch 0
+        first), as the fork events named them. A program may fork more than once, so its
+        `children` alone do not say which Fork made which branch."""
+        return fork_children(self.events)
+
     def program_text(self, program_id: int) -> str:
         """The program's own output as far as the events tell: each text Node's text (when
         the runtime reported it), a Gen's tokens, a Select's choice."""
@@ -310,3 +316,10 @@ class Timeline:
             elif n.tokens:
                 parts.append("".join(t.text for t in n.tokens))
         return "".join(parts)
+
+
+def fork_children(events: Iterable[Event]) -> dict[int, list[int]]:
+    """Fork Node id -> the program ids of its branches in branch order, from the fork
+    events (the same for a live run and a replay; a Timeline's `events` will do)."""
+    return {e.node: list(e.data["children"]) for e in events
+            if e.kind == "fork" and e.node is not None and e.data.get("children")}

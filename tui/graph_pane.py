@@ -1,5 +1,7 @@
 """The Node graph (one row per Node, fork branches indented, preds shown where they are
-not simply the row above) and the Instructions of the selected Node."""
+not simply the row above) and the Instructions of the selected Node. A Fork's branches
+follow it one after the other, branch 0 first, each row tagged `b<i>`
+(`rows.ordered_rows`)."""
 
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def _prompt(r: NodeRow, prev: NodeRow | None, position: Position, bps: set[Break
     if preds and (prev is None or preds != [prev.number]):
         preds_text = " ← " + ",".join(f"#{n}" for n in preds)
     where = f" L{r.line}" if r.line else ""
+    where += f" b{r.branch}" if r.branch is not None else ""  # which branch of its Fork
     room = max(8, width - 1 - (8 + 2 * r.depth + len(where) + len(preds_text)))
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("●" if any(bp.hits(r) for bp in bps) else " ", style="bold red")

@@ -17,7 +17,7 @@ from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.program_file import ProgramFile
-from sgl_nb.tui.rows import NodeRow, Position, number_rows, started_rows
+from sgl_nb.tui.rows import NodeRow, Position, number_rows, ordered_rows, started_rows
 from sgl_nb.tui.session import error_line_in
 
 BATCH_S = 1 / 30  # events that arrive within this long reach the app as one message
@@ -104,10 +104,14 @@ class LiveSession:
     def rows(self) -> list[NodeRow]:
         rows = started_rows(self.timeline)
         seen = {r.id for r in rows}
-        # Nodes the program has recorded but not run yet: its Python runs ahead of them.
-        rows += [_pending(n) for n in list(self.state.nodes)
-                 if n.status == "pending" and n.id not in seen and n.kind not in PROGRAM_NODES]
-        return number_rows(rows)
+        # Nodes the program has recorded but not run yet: its Python runs ahead of them. A
+        # fork branch's are in the branch's state until the Join: of those, the one held.
+        held = self.debug.current
+        for n in [*list(self.state.nodes), *([held] if held is not None else [])]:
+            if n.status == "pending" and n.id not in seen and n.kind not in PROGRAM_NODES:
+                rows.append(_pending(n))
+                seen.add(n.id)
+        return number_rows(ordered_rows(rows, self.timeline.fork_children()))
 
     def source_file(self) -> str | None:
         return self._file

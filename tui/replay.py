@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.tracing.timeline import Timeline
-from sgl_nb.tui.rows import NodeRow, Position, number_rows, pending_row, started_rows
+from sgl_nb.tui.rows import (
+    NodeRow,
+    Position,
+    number_rows,
+    ordered_rows,
+    pending_row,
+    started_rows,
+)
 from sgl_nb.tui.session import error_line_in
 
 _STOP_KINDS = {"node_started": "node", "instruction_started": "instruction", "token": "decode"}
@@ -35,6 +42,7 @@ class ReplaySession:
         self._root = roots[0].id if roots else None
         function = roots[0].function if roots and roots[0].function else "program"
         self.title = f"{function} · {name}"
+        self._forks = timeline.fork_children()
         self._stops = self._find_stops()
         self._i = 0
         self.timeline = self._view()
@@ -75,10 +83,12 @@ class ReplaySession:
         return Position("error" if p is not None and p.status == "error" else "done", last)
 
     def rows(self) -> list[NodeRow]:
-        rows = started_rows(self.timeline)
-        rows += [pending_row(n, self.full) for nid, n in self.full.nodes.items()
-                 if nid not in self.timeline.nodes]
-        return number_rows(rows)
+        # Every Node of the trace, ordered by the whole run's forks: a row keeps its place
+        # and number at every stop, whichever branch ran first.
+        started = {r.id: r for r in started_rows(self.timeline)}
+        rows = [started.get(nid) or pending_row(n, self.full)
+                for nid, n in self.full.nodes.items()]
+        return number_rows(ordered_rows(rows, self._forks))
 
     def source_file(self) -> str | None:
         node = self.full.nodes.get(self._stops[self._i].node)

@@ -38,6 +38,7 @@ class NodeRow:
     file: str | None
     status: str  # pending | running | done | error | skipped | cancelled
     depth: int = 0  # fork branches are indented under their parent
+    branch: int | None = None  # its place among its Fork's branches (0 first), if in one
     preds: list[int] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -50,8 +51,38 @@ class NodeRow:
 
 
 def started_rows(tl: Timeline) -> list[NodeRow]:
-    """One row per Node the timeline saw start, in start order."""
-    return [_row(n, tl) for n in tl.nodes.values()]
+    """One row per Node the timeline saw start, in program order (`ordered_rows`)."""
+    return ordered_rows([_row(n, tl) for n in tl.nodes.values()], tl.fork_children())
+
+
+def ordered_rows(rows: list[NodeRow], forks: dict[int, list[int]]) -> list[NodeRow]:
+    """The rows in program order: each program's rows in the order given, and right after
+    a Fork's row its branches' rows, branch 0's wholly before branch 1's (not interleaved
+    as they started: the branches run side by side), nested one level deeper. `forks` maps
+    a Fork Node id to its branches' program ids (`Timeline.fork_children`). Rows of a
+    program no Fork here names keep their place at the top level."""
+    by_program: dict[int | None, list[NodeRow]] = {}
+    for r in rows:
+        by_program.setdefault(r.program, []).append(r)
+    branches = {cid for children in forks.values() for cid in children}
+    out: list[NodeRow] = []
+    walked: set[int | None] = set()
+
+    def walk(pid: int | None, depth: int, branch: int | None) -> None:
+        walked.add(pid)
+        for r in by_program.get(pid, ()):
+            r.depth, r.branch = depth, branch
+            out.append(r)
+            for i, cid in enumerate(forks.get(r.id, ()) if r.kind == "Fork" else ()):
+                if cid not in walked:
+                    walk(cid, depth + 1, i)
+
+    for pid in by_program:
+        if pid not in walked and pid not in branches:
+            walk(pid, 0, None)
+    # A branch whose Fork has no row (not expected): after the rest, as it was.
+    out += [r for pid, rs in by_program.items() if pid not in walked for r in rs]
+    return out
 
 
 def pending_row(n: NodeView, tl: Timeline) -> NodeRow:
