@@ -50,8 +50,16 @@ def set_level(shell, level: str) -> None:
 
 
 def shown(cap) -> list:
-    """The widgets a captured cell displayed (the objects, found by their model id)."""
-    return [_instances[o.data[VIEW]["model_id"]] for o in cap.outputs if VIEW in o.data]
+    """The widgets a captured cell displayed (the objects, found by their model id); not
+    the updates of earlier cells' static copies."""
+    return [_instances[o.data[VIEW]["model_id"]] for o in cap.outputs
+            if VIEW in o.data and not o.update]
+
+
+def updates(outputs, view) -> list[str]:
+    """The static text/html copies of `view` sent as display updates."""
+    return [o.data["text/html"] for o in outputs if o.update and VIEW in o.data
+            and o.data[VIEW]["model_id"] == view.model_id]
 
 
 def cell(shell, line: str, body: str = GEN5):
@@ -107,9 +115,26 @@ def test_compact_shows_one_line_per_program(shell):
     assert line == "● " + view.text
     assert view._repr_mimebundle_()["text/plain"] == view.text  # the line, as text
     assert view.pump.throttle.renders <= 30 * elapsed + 2  # at most ~30 renders a second
+    # A static copy of the line for viewers without widgets, in every display of it.
+    first = next(o for o in cap.outputs if VIEW in o.data and not o.update)
+    assert first.data["text/html"].startswith('<div class="sgl-compact"')
+    assert view._repr_mimebundle_()["text/html"] == view.value
     # Only the line is synced: one short value a render, nothing else.
     assert set(view.keys) & {"status", "generated_tokens", "text", "tok_per_s"} == set()
-    del cap
+
+
+def test_compact_show_updates_its_static_copy(shell, default_backend):
+    view = CompactView(default_backend, title="shown")
+    with capture_output() as cap:
+        view.show()
+        st = view.attach(shell.user_ns["tiny"].run(i=1, stream=True)).state
+        assert st.wait(60) and view.wait(60)
+    first = next(o for o in cap.outputs if VIEW in o.data and not o.update)
+    assert "starting" in plain(first.data["text/html"])  # the copy when it was displayed
+    with capture_output() as after:
+        shell.run_cell("pass")  # after a cell, on the kernel's thread: the final copy
+    final = updates(cap.outputs + after.outputs, view)
+    assert final and plain(final[-1]).startswith("● done · shown · 2 tokens · ")
 
 
 def test_compact_shows_an_error(shell):
@@ -160,8 +185,9 @@ def test_a_bad_level_is_an_error_naming_the_levels(shell, caplog):
     set_level(shell, "full")
 
 
-def _batch(shell, items: str, options: str = ""):
-    """Run `states = tiny.run_batch(...)` as a cell, sampling the summary's progress."""
+def _batch(shell, items: str, options: str = "", during=None):
+    """Run `states = tiny.run_batch(...)` as a cell, sampling the summary's progress;
+    `during(view)` is called once, from another thread, when its items are queued."""
     fn = shell.user_ns["tiny"]
     fn.last_batch_view = None
     samples, running = [], threading.Event()
@@ -172,6 +198,9 @@ def _batch(shell, items: str, options: str = ""):
             view = getattr(fn, "last_batch_view", None)
             if view is not None:
                 samples.append(view.progress.value)
+                if during is not None and view.pump is not None:
+                    during(view)
+                    return
             time.sleep(0.005)
 
     thread = threading.Thread(target=sampler, daemon=True)
@@ -187,6 +216,7 @@ def _batch(shell, items: str, options: str = ""):
         thread.join()
     assert result.success, result.error_in_exec
     created = [w for w in _instances.values() if id(w) not in before]
+    _batch.outputs = cap.outputs
     return fn.last_batch_view, shown(cap), samples, created, time.monotonic() - start
 
 
@@ -220,6 +250,15 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     view.items.value = 42  # what picking it in the dropdown does
     assert html.escape(states[42].text()) in view.item_text.value
     assert len(view.items.options) == 101 and view.items.options[43] == ("#42 i=42", 42)
+    # A static copy of the final line for viewers without widgets: the batch cell's own
+    # display carried one, and once the batch ended it was updated (by the next cell at
+    # the latest).
+    first = next(o for o in _batch.outputs if VIEW in o.data and not o.update)
+    assert first.data["text/html"].startswith('<div class="sgl-batch">')
+    with capture_output() as after:
+        shell.run_cell("pass")
+    final = updates(_batch.outputs + after.outputs, view)
+    assert final and "100/100 · 100 done" in plain(final[-1])
     # The full widget of an item, built when asked: its events replayed into it.
     assert view.full == {} and view.item.children[-1] is view.full_button
     view.full_button.click()
@@ -237,6 +276,22 @@ def test_run_batch_counts_failed_items(shell):
     assert view.progress.bar_style == "danger"
     view.open_item(1)
     assert "ZeroDivisionError" in plain(view.item_line.value)
+
+
+def test_run_batch_counts_cancelled_items(shell):
+    def cancel_the_last_five(view):
+        for fut in view.futures[-5:]:
+            fut.cancel()
+
+    view, widgets, _, _, _ = _batch(shell, "range(20)", ", num_threads=2",
+                                    during=cancel_the_last_five)
+    states = shell.user_ns["states"]
+    assert widgets == [view] and view.wait(60)
+    assert [s.cancelled for s in states] == [False] * 15 + [True] * 5
+    assert view.counts() == {"total": 20, "done": 15, "running": 0, "failed": 0,
+                             "cancelled": 5}
+    assert view.progress.value == 20 and view.progress.bar_style == "warning"
+    assert "15 done · 0 running · 0 failed · 5 cancelled" in view.text
 
 
 def test_run_batch_at_level_none_shows_nothing(shell):

@@ -290,7 +290,7 @@ class SglMagics(Magics):
         from sgl_nb.notebook.widgets.batch import BatchSummary
 
         view = BatchSummary(backend, name, batch_kwargs)  # subscribes now
-        display(view)
+        view.show()  # with a static copy of its line, updated once the batch has ended
         return view
 
 

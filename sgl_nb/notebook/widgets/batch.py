@@ -19,7 +19,14 @@ import time
 
 import ipywidgets as W
 
-from sgl_nb.notebook.widgets.compact import ENDED, Tally, cache_text, gen_seconds, line_html
+from sgl_nb.notebook.widgets.compact import (
+    ENDED,
+    StaticCopy,
+    Tally,
+    cache_text,
+    gen_seconds,
+    line_html,
+)
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
 from sgl_nb.notebook.widgets.throttle import EventPump, held
 from sgl_nb.runtime.events import Event, EventBus
@@ -48,7 +55,7 @@ class _Replay:
         return getattr(self._backend, name)
 
 
-class BatchSummary(W.VBox):
+class BatchSummary(StaticCopy, W.VBox):
     """Create it (it subscribes) before the items start, `attach(futures)` once they are
     queued. `counts()` and `text` say where the batch is; `open_item(i)` shows item i."""
 
@@ -103,11 +110,12 @@ class BatchSummary(W.VBox):
                 self.progress.max = max(self.n, 1)
             self._root = {f.state.id: i for i, f in enumerate(self.futures)}
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
-                              rate=self.rate, on_stop=self._unsubscribe).start()
+                              rate=self.rate, on_stop=self._stopped).start()
         return self
 
-    def _unsubscribe(self) -> None:
+    def _stopped(self) -> None:
         self.backend.events.unsubscribe(self._queue)
+        self._show_final()
 
     def _fold(self, events: list[Event]) -> bool:
         changed = False
@@ -192,6 +200,17 @@ class BatchSummary(W.VBox):
                 if self._opened is not None:
                     self._render_item(self._opened)
             self.renders += 1
+
+    def static_html(self) -> str:
+        """The summary as a viewer that runs no widgets shows it: its line of counts."""
+        return f'<div class="sgl-batch">{self.line.value}</div>'
+
+    def _resend(self) -> None:
+        for w in (self, self.progress, self.line):
+            w.send_state()
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self._mimebundle(super()._repr_mimebundle_(**kwargs))
 
     # ---- one item, on demand ---------------------------------------------------------------
 

@@ -4,7 +4,9 @@ a progress bar, for `%config SglMagics.widget = "compact"` or `%%sgl --widget co
 It follows the event stream as the ProgramWidget does (a subscribed queue, an EventPump,
 one Timeline) but renders a single short HTML line, at most `rate` times a second: one
 small message per render. Its `value` is that line, so a saved notebook's widget state
-shows the final one, and `text` is the same line in plain text.
+shows the final one, and `text` is the same line in plain text. Shown with `show()`, it
+also leaves a static text/html copy of the line, updated once the program has ended, for
+viewers that run no widgets.
 """
 
 from __future__ import annotations
@@ -74,7 +76,56 @@ def line_html(parts: list[str], error: str = "") -> str:
             f'overflow:hidden;text-overflow:ellipsis">{" · ".join(cells)}{err}</div>')
 
 
-class CompactView(W.HTML):
+class StaticCopy:
+    """`show()`: display the widget with a static text/html copy (`static_html()`) and keep
+    the handle; once the view has ended (`_finished()`, its pump joined) the copy is updated,
+    from the pump's last step and again after the next cell on the kernel's thread (a
+    notebook runner records only the messages of the cell it runs)."""
+
+    _handle = None
+    _final_shown = False
+
+    def show(self):
+        from IPython import get_ipython
+        from IPython.display import display
+
+        self._handle = display(self, display_id=True)
+        ip = get_ipython()
+        if ip is not None:
+            ip.events.register("post_execute", self._after_cell)
+        return self._handle
+
+    def _mimebundle(self, data) -> dict:
+        if isinstance(data, tuple):  # (data, metadata)
+            data = data[0]
+        data = dict(data or {})
+        data["text/plain"] = self.text
+        data["text/html"] = self.static_html()
+        return data
+
+    def _show_final(self) -> None:
+        if self._handle is not None:
+            self._handle.update(self)
+
+    def _after_cell(self) -> None:
+        pump = self.pump
+        if self._final_shown or not self._finished() or (pump is not None
+                                                          and not pump.join(0)):
+            return
+        self._final_shown = True
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None:
+            ip.events.unregister("post_execute", self._after_cell)
+        self._resend()
+        self._show_final()
+
+    def _resend(self) -> None:
+        self.send_state()
+
+
+class CompactView(StaticCopy, W.HTML):
     """One program's line. Create it (it subscribes) before the program starts,
     `attach(state)` once it runs; `sync()` renders now, `wait()` for the final render."""
 
@@ -106,11 +157,12 @@ class CompactView(W.HTML):
         self.program_id = state.id
         self._family = {state.id}
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
-                              rate=self.rate, on_stop=self._unsubscribe).start()
+                              rate=self.rate, on_stop=self._stopped).start()
         return self
 
-    def _unsubscribe(self) -> None:
+    def _stopped(self) -> None:
         self.backend.events.unsubscribe(self._queue)
+        self._show_final()
 
     def _fold(self, events: list[Event]) -> bool:
         changed = False
@@ -164,8 +216,8 @@ class CompactView(W.HTML):
                 if value != self.value:
                     self.value = value
 
+    def static_html(self) -> str:
+        return self.value
+
     def _repr_mimebundle_(self, **kwargs):
-        data = super()._repr_mimebundle_(**kwargs)
-        if isinstance(data, dict):  # outside a kernel with widgets: the line as text
-            data["text/plain"] = self.text
-        return data
+        return self._mimebundle(super()._repr_mimebundle_(**kwargs))
