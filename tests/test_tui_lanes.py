@@ -129,7 +129,8 @@ def check_graph(app, rows) -> None:
     for line, r in zip(graph, rows):
         assert f"#{r.number:<3}" in line
         if r.branch is not None:
-            assert line[2:].startswith("  #") and f" b{r.branch}" in line  # indented
+            assert line[2:].startswith("  " * r.depth + "#")  # indented under its Fork
+            assert f" b{r.branch}" in line
 
 
 def check_current(app) -> None:
@@ -236,6 +237,62 @@ def test_decode_cursor_in_its_lane():
             b0, b1 = lanes(app)
             assert b0.current and not b1.current
             assert lane_text(b0).endswith("⟨#4 idea⟩ a0▮") and "▮" not in lane_text(b1)
+
+    asyncio.run(run())
+
+
+def _nested_events() -> list[Event]:
+    """Branch 0 forks again; branch 1 starts first; then a second Fork of one branch."""
+    def ev(event_kind, program, node=None, **data):
+        return Event(event_kind, program, node, data=data)
+
+    def node(program, nid, kind, text=None, preds=()):
+        extra = {"text": text} if text is not None else {}
+        return [ev("node_started", program, nid, kind=kind, label=kind, name="g", line=1,
+                   preds=list(preds), **extra), ev("node_finished", program, nid)]
+
+    def gen(program, nid, token):
+        return [ev("node_started", program, nid, kind="Gen", label="Gen g", name="g", line=1),
+                ev("token", program, nid, token=1, text=token), ev("node_finished", program, nid)]
+
+    out = [ev("program_started", 1, function="nested", parent=None), *node(1, 10, "Text", "T"),
+           *node(1, 11, "Fork"), ev("fork", 1, 11, children=[2, 3]),
+           ev("program_started", 2, 11, parent=1), ev("program_started", 3, 11, parent=1),
+           *gen(3, 31, "z"), *node(2, 21, "Text", "U"), *node(2, 22, "Fork"),
+           ev("fork", 2, 22, children=[4, 5]), *gen(5, 51, "y"), *gen(4, 41, "x"),
+           *node(2, 23, "Join"), *node(1, 12, "Join"), *node(1, 13, "Fork"),
+           ev("fork", 1, 13, children=[6]), *gen(6, 61, "w"), *node(1, 14, "Join"),
+           ev("program_finished", 1)]
+    for seq, e in enumerate(out, 1):
+        e.seq = seq
+    return out
+
+
+def test_nested_forks_and_a_second_fork():
+    async def run() -> None:
+        session = ReplaySession(Timeline(_nested_events()), "nested.jsonl")
+        app = DebuggerApp(session, show_timings=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("c")
+            assert app.status_text.startswith("REPLAY  finished")
+            rows = session.rows()
+            assert [(r.id, r.depth, r.branch) for r in rows] == [
+                (10, 0, None), (11, 0, None), (21, 1, 0), (22, 1, 0), (41, 2, 0), (51, 2, 1),
+                (23, 1, 0), (31, 1, 1), (12, 0, None), (13, 0, None), (61, 1, 0),
+                (14, 0, None)]
+            check_graph(app, rows)
+            assert app.query_one("#tokens").plain == (
+                "T\n"
+                "╭─ branch 0\n│ U\n"
+                "│ ╭─ branch 0\n│ │ ⟨#5 g⟩x\n│ ╰─\n"
+                "│ ╭─ branch 1\n│ │ ⟨#6 g⟩y\n│ ╰─\n"
+                "╰─\n"
+                "╭─ branch 1\n│ ⟨#8 g⟩z\n╰─\n"
+                "╭─ branch 0\n│ ⟨#11 g⟩w\n╰─")
+            lines, _ = screen_lanes(app)
+            drawn = [line.strip() for line in lines]
+            assert drawn[0] == "T" and drawn[1].startswith("╭─ branch 0 ─")
+            assert drawn[3].startswith("│ ╭─ branch 0 ─") and "⟨#5 g⟩x" in drawn[4]
 
     asyncio.run(run())
 
