@@ -308,3 +308,25 @@ def test_run_batch_outside_a_cell_shows_nothing(shell):
     fn = shell.user_ns["tiny"]
     states = fn.run_batch([{"i": i} for i in range(3)])  # a script's call, not a cell's
     assert fn.last_batch_view is None and len(states) == 3
+
+
+def test_the_level_from_the_shell_config_and_unloading(shell):
+    from sgl_nb.language import function
+    from sgl_nb.notebook.magics import load_ipython_extension, unload_ipython_extension
+
+    shell.config.SglMagics.widget = "compact"  # as `c.SglMagics.widget` in ipython_config.py
+    try:
+        load_ipython_extension(shell)  # a second load replaces the first
+        m = magics(shell)
+        assert m.widget == "compact"
+        assert [c for c in shell.configurables if isinstance(c, SglMagics)] == [m]
+        assert shell.find_cell_magic("sgl").__self__ is m
+        assert function._batch_view == m.batch_view
+        unload_ipython_extension(shell)
+        assert function._batch_view is None
+        view, widgets, *_ = _batch(shell, "range(2)")
+        assert view is None and widgets == []  # no summary once unloaded
+    finally:
+        del shell.config["SglMagics"]
+        load_ipython_extension(shell)
+    assert magics(shell).widget == "full" and function._batch_view == magics(shell).batch_view
