@@ -89,6 +89,7 @@ class Timeline:
         self.cache_events: list[Event] = []
         self._by_request: dict[int, InstructionView] = {}  # the request's live instruction
         self._fork_parent: dict[int, int] = {}  # child program id -> parent program id
+        self._forks: dict[int, list[int]] = {}  # fork Node id -> its branches, in order
         for e in events:
             self.apply(e)
 
@@ -247,6 +248,8 @@ class Timeline:
             p.status, p.reason = status, reason
 
     def _on_fork(self, e: Event) -> None:
+        if e.node is not None and e.data.get("children"):
+            self._forks[e.node] = list(e.data["children"])
         p = self._program(e.program)
         for child in e.data.get("children") or []:
             self._fork_parent[child] = e.program
@@ -296,8 +299,10 @@ class Timeline:
     def fork_children(self) -> dict[int, list[int]]:
         """Fork Node id -> the program ids of its branches, in branch order (branch 0
         first), as the fork events named them. A program may fork more than once, so its
-        `children` alone do not say which Fork made which branch."""
-        return fork_children(self.events)
+        `children` alone do not say which Fork made which branch. The same as
+        `fork_children(self.events)`, kept as the events are folded (the TUI asks on every
+        redraw)."""
+        return {fork: list(children) for fork, children in self._forks.items()}
 
     def program_text(self, program_id: int) -> str:
         """The program's own output as far as the events tell: each text Node's text (when
