@@ -212,3 +212,7 @@ def _run(page, url: str, expect) -> None:
     expect(nested.locator(".sgl-node[data-selected]")).to_contain_text("Gen word")
     expect(nested.locator(".sgl-node-source")).to_contain_text('sgl.gen("word"')
     page.screenshot(path=str(ARTIFACTS / "6-token-clicked.png"), full_page=True)
+    # A click on a row of the Node list selects that Node.
+    nested.locator(".sgl-node", has_text="Pick an animal").click()
+    expect(nested.locator(".sgl-node[data-selected]")).to_contain_text("Pick an animal")
+    expect(nested.locator(".sgl-node-source")).to_contain_text('s += "Pick an animal: "')

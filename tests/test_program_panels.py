@@ -122,6 +122,9 @@ def test_a_token_click_selects_its_node_and_line(default_backend):
     assert f'data-node="{gen.id}" data-selected' not in w.stepper.graph.html()
     assert not w.select_node(10**9)  # no such Node: nothing moves
     assert w.stepper.node_choice.value == text.id
+    w.stepper.graph.clicked = f"n{gen.id}"  # a click on the Node's row in the list
+    assert w.stepper.node_choice.value == gen.id and w.stepper.selected_source.startswith(
+        f"{gen.line}: ")
     # Displayed, it carries a static copy for viewers that run no widgets.
     bundle = w._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle

@@ -6,7 +6,8 @@ sends one custom message with only the rows that changed, the keys removed, and 
 order of the parents whose children changed; an unchanged render sends nothing. A view
 opening later (a second output, a page reload) asks for everything once ("hello"). When
 the owner is done, `freeze()` puts the whole tree in the `snapshot` trait, so a notebook
-saved with its widget state shows it without a kernel.
+saved with its widget state shows it without a kernel. A click on a row sets `clicked` to
+its key.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ function render({ model, el }) {
     for (const it of items) (order[it.parent || ""] ||= []).push(it.key);
     apply({ reset: true, set: items, order });
   }
+  root.addEventListener("click", (e) => {  // a click on a row names it to the kernel
+    const target = e.target.closest("[data-key]");
+    if (!target || e.target.closest("summary")) return;  // a summary only folds
+    if (model.get("clicked") === target.dataset.key) model.set("clicked", "");
+    model.set("clicked", target.dataset.key);
+    model.save_changes();
+  });
   fromSnapshot();
   model.on("change:snapshot", fromSnapshot);
   model.on("msg:custom", apply);
@@ -113,6 +121,7 @@ class KeyedView(anywidget.AnyWidget):
     _esm = _ESM
     root_class = Unicode("").tag(sync=True)
     snapshot = List().tag(sync=True)  # the whole tree, set by freeze() (saved notebooks)
+    clicked = Unicode("").tag(sync=True)  # the key of the row the user clicked last
     patches = Int(0)  # messages sent so far (not synced: for tests and the curious)
     rows_sent = Int(0)  # rows sent so far, over all messages
 

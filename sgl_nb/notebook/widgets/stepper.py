@@ -153,6 +153,7 @@ class StepperView(W.VBox):
         self.source_html = W.HTML("")
         self.source_html.add_class("sgl-node-source")
         self.node_choice.observe(lambda _c: self._redraw(), names="value")
+        self.graph.observe(self._row_clicked, names="clicked")  # a click on a Node's row
         self.toggle_bp.on_click(lambda _b: self._toggle_breakpoint())
         self.add_bp.on_click(lambda _b: self._add_breakpoint())
         super().__init__(children=[
@@ -299,6 +300,11 @@ class StepperView(W.VBox):
             f'<div style="font-family:monospace;font-size:12px">#{row.id} {html.escape(row.label)}'
             f' · cell line {row.line}: <code>{html.escape(source)}</code></div>'
             if self.selected_source else "")
+
+    def _row_clicked(self, change) -> None:
+        key = change.get("new") or ""
+        if key.startswith("n") and key[1:].isdigit():
+            self.select(int(key[1:]))
 
     def select(self, node_id: int) -> bool:
         """Select a Node in the list (a token click): True if it is listed."""
