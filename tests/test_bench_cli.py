@@ -30,6 +30,7 @@ DEFAULTS = {
     "cancel": {"model": None, "rounds": 3, "cancel_tokens": 3000},
     "batch": {"model": None, "programs": 1000, "num_threads": 8, "baseline_items": 50,
               "json": None},
+    "views": {"model": None, "tokens": [250, 1000, 4000], "timeout": 1800.0, "json": None},
 }
 REQUIRED = {"remote": ["--server", "http://x:1"]}
 
