@@ -187,3 +187,27 @@ def test_keyed_view_diffs():
     assert '<div class="sgl-item" data-key="c"><div>C</div>' in v.html()
     v.freeze()
     assert v.snapshot == [Item("c", "C").as_dict()]
+
+
+def test_timings_fold_queue_prefill_decode():
+    from sgl_nb.notebook.widgets.timing import Timings
+    from sgl_nb.runtime.events import Event
+
+    def ev(what, ts, **data):
+        return Event(what, program=1, node=7, request=3, data=data, ts=ts)
+
+    t = Timings()
+    for e in [ev("instruction_started", 1_000, kind="Decode", index=0),
+              ev("cache_hit", 51_000, cached_tokens=3, prompt_tokens=10),
+              ev("token", 2_051_000), ev("token", 3_000_000),
+              ev("cache_hit", 3_500_000, cached_tokens=9, prompt_tokens=12),  # re-admitted
+              ev("instruction_finished", 5_051_000, input_tokens=10, cached_tokens=3,
+                 output_tokens=2)]:
+        t.apply(e)
+    n = t.node(7)
+    assert n.requests == 1 and n.queue_s == pytest.approx(50e-6)
+    assert n.prefill_s == pytest.approx(2e-3) and n.decode_s == pytest.approx(3e-3)
+    assert (n.prompt_tokens, n.cached_tokens, n.output_tokens) == (10, 3, 2)
+    assert n.cache_hit == pytest.approx(0.3)
+    assert n.summary() == "queue 0 ms · prefill 2 ms · decode 3 ms · cache 3/10 tok"
+    assert t.node(8).requests == 0 and t.node(8).summary() == ""
