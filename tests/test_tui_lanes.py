@@ -226,7 +226,7 @@ def test_decode_cursor_in_its_lane():
     async def run() -> None:
         session = ReplaySession(Timeline(_fork_events()), "ideas.jsonl")
         app = DebuggerApp(session, show_timings=False)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=(120, 20)) as pilot:  # more lines than the pane has
             await pilot.pause()
             for _ in range(40):  # by Instruction to the stop before branch 0's 2nd token
                 if (session.position() == Position("decode", 22)
@@ -237,6 +237,14 @@ def test_decode_cursor_in_its_lane():
             b0, b1 = lanes(app)
             assert b0.current and not b1.current
             assert lane_text(b0).endswith("⟨#4 idea⟩ a0▮") and "▮" not in lane_text(b1)
+            await pilot.pause()
+            pane = app.query_one("#tokens")
+            lines, _ = screen_lanes(app)
+            assert lines[1].startswith("╭─ ▶ branch 0 ─") and lines[5].startswith("╭─ branch 1")
+            cursor = next(k for k, line in enumerate(lines) if "▮" in line)
+            view = pane.scrollable_content_region.height
+            assert len(lines) > view  # the end of the stream alone would hide the ▮ ...
+            assert pane.scroll_y <= cursor < pane.scroll_y + view  # ... which is in view
 
     asyncio.run(run())
 

@@ -4,8 +4,9 @@ only ones a grammar allowed, in italics), the text around them dim, the current 
 A Fork's branches run side by side, so their tokens arrive interleaved; the pane shows
 each branch in a lane of its own under the fork point (a box titled "branch i", branch 0
 first), holding only that branch's text and tokens, and the parent's text after the Join
-below the lanes. `plain` is the same outline as text: a lane is `╭─ branch i`, its lines
-each behind `│ `, then `╰─`."""
+below the lanes; the current Node's lane is titled `▶ branch i` and kept in view. `plain`
+is the same outline as text: a lane is `╭─ branch i`, its lines each behind `│ `, then
+`╰─`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.text import Text
 from textual.containers import VerticalScroll
+from textual.geometry import Region
 from textual.widgets import Static
 
 from sgl_nb.tracing.timeline import NodeView, Timeline
@@ -23,6 +25,7 @@ from sgl_nb.tui.rows import NodeRow, Position
 
 SHADES = ("on #2a2f3a", "on #3b3450")
 LANE_STYLE = "cyan"
+CURRENT = "▶"  # before the title of the current Node's lane
 
 
 @dataclass
@@ -39,6 +42,7 @@ class TokensPane(VerticalScroll):
         super().__init__(**kwargs)
         self.plain = ""
         self.blocks: list[Text | Lane] = []  # what is shown, for tests to read lane by lane
+        self._follow_lane = False  # the current Node is in a fork branch
 
     def compose(self):
         yield Static(id="tokens-text")
@@ -50,7 +54,27 @@ class TokensPane(VerticalScroll):
         self.border_title = f"Tokens · {stream.count} generated"
         self.plain = "\n".join(_plain(b) for b in self.blocks)
         self.query_one("#tokens-text", Static).update(_renderable(self.blocks))
-        self.call_after_refresh(self.scroll_end, animate=False)
+        self._follow_lane = stream.in_lane
+        self.call_after_refresh(self._follow)
+
+    def _follow(self) -> None:
+        """Keep where the program stands in view: the end of the stream, or, while it is
+        in a fork branch, that branch's ▮ (or its lane's title), which may be above the
+        other lanes."""
+        static = self.query_one("#tokens-text", Static)
+        width, height = static.size
+        if not self._follow_lane or not width or not height:
+            self.scroll_end(animate=False)
+            return
+        lines = [strip.text for strip in static.render_lines(Region(0, 0, width, height))]
+        y = next((k for k, line in enumerate(lines) if "▮" in line), None)
+        if y is None:
+            y = next((k for k, line in enumerate(lines) if f"─ {CURRENT} " in line), None)
+        if y is None:
+            self.scroll_end(animate=False)
+        else:  # the line a third of the way down
+            self.scroll_to(y=max(0, y - self.scrollable_content_region.height // 3),
+                           animate=False)
 
 
 class _Stream:
@@ -66,6 +90,7 @@ class _Stream:
         self.count = 0
         self._walked: set[int] = set()
         self._cursor = False  # the ▮ of a decode stop is placed
+        self.in_lane = False  # the current Node's program is a fork branch shown here
 
     def blocks(self) -> list[Text | Lane]:
         branches = {cid for children in self.forks.values() for cid in children}
@@ -97,10 +122,12 @@ class _Stream:
         return out
 
     def _lane(self, pid: int, label: str) -> Lane:
+        current = pid == self.program
+        self.in_lane = self.in_lane or current
         if pid not in self.tl.programs:  # named by its fork, no event of its own yet
             self._walked.add(pid)
-            return Lane(label, current=pid == self.program)
-        return Lane(label, _tidy(self._program(pid)), current=pid == self.program)
+            return Lane(label, current=current)
+        return Lane(label, _tidy(self._program(pid)), current=current)
 
     def _node(self, text: Text, n: NodeView) -> None:
         current = n.id == self.position.node
@@ -141,7 +168,8 @@ def _renderable(blocks: list[Text | Lane]) -> RenderableType:
 
 def _panel(lane: Lane) -> Panel:
     body = _renderable(lane.blocks) if lane.blocks else Text("(nothing yet)", style="dim")
-    title = Text(lane.label, style=f"bold {LANE_STYLE}" if lane.current else LANE_STYLE)
+    title = (Text(f"{CURRENT} {lane.label}", style=f"bold {LANE_STYLE}") if lane.current
+             else Text(lane.label, style=LANE_STYLE))
     return Panel(body, title=title, title_align="left", box=box.ROUNDED,
                  border_style=f"bold {LANE_STYLE}" if lane.current else f"dim {LANE_STYLE}",
                  padding=(0, 1))
