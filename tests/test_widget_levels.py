@@ -56,12 +56,6 @@ def shown(cap) -> list:
             if VIEW in o.data and not o.update]
 
 
-def updates(outputs, view) -> list[str]:
-    """The static text/html copies of `view` sent as display updates."""
-    return [o.data["text/html"] for o in outputs if o.update and VIEW in o.data
-            and o.data[VIEW]["model_id"] == view.model_id]
-
-
 def cell(shell, line: str, body: str = GEN5):
     with capture_output() as cap:
         shell.run_cell_magic("sgl", line, body)
@@ -121,20 +115,6 @@ def test_compact_shows_one_line_per_program(shell):
     assert view._repr_mimebundle_()["text/html"] == view.value
     # Only the line is synced: one short value a render, nothing else.
     assert set(view.keys) & {"status", "generated_tokens", "text", "tok_per_s"} == set()
-
-
-def test_compact_show_updates_its_static_copy(shell, default_backend):
-    view = CompactView(default_backend, title="shown")
-    with capture_output() as cap:
-        view.show()
-        st = view.attach(shell.user_ns["tiny"].run(i=1, stream=True)).state
-        assert st.wait(60) and view.wait(60)
-    first = next(o for o in cap.outputs if VIEW in o.data and not o.update)
-    assert "starting" in plain(first.data["text/html"])  # the copy when it was displayed
-    with capture_output() as after:
-        shell.run_cell("pass")  # after a cell, on the kernel's thread: the final copy
-    final = updates(cap.outputs + after.outputs, view)
-    assert final and plain(final[-1]).startswith("● done · shown · 2 tokens · ")
 
 
 def test_compact_shows_an_error(shell):
@@ -250,15 +230,10 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     view.items.value = 42  # what picking it in the dropdown does
     assert html.escape(states[42].text()) in view.item_text.value
     assert len(view.items.options) == 101 and view.items.options[43] == ("#42 i=42", 42)
-    # A static copy of the final line for viewers without widgets: the batch cell's own
-    # display carried one, and once the batch ended it was updated (by the next cell at
-    # the latest).
+    # A static copy of its line for viewers without widgets (kept up to date in a kernel:
+    # test_saved_notebook_shows_the_final_lines).
     first = next(o for o in _batch.outputs if VIEW in o.data and not o.update)
     assert first.data["text/html"].startswith('<div class="sgl-batch">')
-    with capture_output() as after:
-        shell.run_cell("pass")
-    final = updates(_batch.outputs + after.outputs, view)
-    assert final and "100/100 · 100 done" in plain(final[-1])
     # The full widget of an item, built when asked: its events replayed into it.
     assert view.full == {} and view.item.children[-1] is view.full_button
     view.full_button.click()
@@ -330,3 +305,47 @@ def test_the_level_from_the_shell_config_and_unloading(shell):
         del shell.config["SglMagics"]
         load_ipython_extension(shell)
     assert magics(shell).widget == "full" and function._batch_view == magics(shell).batch_view
+
+
+# ---- a real kernel: what a saved notebook keeps ---------------------------------------------
+
+KERNEL_CELLS = [
+    "%load_ext sgl_nb",
+    '%config SglMagics.widget = "compact"',
+    "%%sgl quiet\ns += 'The sea is'\ns += gen('x', max_tokens=4, ignore_eos=True)",
+    TINY,
+    "states = tiny.run_batch([{'i': i} for i in range(20)], num_threads=5)\n"
+    "assert tiny.last_batch_view.wait(60) and quiet.widget.wait(60)",
+    "print(quiet.widget.text)\nprint(tiny.last_batch_view.text)",
+]
+
+
+def test_saved_notebook_shows_the_final_lines(tmp_path):
+    """Executed on a real kernel (nbconvert): the compact cell and the run_batch cell each
+    saved one widget output whose static text/html copy is the final line."""
+    from nbconvert.preprocessors import ExecutePreprocessor
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from sgl_nb.runtime.model.model_loader import cache_dir
+
+    nb = new_notebook(cells=[new_code_cell(c) for c in KERNEL_CELLS], metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SGL_NB_CACHE", str(cache_dir()))  # the kernel finds the converted model
+    try:
+        ExecutePreprocessor(timeout=300, kernel_name="python3").preprocess(
+            nb, {"metadata": {"path": str(tmp_path)}})
+    finally:
+        mp.undo()
+    for cell_ in nb.cells:
+        for o in cell_.outputs:
+            assert o.output_type != "error", f"{o.get('ename')}: {o.get('evalue')}"
+    printed = nb.cells[5].outputs[0]["text"].splitlines()
+    assert printed[0].startswith("done · quiet · 4 tokens · ")
+    assert printed[1].startswith("run_batch tiny · 20/20 · 20 done · 0 running")
+    for index, line in ((2, printed[0]), (4, printed[1])):
+        views = [o for o in nb.cells[index].outputs if VIEW in o.get("data", {})]
+        assert len(views) == 1, nb.cells[index].outputs  # one widget, whatever the count
+        # The final line, not the one it was displayed with (updated through its handle).
+        assert plain(views[0]["data"]["text/html"]).removeprefix("● ") == line
+        assert views[0]["data"]["text/plain"] == line

@@ -77,10 +77,10 @@ def line_html(parts: list[str], error: str = "") -> str:
 
 
 class StaticCopy:
-    """`show()`: display the widget with a static text/html copy (`static_html()`) and keep
-    the handle; once the view has ended (`_finished()`, its pump joined) the copy is updated,
-    from the pump's last step and again after the next cell on the kernel's thread (a
-    notebook runner records only the messages of the cell it runs)."""
+    """`show()`: display the widget with a static text/html copy (`static_html()`) and, in a
+    kernel, keep the handle: once the view has ended (`_finished()`, its pump joined) the
+    copy is updated, from the pump's last step and again after the next cell on the
+    kernel's thread (a notebook runner records only the messages of the cell it runs)."""
 
     _handle = None
     _final_shown = False
@@ -89,10 +89,12 @@ class StaticCopy:
         from IPython import get_ipython
         from IPython.display import display
 
-        self._handle = display(self, display_id=True)
         ip = get_ipython()
-        if ip is not None:
-            ip.events.register("post_execute", self._after_cell)
+        if ip is None or getattr(ip, "kernel", None) is None:
+            display(self)  # a terminal prints it once: no saved output to keep up to date
+            return None
+        self._handle = display(self, display_id=True)
+        ip.events.register("post_execute", self._after_cell)
         return self._handle
 
     def _mimebundle(self, data) -> dict:
