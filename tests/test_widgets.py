@@ -73,7 +73,7 @@ def test_stream_view_after_a_program(default_backend):
     assert view.text == st.text() and st.text().endswith(st["answer"] + "<|im_end|>\n")
     assert w.status == view.status == "done"
     assert view.generated_tokens == 8 and view.prompt_tokens > 0 and view.tok_per_s > 0
-    markup = view.html_view.value
+    markup = view.static_html()  # what the front end draws, as HTML
     assert 'data-var="answer"' in markup and '<span class="sgl-role">user</span>' in markup
     assert markup.count('<span class="sgl-generated" title=') == 8
     assert "tok/s" in view.header.value
@@ -114,9 +114,11 @@ def test_token_probability_on_hover(default_backend):
     as the token's HTML title."""
     w, st = watch(default_backend, qa, q="Name a tree.")
     assert w.wait(120)
-    titles = re.findall(r'<span class="sgl-generated" title="p=([0-9.]+) token \d+">',
-                        w.stream.html_view.value)
-    assert len(titles) == 8 and all(0.0 < float(p) <= 1.0 for p in titles)
+    titles = re.findall(r'<span class="sgl-generated" title="p=([0-9.]+) token \d+" '
+                        r'data-node="(\d+)">', w.stream.static_html())
+    gen = next(n for n in st.nodes if n.kind == "Gen")
+    assert len(titles) == 8 and all(0.0 < float(p) <= 1.0 for p, _ in titles)
+    assert {int(node) for _, node in titles} == {gen.id}  # a click selects the gen
 
 
 @slow
@@ -126,7 +128,7 @@ def test_cached_prompt_is_marked(default_backend):
     second, st2 = watch(default_backend, qa, q="Name a colour of the rainbow.")
     assert second.wait(120)
     assert second.stream.cached_tokens > 0
-    assert 'class="sgl-cached"' in second.stream.html_view.value
+    assert 'class="sgl-cached"' in second.stream.static_html()
     assert st2.text() == st1.text()
 
 
@@ -136,22 +138,22 @@ def test_grammar_forced_tokens(default_backend):
     assert w.wait(120)
     assert st["json"] in ('{"answer": "yes"}', '{"answer": "no"}')
     assert w.stream.forced_tokens > 0
-    assert 'class="sgl-forced"' in w.stream.html_view.value
-    assert "forced by the grammar" in w.stream.html_view.value
+    assert 'class="sgl-forced"' in w.stream.static_html()
+    assert "forced by the grammar" in w.stream.static_html()
 
 
 @slow
 def test_select_and_fork_in_the_stream(default_backend):
     w, st = watch(default_backend, pick_and_fork)
     assert w.wait(120)
-    markup = w.stream.html_view.value
+    markup = w.stream.static_html()
     assert st["colour"] in ("red", "blue") and 'data-var="colour"' in markup
     assert "branch 0" in markup and "branch 1" in markup
     assert markup.count('data-var="slogan"') == 2
     for i, slogan in enumerate(st["slogan"]):
         assert f"Slogan {i + 1}:{slogan}" in plain(markup) and len(slogan) > 0
     assert w.stream.generated_tokens == 8  # two branches of 4 (a select scores, samples none)
-    assert f'title="chosen by select">{st["colour"]}<' in markup
+    assert re.search(f'title="chosen by select" data-node="\\d+">{st["colour"]}<', markup)
     listed = [node_id for _label, node_id in w.stepper.node_choice.options]
     assert sorted(listed) == sorted(n.id for n in st.nodes if n.kind not in ("Init", "Return"))
 

@@ -3,24 +3,52 @@
 Each piece is coloured by where its tokens came from: prompt (computed by a prefill),
 cached (read from the radix cache instead), generated (sampled), or grammar-forced (the
 grammar allowed one token only). A generated token shows its probability on hover (the
-HTML title). Roles and variables are marked; fork branches follow their Fork.
+title). Roles and variables are marked; each fork branch has its own lane under its Fork.
+
+`StreamModel` turns the Timeline into lanes of items (one lane a program, fork branches
+included) on each render. `StreamView` (an anywidget, front end in stream.js) keeps what it
+has sent of each lane and sends only what changed, in custom messages: at most `rate` a
+second (default 10, fewer while each would carry only a token or two; the renders come at
+up to 30 a second, what they change in between is merged), the last one at once when the
+run ends:
+
+    {"root": program, "l": [[lane, at, [item, ...]], ...],
+     "n": {node: [kind, name, status]}, "s": {changed counts}, "x": header extra}
+
+A lane's items from index `at` replace what the front end has from there (almost always
+`at` is what it has: new tokens appended; less when a finished Gen's stop string is cut or
+a cache hit recolours the prompt before it). An item is a piece
+`[text, origin, node, p, token]` (a token; its title is derived), `[text, origin, node]` or
+`[text, origin, node, None, None, title]`, origin one of p(rompt) c(ached) g(enerated)
+f(orced) t(emplate); or a marker `{"k": role|var|mark|fork|err|perr, "t": text, "n": node}`
+(a fork's `"b"` lists its branches' lanes, in branch order). A view that opens while the
+program runs says "hello" and gets the whole state at once ("t": "f"). When the run ends the
+whole state goes into the `snapshot` trait and `text` and the counts are synced; during the
+run those traits change in Python only (no re-sync on every render). `static_html()` is the
+coloured text as self-contained HTML, for a notebook viewer that runs no widgets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
+import pathlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ipywidgets as W
-from traitlets import Float, Int, Unicode
+import anywidget
+from traitlets import Dict, Float, Int, Unicode
 
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
 ORIGINS = ("prompt", "cached", "generated", "forced")
-_STYLE = """<style>
+CODES = {"prompt": "p", "cached": "c", "generated": "g", "forced": "f", "template": "t"}
+ORIGIN_OF = {v: k for k, v in CODES.items()}
+ENDED = ("done", "error", "cancelled")
+_CSS = """
 .sgl-stream{white-space:pre-wrap;font-family:monospace;font-size:12px;line-height:1.5;
  max-height:360px;overflow:auto;border:1px solid #ddd;padding:6px}
 .sgl-prompt{color:#333}.sgl-cached{background:#dbeafe}.sgl-generated{background:#dcfce7}
@@ -30,19 +58,25 @@ _STYLE = """<style>
  vertical-align:super;margin-left:1px}.sgl-branch{display:block;border-left:3px solid #a78bfa;
  margin:2px 0 2px 8px;padding-left:6px}.sgl-mark{color:#7c3aed;font-size:10px}
 .sgl-error{color:#b91c1c;font-weight:bold}.sgl-legend span{padding:0 4px;margin-right:4px}
-</style>"""
+.sgl-stream [data-node]{cursor:pointer}
+"""
+_STYLE = f"<style>{_CSS}</style>"
 _LEGEND = ('<div class="sgl-legend">' + "".join(
     f'<span class="sgl-{o}">{o}</span>' for o in ORIGINS) + "</div>")
 
 
 @dataclass
 class Piece:
-    """A run of characters of one origin; `start` is its offset in the program's text."""
+    """A run of characters of one origin; `start` is its offset in the program's text. A
+    token's piece has `token` (its id) and `p` (its probability, None if unknown)."""
 
     start: int
     text: str
     origin: str  # prompt | cached | generated | forced | template (role markers)
     title: str = ""
+    token: int | None = None
+    p: float | None = None
+    is_token: bool = False
 
 
 class StreamModel:
@@ -55,29 +89,47 @@ class StreamModel:
                  forks: dict[int, list[int]] | None = None):
         self.tl, self.program = tl, program
         self.forks = forks  # fork Node id -> its branches' program ids, kept by the caller
-        self._built: tuple[str, str] | None = None
+        self._built: tuple[dict[int, list], str] | None = None
         self.node_text, self.cached_chars = node_text, cached_chars
 
-    def html(self) -> str:
-        body, _ = self._whole()
-        return f'{_STYLE}{_LEGEND}<div class="sgl-stream">{body}</div>'
+    def lanes(self) -> dict[int, list]:
+        """Program id -> its items (the wire form above), the program first, then its
+        branches in the order their Forks show them."""
+        return self._whole()[0]
 
     def text(self) -> str:
         return self._whole()[1]
 
-    def _whole(self) -> tuple[str, str]:
-        # A model lives for one render: build the program's HTML and text once.
+    def nodes(self) -> dict[int, list]:
+        """Node id -> [kind, name, status] of every Node the lanes show."""
+        out = {}
+        for pid in self.lanes():
+            for nid in self.tl.programs[pid].nodes if pid in self.tl.programs else []:
+                n = self.tl.nodes[nid]
+                out[nid] = [n.kind, n.name, n.status]
+        return out
+
+    def html(self) -> str:
+        return render_html(self.program, self.lanes(), self.nodes())
+
+    def _whole(self) -> tuple[dict[int, list], str]:
+        # A model lives for one render: build the program's lanes and text once.
         if self._built is None:
-            self._built = self._program_html(self.program, "")
+            lanes: dict[int, list] = {}
+            text = self._program_items(self.program, "", lanes)
+            self._built = (lanes, text)
         return self._built
 
-    def _program_html(self, pid: int, prefix: str) -> tuple[str, str]:
-        """(HTML, text) of program `pid`, whose text starts after `prefix` (a fork branch
-        starts with its parent's text)."""
+    def _program_items(self, pid: int, prefix: str, lanes: dict[int, list]) -> str:
+        """Fill lanes[pid] (and its branches' lanes) with the items of program `pid`, whose
+        text starts after `prefix` (a fork branch starts with its parent's text); return
+        its own text."""
+        items: list = []
+        lanes[pid] = items  # before the branches: a lane's parent comes first
         p = self.tl.programs.get(pid)
         if p is None:
-            return "", ""
-        out, text, requests = [], prefix, []
+            return ""
+        text, requests = prefix, []
         pending: list[tuple[NodeView, list[Piece]]] = []
         for nid in p.nodes:
             n = self.tl.nodes[nid]
@@ -87,13 +139,17 @@ class StreamModel:
             text += "".join(pc.text for pc in pieces)
             pending.append((n, pieces))
         for n, pieces in pending:
-            out.append(self._node_html(n, self._split_cached(pieces, requests, text)))
             if n.kind == "Fork":
-                out.extend(self._branches(self._fork_children(n, p.children),
-                                          prefix + self._text_at(pending, n)))
+                children = self._fork_children(n, p.children)
+                items.append({"k": "fork", "t": f"[{n.label or n.kind}]", "n": n.id,
+                              "b": list(children)})
+                for cid in children:
+                    self._program_items(cid, prefix + self._text_at(pending, n), lanes)
+                continue
+            items.extend(self._node_items(n, self._split_cached(pieces, requests, text)))
         if p.error:
-            out.append(f'<div class="sgl-error">{html.escape(p.error)}</div>')
-        return "".join(out), text[len(prefix):]
+            items.append({"k": "perr", "t": p.error})
+        return text[len(prefix):]
 
     def _fork_children(self, fork: NodeView, children: list[int]) -> list[int]:
         """The branches this Fork made (a program may fork more than once)."""
@@ -108,14 +164,6 @@ class StreamModel:
                 break
             text += "".join(pc.text for pc in pieces)
         return text
-
-    def _branches(self, children: list[int], text_at_fork: str) -> list[str]:
-        out = []
-        for i, cid in enumerate(children):
-            body, _ = self._program_html(cid, text_at_fork)
-            out.append(f'<span class="sgl-branch"><span class="sgl-mark">branch {i}</span> '
-                       f'{body}</span>')
-        return out
 
     def _cached_tokens(self, n: NodeView) -> int:
         hits = [e.data.get("cached_tokens") or 0 for e in self.tl.cache_events
@@ -141,10 +189,9 @@ class StreamModel:
         pieces, pos = [], start
         for t in n.tokens:
             p = math.exp(t.logprob) if t.logprob is not None else None
-            title = (f"p={p:.3f}" if p is not None else "p=?") + f" token {t.token}"
-            if t.forced:
-                title += " (forced by the grammar)"
-            pieces.append(Piece(pos, t.text, "forced" if t.forced else "generated", title))
+            p = round(p, 3) if p is not None else None
+            pieces.append(Piece(pos, t.text, "forced" if t.forced else "generated",
+                                token_title(p, t.token, t.forced), t.token, p, True))
             pos += len(t.text)
         if n.text is None:
             return pieces
@@ -155,7 +202,8 @@ class StreamModel:
         for pc in pieces:
             if left <= 0:
                 break
-            out.append(Piece(pc.start, pc.text[:left], pc.origin, pc.title))
+            out.append(Piece(pc.start, pc.text[:left], pc.origin, pc.title, pc.token, pc.p,
+                             True))
             left -= len(pc.text)
         return out
 
@@ -192,20 +240,40 @@ class StreamModel:
                 out.append(Piece(pc.start + cut, pc.text[cut:], pc.origin, pc.title))
         return out
 
-    def _node_html(self, n: NodeView, pieces: list[Piece]) -> str:
-        spans = "".join(_span(pc) for pc in pieces)
+    def _node_items(self, n: NodeView, pieces: list[Piece]) -> list:
+        items: list = [_wire(pc, n.id) for pc in pieces]
         if n.kind == "RoleBegin":
             role = (n.label or "").split(" ")[-1] or "role"
-            return f'<span class="sgl-role">{html.escape(role)}</span>{spans}'
-        if n.kind in ("Gen", "Select") and n.name:
-            name = html.escape(n.name)
-            return (f'<span class="sgl-var" title="variable {name}" data-var="{name}">{spans}'
-                    f'<span class="sgl-varname">{name}</span></span>')
-        if n.kind in ("Fork", "Join"):
-            return f'<span class="sgl-mark">[{html.escape(n.label or n.kind)}]</span>'
+            return [{"k": "role", "t": role, "n": n.id}, *items]
+        if n.kind in ("Gen", "Select") and n.name and n.status != "running":
+            items.append({"k": "var", "t": n.name, "n": n.id})  # its name, once it ended
+        elif n.kind == "Join":
+            return [{"k": "mark", "t": f"[{n.label or n.kind}]", "n": n.id}]
         if n.error:
-            return f'{spans}<span class="sgl-error"> {html.escape(n.error)}</span>'
-        return spans
+            items.append({"k": "err", "t": f" {n.error}", "n": n.id})
+        return items
+
+
+def token_title(p: float | None, token: int | None, forced: bool) -> str:
+    title = (f"p={p:.3f}" if p is not None else "p=?") + f" token {token}"
+    return title + " (forced by the grammar)" if forced else title
+
+
+def _wire(pc: Piece, node: int) -> list:
+    code = CODES[pc.origin]
+    if pc.is_token:
+        return [pc.text, code, node, pc.p, pc.token]
+    if pc.title:
+        return [pc.text, code, node, None, None, pc.title]
+    return [pc.text, code, node]
+
+
+def _title(item: list) -> str:
+    if len(item) >= 6 and item[5]:
+        return item[5]
+    if len(item) >= 5:
+        return token_title(item[3], item[4], item[1] == "f")
+    return ""
 
 
 def fork_children(events) -> dict[int, list[int]]:
@@ -214,10 +282,55 @@ def fork_children(events) -> dict[int, list[int]]:
             if e.kind == "fork" and e.data.get("children")}
 
 
-def _span(pc: Piece) -> str:
-    cls = "sgl-template sgl-prompt" if pc.origin == "template" else f"sgl-{pc.origin}"
-    title = f' title="{html.escape(pc.title)}"' if pc.title else ""
-    return f'<span class="{cls}"{title}>{html.escape(pc.text)}</span>'
+def render_html(root: int | None, lanes: dict, nodes: dict) -> str:
+    """The lanes as the front end draws them, in HTML: each Gen or Select Node's pieces in
+    one `sgl-var` span, each branch a block under its Fork."""
+    def lane(pid) -> str:
+        out, var_node = [], None
+        for it in lanes.get(pid, []):
+            node = it[2] if isinstance(it, list) else it.get("n")
+            if var_node is not None and node != var_node:
+                out.append("</span>")
+                var_node = None
+            if isinstance(it, list):
+                kind, name, _status = nodes.get(node, (None, None, None))
+                if var_node is None and name and kind in ("Gen", "Select"):
+                    esc = html.escape(name)
+                    out.append(f'<span class="sgl-var" title="variable {esc}" '
+                               f'data-var="{esc}">')
+                    var_node = node
+                out.append(_span(it))
+                continue
+            k, t = it["k"], html.escape(it.get("t", ""))
+            if k == "var":
+                out.append(f'<span class="sgl-varname">{t}</span>')
+            elif k == "role":
+                out.append(f'<span class="sgl-role">{t}</span>')
+            elif k == "mark":
+                out.append(f'<span class="sgl-mark">{t}</span>')
+            elif k == "err":
+                out.append(f'<span class="sgl-error">{t}</span>')
+            elif k == "perr":
+                out.append(f'<div class="sgl-error">{t}</div>')
+            elif k == "fork":
+                out.append(f'<span class="sgl-mark">{t}</span>')
+                for i, cid in enumerate(it.get("b", [])):
+                    out.append(f'<span class="sgl-branch"><span class="sgl-mark">branch {i}'
+                               f'</span> {lane(cid)}</span>')
+        if var_node is not None:
+            out.append("</span>")
+        return "".join(out)
+
+    return lane(root) if root is not None else ""
+
+
+def _span(item: list) -> str:
+    origin = ORIGIN_OF.get(item[1], "prompt")
+    cls = "sgl-template sgl-prompt" if origin == "template" else f"sgl-{origin}"
+    title = _title(item)
+    title = f' title="{html.escape(title)}"' if title else ""
+    return (f'<span class="{cls}"{title} data-node="{item[2]}">'
+            f'{html.escape(item[0])}</span>')
 
 
 def stream_stats(tl: Timeline, program: int, now_ns: int | None = None) -> dict:
@@ -251,9 +364,34 @@ def _family(tl: Timeline, program: int) -> list[int]:
     return out
 
 
-class StreamView(W.VBox):
-    """The text so far (`text`), the coloured HTML (`html_view.value`) and the counts."""
+# The counts' keys in the messages ("s"), short: they go out on every render.
+_STAT_KEYS = {"status": "status", "prompt_tokens": "p", "cached_tokens": "c",
+              "generated_tokens": "g", "forced_tokens": "f", "tok_per_s": "r"}
 
+
+class _Header:
+    """`view.header.value`: the header line as HTML. What is set beyond the line itself
+    (the ProgramWidget appends the program's error) is shown after it."""
+
+    def __init__(self, view: StreamView):
+        self._view = view
+
+    @property
+    def value(self) -> str:
+        return self._view.header_html() + self._view._extra
+
+    @value.setter
+    def value(self, new: str) -> None:
+        base = self._view.header_html()
+        self._view.set_header_extra(new[len(base):] if new.startswith(base) else new)
+
+
+class StreamView(anywidget.AnyWidget):
+    """The text so far (`text`), the lanes in the front end, the counts. During the run the
+    front end gets deltas (custom messages); the traits below are synced when it ends."""
+
+    _esm = pathlib.Path(__file__).with_name("stream.js")
+    _css = _CSS
     text = Unicode("").tag(sync=True)
     status = Unicode("waiting").tag(sync=True)
     prompt_tokens = Int(0).tag(sync=True)
@@ -261,27 +399,232 @@ class StreamView(W.VBox):
     generated_tokens = Int(0).tag(sync=True)
     forced_tokens = Int(0).tag(sync=True)
     tok_per_s = Float(0.0).tag(sync=True)
+    # The whole view (a "full" message with "final": true), set once the run has ended.
+    snapshot = Dict().tag(sync=True)
+    # The Node of the token last clicked in the front end.
+    clicked_node = Int(None, allow_none=True).tag(sync=True)
 
-    def __init__(self, **kwargs):
-        self.header = W.HTML("")
-        self.html_view = W.HTML("")
-        self.html_view.add_class("sgl-stream-view")
-        super().__init__(children=[self.header, self.html_view], **kwargs)
+    # Synced only once the run has ended: they change on every render.
+    _QUIET = frozenset({"text", "status", "prompt_tokens", "cached_tokens",
+                        "generated_tokens", "forced_tokens", "tok_per_s", "snapshot"})
+
+    def __init__(self, rate: float = 10.0, **kwargs):
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 messages a second, got {rate}")
+        self._interval = 1.0 / rate  # between two deltas; the renders come at up to 30/s
+        self._last_send = -math.inf
+        self._rate_sent_at = -math.inf
+        self._timer: threading.Timer | None = None
+        self._quiet = True
+        self._send_lock = threading.RLock()
+        self._root: int | None = None
+        self._sent: dict[int, list] = {}  # lane -> the items the front end has
+        self._nodes: dict[int, list] = {}  # node -> [kind, name, status] sent
+        self._stats: dict = {}  # the counts sent ("s")
+        self._extra = ""
+        self._extra_sent = ""
+        self._ended = False
+        self._pending: dict | None = None  # the delta of this render, sent with the hold
+        self.messages_sent = 0
+        self.bytes_sent = 0  # the custom messages' content, as JSON
+        super().__init__(**kwargs)
+        self.header = _Header(self)
+        self.on_msg(self._on_msg)
+
+    # ---- the traits: quiet during the run -----------------------------------------------
+
+    def _should_send_property(self, key, value):
+        if self._quiet and key in self._QUIET:
+            return False
+        return super()._should_send_property(key, value)
+
+    @contextlib.contextmanager
+    def hold_sync(self):
+        outer = not self._holding_sync
+        with super().hold_sync():
+            yield
+            if outer:
+                self._settle()  # still held: the final traits go in the hold's one message
+        if outer:
+            self._flush()
+
+    # ---- rendering ------------------------------------------------------------------------
 
     def update(self, model: StreamModel, status: str) -> None:
-        """Set every trait from the model; call inside hold_sync (one message)."""
+        """Set every trait from the model and send what changed (inside hold_sync: one
+        message when the hold ends)."""
         stats = stream_stats(model.tl, model.program)
         self.text = model.text()
-        self.html_view.value = model.html()
         self.status = status
         for k in ("prompt_tokens", "cached_tokens", "generated_tokens", "forced_tokens"):
             setattr(self, k, stats[k])
         self.tok_per_s = round(stats["tok_per_s"], 2)
-        self.header.value = (
-            f"<b>{html.escape(status)}</b> · prompt {self.prompt_tokens} tokens "
-            f"({self.cached_tokens} cached) · generated {self.generated_tokens}"
-            f"{f' ({self.forced_tokens} forced)' if self.forced_tokens else ''} · "
-            f"{self.tok_per_s:.1f} tok/s")
+        with self._send_lock:
+            self._extra = ""  # the header line is new: what follows it is set anew
+            self._ended = status in ENDED
+            self._merge(self._diff(model.program, model.lanes(), model.nodes()))
+        if not self._holding_sync:
+            self._settle()
+            self._flush()
+
+    def header_html(self) -> str:
+        return (f"<b>{html.escape(self.status)}</b> · prompt {self.prompt_tokens} tokens "
+                f"({self.cached_tokens} cached) · generated {self.generated_tokens}"
+                f"{f' ({self.forced_tokens} forced)' if self.forced_tokens else ''} · "
+                f"{self.tok_per_s:.1f} tok/s")
+
+    def set_header_extra(self, extra: str) -> None:
+        """HTML shown after the header line (the program's error), until the next update."""
+        with self._send_lock:
+            self._extra = extra
+        if not self._holding_sync:
+            self._settle()
+            self._flush()
+
+    def _settle(self) -> None:
+        """Before a render's message goes: the header's extra, and the final state."""
+        with self._send_lock:
+            if self._extra != self._extra_sent:
+                self._extra_sent = self._extra
+                self._merge({"x": self._extra})
+            if self._ended:
+                self._finish()
+
+    def static_html(self) -> str:
+        """The view as it stands, as self-contained HTML (style, header, coloured text)."""
+        with self._send_lock:
+            body = render_html(self._root, self._sent, self._nodes)
+        head = f'<div class="sgl-head">{self.header.value}</div>'
+        return (f'<div class="sgl-stream-static">{_STYLE}{head}{_LEGEND}'
+                f'<div class="sgl-stream">{body}</div></div>')
 
     def widgets(self) -> list:
-        return [self, self.header, self.html_view]
+        return [self]
+
+    def _diff(self, root: int, lanes: dict[int, list], nodes: dict[int, list]) -> dict:
+        """What the front end lacks, and remember that it has it now."""
+        delta: dict = {}
+        if root != self._root:
+            self._root = delta["root"] = root
+        changed_nodes = {k: v for k, v in nodes.items() if self._nodes.get(k) != v}
+        if changed_nodes:
+            self._nodes.update(changed_nodes)
+            delta["n"] = {str(k): v for k, v in changed_nodes.items()}
+        out = []
+        for lane, items in lanes.items():
+            sent = self._sent.get(lane, [])
+            at = _common_prefix(sent, items)
+            if at == len(sent) == len(items) and lane in self._sent:
+                continue
+            out.append([lane, at, items[at:]])
+            self._sent[lane] = list(items)
+        if out:
+            delta["l"] = out
+        stats = {"status": self.status, "p": self.prompt_tokens, "c": self.cached_tokens,
+                 "g": self.generated_tokens, "f": self.forced_tokens,
+                 "r": round(self.tok_per_s, 1)}
+        changed = {k: v for k, v in stats.items() if self._stats.get(k) != v}
+        now = time.monotonic()
+        if "r" in changed and not self._ended and now - self._rate_sent_at < 1.0:
+            del changed["r"]  # tokens a second: once a second is enough
+        elif "r" in changed:
+            self._rate_sent_at = now
+        if changed:
+            self._stats.update(changed)
+            delta["s"] = changed
+        return delta
+
+    def _merge(self, delta: dict) -> None:
+        """Add a delta to the one waiting to be sent."""
+        if not delta:
+            return
+        if self._pending is None:
+            self._pending = {}
+        p = self._pending
+        for key, value in delta.items():
+            if key == "l":
+                lanes = p.setdefault("l", [])
+                for lane, at, items in value:
+                    prev = next((x for x in lanes if x[0] == lane), None)
+                    if prev is None:
+                        lanes.append([lane, at, items])
+                    elif at >= prev[1]:  # cut what it replaces, then append
+                        prev[2] = prev[2][:at - prev[1]] + items
+                    else:
+                        prev[1], prev[2] = at, items
+            elif key in ("n", "s"):
+                p.setdefault(key, {}).update(value)
+            else:
+                p[key] = value
+
+    def _flush(self) -> None:
+        """Send the waiting delta: at most `rate` a second (what comes sooner waits, merged
+        with the next, or for a timer when no render follows), a third of that while each
+        would carry fewer than 3 pieces; at once when the run ended."""
+        with self._send_lock:
+            if not self._pending:
+                return
+            now = time.monotonic()
+            # A delta of a token or two waits up to 3 intervals for more (a slow stream).
+            pieces = sum(len(items) for _lane, _at, items in self._pending.get("l", []))
+            interval = self._interval * (1 if pieces >= 3 or "n" in self._pending else 3)
+            wait = self._last_send + interval - now
+            if wait > 0 and not self._ended:
+                if self._timer is None:
+                    self._timer = threading.Timer(wait, self._on_timer)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            msg, self._pending = self._pending, None
+            self._last_send = now
+            self._send_custom(msg)
+
+    def _on_timer(self) -> None:
+        with self._send_lock:
+            self._timer = None
+        self._flush()
+
+    def _send_custom(self, msg: dict) -> None:
+        if self.comm is None:
+            return
+        self.send(msg)
+        self.messages_sent += 1
+
+    def _full(self, final: bool = False) -> dict:
+        msg = {"t": "f", "root": self._root,
+               "l": [[lane, 0, items] for lane, items in self._sent.items()],
+               "n": {str(k): v for k, v in self._nodes.items()}, "s": dict(self._stats),
+               "x": self._extra_sent}
+        if final:
+            msg["final"] = True
+        return msg
+
+    def _finish(self) -> None:
+        """The run has ended: the whole state into the traits, synced from now on."""
+        self.snapshot = self._full(final=True)
+        if self._quiet:
+            self._quiet = False
+            if self._holding_sync:
+                self._states_to_send.update(self._QUIET)
+            else:
+                self.send_state(list(self._QUIET))
+
+    def _on_msg(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("type") == "hello":
+            with self._send_lock:
+                self._send_custom(self._full())
+
+
+def _common_prefix(a: list, b: list) -> int:
+    """How many items a and b share from the start."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
