@@ -269,6 +269,19 @@ def test_run_batch_counts_cancelled_items(shell):
     assert "15 done · 0 running · 0 failed · 5 cancelled" in view.text
 
 
+def test_run_batch_whose_item_fails_to_start(shell):
+    fn = shell.user_ns["tiny"]
+    with capture_output() as cap:
+        result = shell.run_cell("tiny.run_batch([{'i': 0}, {'j': 1}])")  # j: no such argument
+    assert isinstance(result.error_in_exec, TypeError)
+    view = fn.last_batch_view
+    assert shown(cap) == [view]
+    assert view.wait(60) and not view.pump.running  # it ended (and unsubscribed) all the same
+    assert view.counts() == {"total": 1, "done": 1, "running": 0, "failed": 0, "cancelled": 0}
+    view.items.value = 1  # listed, never started
+    assert view.item.children == ()
+
+
 def test_run_batch_at_level_none_shows_nothing(shell):
     set_level(shell, "none")
     view, widgets, _, created, _ = _batch(shell, "range(5)")

@@ -52,6 +52,8 @@ class _Replay:
         self.events = EventBus()
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_backend":
+            raise AttributeError(name)
         return getattr(self._backend, name)
 
 
@@ -222,6 +224,8 @@ class BatchSummary(StaticCopy, W.VBox):
         return self.item
 
     def _show(self, i: int | None) -> None:
+        if i is not None and i >= self.n:  # listed, but its start failed: nothing to show
+            i = None
         with self._lock:
             self._opened = i
             with held([self.item, self.item_line, self.item_text]):
