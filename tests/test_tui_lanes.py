@@ -100,6 +100,9 @@ def check_lanes(app, rows, ideas: list[str], texts: dict[int, str],
         assert all(f"Idea {j}:" not in body for j in range(len(ideas)) if j != i)
     assert plain.startswith(before) and plain.index(before) < starts[0]
     assert plain.rindex("╰─") < plain.index(after) and plain.endswith(after)
+    state = app.query_one("#state").plain  # the variables name the same branches
+    for i, idea in enumerate(ideas):
+        assert f"idea = {idea!r} (branch {i} of {len(ideas)})" in state
     # What the pane draws: the boxes in branch order, each holding its branch's text only.
     lines, inside = screen_lanes(app)
     titles = [k for k, line in enumerate(lines) if line.startswith("╭─ branch ")]

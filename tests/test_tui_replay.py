@@ -104,7 +104,7 @@ def test_replay_of_roles_a_select_and_a_fork(traces):
                 graph[11].endswith("← " + ",".join(f"#{n}" for n in sorted(joined)[::-1]))
             state = pane(app, "state")
             assert "colour = " in state and "user: " in state and "assistant: " in state
-            assert "(branch 1/2)" in state and "(branch 2/2)" in state
+            assert "(branch 0 of 2)" in state and "(branch 1 of 2)" in state
             assert pane(app, "tokens").count("⟨#") == 2
 
     asyncio.run(run())
@@ -122,6 +122,22 @@ def test_snapshot_replay_inside_a_gen(traces, snap_compare):
 
 def test_snapshot_replay_of_a_failed_program(traces, snap_compare):
     assert snap_compare(replay_app(traces["broken"]), press=["c"], terminal_size=SIZE)
+
+
+def test_snapshot_replay_of_fork_lanes(traces, snap_compare):
+    # held before branch 1's Gen: a lane per branch in the Tokens pane, branch 0's Nodes
+    # before branch 1's under the Fork
+    def before_branch_1_gen(pilot) -> None:
+        s = pilot.app.session
+        while not s.position().finished:
+            row = next((r for r in s.rows() if r.id == s.position().node), None)
+            if row is not None and (row.kind, row.branch) == ("Gen", 1) \
+                    and s.position().where == "node":
+                break
+            pilot.app.action_next_node()
+
+    assert snap_compare(replay_app(traces["chat"]), run_before=before_branch_1_gen,
+                        terminal_size=SIZE)
 
 
 def _tmux_or_skip() -> str:

@@ -104,10 +104,13 @@ def _variables(tl: Timeline, root: int | None) -> list[str]:
 
 
 def _branch(tl: Timeline, pid: int) -> str:
-    """A fork branch's place among its siblings ("1/2"): program ids are process-wide."""
-    p = tl.programs[pid]
-    siblings = tl.programs[p.parent].children if p.parent in tl.programs else []
-    return f"{siblings.index(pid) + 1}/{len(siblings)}" if pid in siblings else "?"
+    """A fork branch's place among its Fork's branches ("0 of 2", counted from 0 as the
+    Tokens pane's lanes and the Nodes pane's b<i> are): program ids are process-wide."""
+    siblings = next((c for c in tl.fork_children().values() if pid in c), None)
+    if siblings is None:  # no fork event names it: its parent's children
+        p = tl.programs[pid]
+        siblings = tl.programs[p.parent].children if p.parent in tl.programs else []
+    return f"{siblings.index(pid)} of {len(siblings)}" if pid in siblings else "?"
 
 
 def _messages(tl: Timeline, root: int | None) -> list[str]:
