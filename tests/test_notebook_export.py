@@ -94,7 +94,7 @@ def test_saved_widget_state_holds_the_final_view(executed):
     assert stream and stream[0]["text"].endswith(f"{dish}. The reason:{why}")
     snapshots = [m["snapshot"] for m in models if m.get("root_class") == "sgl-graph"]
     assert snapshots and snapshots[0], "the Node list is not in the saved state"
-    rows = " ".join(visible(r["html"]) for r in snapshots[0])
+    rows = " ".join(visible(r["h"]) for r in snapshots[0])
     assert "Gen why" in rows and "[done]" in rows and "[pending]" not in rows
     # The exported page embeds that state for the widget manager to draw.
     assert "sgl-graph" in _export(nb)

@@ -24,32 +24,34 @@ function render({ model, el }) {
   root.className = model.get("root_class");
   el.appendChild(root);
   let nodes = new Map();  // key -> {wrap, row, kids, fold}
+  // An item: {k: key, h: its html, p: parent key (absent at the top), f: 1 if it folds,
+  // o: 1 if it opens when first drawn, c: classes of its wrapper}.
   function make(item) {
-    const wrap = document.createElement(item.fold ? "details" : "div");
-    const row = document.createElement(item.fold ? "summary" : "div");
+    const wrap = document.createElement(item.f ? "details" : "div");
+    const row = document.createElement(item.f ? "summary" : "div");
     const kids = document.createElement("div");
     kids.className = "sgl-kids";
     wrap.appendChild(row);
     wrap.appendChild(kids);
-    if (item.fold) wrap.open = !!item.open;
-    return { wrap, row, kids, fold: !!item.fold };
+    if (item.f) wrap.open = !!item.o;
+    return { wrap, row, kids, fold: !!item.f };
   }
   function set(item) {
-    let n = nodes.get(item.key);
+    let n = nodes.get(item.k);
     if (!n) {
       n = make(item);
-      nodes.set(item.key, n);
-    } else if (n.fold !== !!item.fold) {  // a leaf that got children, or the reverse
+      nodes.set(item.k, n);
+    } else if (n.fold !== !!item.f) {  // a leaf that got children, or the reverse
       const m = make(item);
       m.kids.replaceWith(n.kids);
       m.kids = n.kids;
       n.wrap.replaceWith(m.wrap);
       n = m;
-      nodes.set(item.key, n);
+      nodes.set(item.k, n);
     }
-    n.row.innerHTML = item.html;
-    n.wrap.className = "sgl-item " + (item.cls || "");
-    n.wrap.dataset.key = item.key;
+    n.row.innerHTML = item.h;
+    n.wrap.className = "sgl-item " + (item.c || "");
+    n.wrap.dataset.key = item.k;
   }
   function place(parent, keys) {
     const box = parent === "" ? root : (nodes.get(parent) || {}).kids;
@@ -76,7 +78,7 @@ function render({ model, el }) {
     const items = model.get("snapshot") || [];
     if (!items.length) return;
     const order = {};
-    for (const it of items) (order[it.parent || ""] ||= []).push(it.key);
+    for (const it of items) (order[it.p || ""] ||= []).push(it.k);
     apply({ reset: true, set: items, order });
   }
   root.addEventListener("click", (e) => {  // a click on a row names it to the kernel
@@ -113,8 +115,17 @@ class Item:
     cls: str = ""
 
     def as_dict(self) -> dict:
-        return {"key": self.key, "html": self.html, "parent": self.parent,
-                "fold": self.fold, "open": self.open, "cls": self.cls}
+        """What the front end gets: short names, defaults left out (sent on every change)."""
+        d = {"k": self.key, "h": self.html}
+        if self.parent:
+            d["p"] = self.parent
+        if self.fold:
+            d["f"] = 1
+        if self.open:
+            d["o"] = 1
+        if self.cls:
+            d["c"] = self.cls
+        return d
 
 
 class KeyedView(anywidget.AnyWidget):

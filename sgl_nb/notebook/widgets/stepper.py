@@ -268,26 +268,32 @@ class StepperView(W.VBox):
         return running[-1].split(" ")[0] if running else ""
 
     def _graph_items(self, rows: list[Row], current: int | None, bps: set) -> list[Item]:
-        """One row per Node: what the front end shows, sent only where it changed."""
+        """Per Node a row, with its Instructions and its timing as rows under it: each is
+        sent only when it changed (a running Decode's token count, its timing)."""
         selected = self.node_choice.value
-        return [Item(f"n{r.id}", self._row_html(r, current, bps, selected)) for r in rows]
+        out = []
+        for r in rows:
+            key = f"n{r.id}"
+            out.append(Item(key, self._node_html(r, current, bps, selected)))
+            for i, ins in enumerate(r.instructions):
+                icur = " sgl-current" if r.id == current and i == self._ins_index(r) else ""
+                extra = f" {r.tokens} tokens" if ins.startswith("Decode") and r.tokens else ""
+                out.append(Item(f"{key}.{i}", f'<div class="sgl-ins{icur}">'
+                                              f'{html.escape(ins)}{extra}</div>', key))
+            if r.timing:
+                out.append(Item(f"{key}.t", f'<div class="sgl-timing">{html.escape(r.timing)}'
+                                            "</div>", key))
+        return out
 
-    def _row_html(self, r: Row, current: int | None, bps: set, selected) -> str:
+    def _node_html(self, r: Row, current: int | None, bps: set, selected) -> str:
         cur = " sgl-current" if r.id == current else ""
         sel = ' data-selected="1"' if r.id == selected else ""
         mark = '<span class="sgl-bp">●</span>' if any(b.hits(r) for b in bps) else " "
         line = f"line {r.line}" if r.line else ""
         preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
-        out = [f'<div class="sgl-node{cur}" data-node="{r.id}"{sel}>{mark} #{r.id:<4} '
-               f'{html.escape(f"{r.label:<40}")} {line:<8} '
-               f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>']
-        for i, ins in enumerate(r.instructions):
-            icur = " sgl-current" if cur and i == self._ins_index(r) else ""
-            extra = f" {r.tokens} tokens" if ins.startswith("Decode") and r.tokens else ""
-            out.append(f'<div class="sgl-ins{icur}">{html.escape(ins)}{extra}</div>')
-        if r.timing:
-            out.append(f'<div class="sgl-timing">{html.escape(r.timing)}</div>')
-        return "".join(out)
+        return (f'<div class="sgl-node{cur}" data-node="{r.id}"{sel}>{mark} #{r.id:<4} '
+                f'{html.escape(f"{r.label:<40}")} {line:<8} '
+                f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>')
 
     def _redraw(self) -> None:
         """The selection moved: re-send the rows it marks (two at most)."""
@@ -303,8 +309,9 @@ class StepperView(W.VBox):
 
     def _row_clicked(self, change) -> None:
         key = change.get("new") or ""
-        if key.startswith("n") and key[1:].isdigit():
-            self.select(int(key[1:]))
+        node = key.split(".")[0]  # a Node's row, or one of its Instructions' rows
+        if node.startswith("n") and node[1:].isdigit():
+            self.select(int(node[1:]))
 
     def select(self, node_id: int) -> bool:
         """Select a Node in the list (a token click): True if it is listed."""
