@@ -35,6 +35,7 @@ class Lane:
     label: str
     blocks: list[Text | Lane] = field(default_factory=list)
     current: bool = False  # the current Node is its branch's (not of a lane inside it)
+    ended: bool = False  # its program has finished
 
 
 class TokensPane(VerticalScroll):
@@ -127,7 +128,8 @@ class _Stream:
         if pid not in self.tl.programs:  # named by its fork, no event of its own yet
             self._walked.add(pid)
             return Lane(label, current=current)
-        return Lane(label, _tidy(self._program(pid)), current=current)
+        ended = self.tl.programs[pid].status in ("done", "error", "cancelled")
+        return Lane(label, _tidy(self._program(pid)), current=current, ended=ended)
 
     def _node(self, text: Text, n: NodeView) -> None:
         current = n.id == self.position.node
@@ -167,7 +169,8 @@ def _renderable(blocks: list[Text | Lane]) -> RenderableType:
 
 
 def _panel(lane: Lane) -> Panel:
-    body = _renderable(lane.blocks) if lane.blocks else Text("(nothing yet)", style="dim")
+    empty = Text("(no text)" if lane.ended else "(nothing yet)", style="dim")
+    body = _renderable(lane.blocks) if lane.blocks else empty
     title = (Text(f"{CURRENT} {lane.label}", style=f"bold {LANE_STYLE}") if lane.current
              else Text(lane.label, style=LANE_STYLE))
     return Panel(body, title=title, title_align="left", box=box.ROUNDED,
