@@ -113,3 +113,19 @@ def test_cache_events(runtime):
     hits = [e.data["cached_tokens"] for e in got if e.kind == "cache_hit"]
     assert hits[0] == 0 and hits[1] > 0
     assert any(e.kind == "cache_insert" and e.data["tokens"] > 0 for e in got)
+
+
+def test_continue_forgets_a_step_whose_node_has_not_ended():
+    """A step granted to one fork branch while another is held, then continue: the stepped
+    Node's end must not pause the program again."""
+    from sgl_nb.runtime.compiler.ir import Node
+    from sgl_nb.runtime.compiler.step_controller import StepController
+
+    a, b = Node("Gen", 1, [], "a"), Node("Gen", 2, [], "b")
+    c = StepController(paused=True)
+    assert not c.enter_node(a)  # held before a
+    c.step()
+    assert c.enter_node(a)  # a runs (its end would pause again) ...
+    c.continue_()  # ... but the user continued before it ended
+    c.after_node(a)
+    assert c.enter_node(b) and not c.paused

@@ -54,6 +54,9 @@ class StepController:
     def continue_(self) -> None:
         with self._cond:
             self._paused, self._node_steps, self._token_steps = False, 0, 0
+            # A step granted earlier whose Node has not ended (another fork branch was the
+            # one held) must not pause the program again when it does.
+            self._stop_after_node = False
             self.waiting_at = None
             self._cond.notify_all()
         self._wake()
