@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ import pytest
 import sgl_nb as sgl
 from sgl_nb.cli import main
 from sgl_nb.notebook.widgets import ProgramWidget
+from sgl_nb.notebook.widgets.stream import StreamModel, StreamView
+from sgl_nb.tracing.timeline import Timeline
 
 slow = pytest.mark.slow
 STREAM_JS = Path(sgl.__file__).parent / "notebook" / "widgets" / "stream.js"
@@ -198,6 +201,60 @@ def test_each_fork_branch_has_its_lane(default_backend):
     static = w.stream.static_html()
     assert "branch 0" in static and "branch 1" in static
     assert static.count('data-var="slogan"') == 2
+
+
+@sgl.function
+def stepped(s):
+    s += "Count: one, two,"
+    s += sgl.gen("n", max_tokens=6, ignore_eos=True)
+
+
+@slow
+def test_a_held_program_shows_every_token_it_has(default_backend):
+    """A delta held back by the rate goes out on its own when no render follows (a program
+    held by the stepper renders no more)."""
+    w, st, wire = watch(default_backend, stepped, step=True, passes=())
+    debug = st.debug
+    assert debug.wait_until_held(120)
+    debug.breakpoint(name="n")
+    debug.continue_()
+    assert debug.wait_until_held(120)
+    for _ in range(2):  # the prefill (the first token), then one decode step
+        debug.step_instruction()
+        assert debug.wait_until_held(120)
+    w.sync()
+    assert w.stream.generated_tokens == 2
+    deadline = time.monotonic() + 5
+    while Front(wire.custom()).text(st.id) != w.stream.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    front = Front(wire.custom())
+    assert front.text(st.id) == w.stream.text and front.text(st.id).startswith("Count:")
+    assert front.stats["g"] == 2
+    debug.continue_()
+    assert w.wait(120)
+    assert Front(wire.custom()).text(st.id) == st.text()
+
+
+@slow
+def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
+    """Renders faster than the view's rate, then none (a held program, a pause in the
+    tokens): what the last render changed goes out on its own, within an interval or so."""
+    w, st, _ = watch(default_backend, long, n=20)
+    assert w.wait(120)
+    view = StreamView()
+    wire = Wire(view)
+    tl = Timeline()
+    for e in w.timeline.events:  # the real run's events, folded again, a render a token
+        tl.apply(e)
+        if e.kind == "token":
+            model = StreamModel(tl, st.id, w._node_text, w._prefix_chars, w.forks)
+            view.update(model, "running")
+    assert len(wire.custom()) < 20  # renders came faster than 10 a second: merged
+    deadline = time.monotonic() + 2
+    while Front(wire.custom()).text(st.id) != model.text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert Front(wire.custom()).text(st.id) == model.text() and view.generated_tokens == 20
+    assert wire.updates() == []  # still running: no trait went out
 
 
 @slow
