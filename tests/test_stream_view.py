@@ -257,6 +257,27 @@ def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
     assert wire.updates() == []  # still running: no trait went out
 
 
+@sgl.function
+def fails(s):
+    s += "Say hi:" + sgl.gen("hi", max_tokens=3, ignore_eos=True)
+    raise ValueError("boom in the cell")
+
+
+@slow
+def test_an_error_shows_once_under_the_header_and_in_the_text(default_backend):
+    w, st, wire = watch(default_backend, fails)
+    assert w.wait(120)
+    assert isinstance(st.error(), ValueError)
+    front = Front(wire.custom())
+    assert front.stats["status"] == "error"
+    extras = [m["x"] for m in wire.custom() if "x" in m]
+    assert len(extras) == 1 and extras[0].count("boom in the cell") == 1
+    assert w.stream.header.value.count("boom in the cell") == 1  # not once a render
+    assert any(isinstance(it, dict) and it["k"] == "perr" and "boom" in it["t"]
+               for it in front.lanes[st.id])
+    assert w.stream.snapshot["x"] == extras[0] and "boom in the cell" in w.stream.static_html()
+
+
 @slow
 def test_the_bytes_grow_linearly_with_the_tokens(default_backend):
     sizes = {}
