@@ -335,7 +335,8 @@ PIECES = """(i) => [...(i === null ? document.querySelector(".sgl-stream")
 def test_the_front_end_draws_the_deltas(default_backend):
     w, st, wire = watch(default_backend, slogans)
     assert w.wait(120)
-    sent, snapshot = wire.custom(), w.stream.snapshot
+    view = w.stream
+    sent, snapshot = wire.custom(), view.snapshot
     src = STREAM_JS.read_text()
     with _browser() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -351,6 +352,15 @@ def test_the_front_end_draws_the_deltas(default_backend):
         for i, slogan in enumerate(st["slogan"]):
             assert page.evaluate(PIECES, i) == f"\nSlogan {i + 1}:{slogan}"
         assert "done" in page.locator(".sgl-head").inner_text()
+        # The same deltas again (each cuts its lane back to `at`), then the whole state (the
+        # answer to a hello): nothing changes.
+        view.comm.handle_msg({"content": {"data": {"method": "custom",
+                                                   "content": {"type": "hello"}}},
+                              "buffers": []})
+        for m in [*sent[-4:], wire.custom()[-1]]:
+            page.evaluate("(m) => window.emit('msg:custom', m)", m)
+        assert page.evaluate(PIECES, None) == st.text()
+        assert page.evaluate(PIECES, 0) == f"\nSlogan 1:{st['slogan'][0]}"
         # A click on a token says which Node it belongs to.
         token = page.locator(".sgl-stream .sgl-generated").first
         node = int(token.get_attribute("data-node"))
