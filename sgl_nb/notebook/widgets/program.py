@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import linecache
 import threading
+import time
 
 import ipywidgets as W
 from traitlets import Int, Unicode
@@ -32,6 +33,12 @@ from sgl_nb.notebook.widgets.variables import VariablesPanel
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
+# While tokens stream, the views beside the stream (stepper, cache tree, variables, call
+# stack) refresh at most this often, and at once when a Node's status changes, the program
+# is held or it ends: a token changes their counts only, and a message per view per render
+# would exceed the 30 messages a second a program may send.
+SIDE_VIEWS_INTERVAL_S = 1.0
+
 
 class ProgramWidget(W.VBox):
     program_id = Int(None, allow_none=True).tag(sync=True)
@@ -44,7 +51,10 @@ class ProgramWidget(W.VBox):
         self.timings = Timings()
         self._handle = None  # the display handle show() made (its text/html is updated)
         self._final_shown = False  # the final state was re-sent from the kernel's thread
+        self._shown_state: dict[str, dict] = {}  # model id -> its state when displayed
         self._final_updated = False  # the display was updated once the program ended
+        self._side_key: tuple | None = None  # what the side views last showed, in brief
+        self._side_at = 0.0  # when they were last refreshed (monotonic)
         self.forks: dict[int, list[int]] = {}
         self.state = None
         self.pump: EventPump | None = None
@@ -168,18 +178,31 @@ class ProgramWidget(W.VBox):
                 if self.error:
                     self.stream.header.value += (
                         f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
-                self.stepper.update(rows, finished)
-                self.stop_button.disabled = finished
-                self.cache.update(self.backend.cache, self._tokenizer(),
-                                  self._path_tokens(model, text))
-                self.variables.update(self.state)
-                self._update_call_stack(finished)
+                if self._side_views_due(rows, finished):
+                    self.stepper.update(rows, finished)
+                    self.stop_button.disabled = finished
+                    self.cache.update(self.backend.cache, self._tokenizer(),
+                                      self._path_tokens(model, text))
+                    self.variables.update(self.state)
+                    self._update_call_stack(finished)
                 if finished:
                     for view in (self.variables, self.call_stack, self.cache.tree):
                         view.freeze()  # the final rows in the widget state
         if finished and not self._final_updated:
             self._final_updated = True
             self._show_final()
+
+    def _side_views_due(self, rows: list, finished: bool) -> bool:
+        debug = self.state.debug
+        held_now = debug is not None and debug.waiting_at is not None  # a step: show it
+        key = (finished, self.status, tuple((r.id, r.status) for r in rows),
+               len(self.state._vars))
+        now = time.monotonic()
+        if (not held_now and key == self._side_key
+                and now - self._side_at < SIDE_VIEWS_INTERVAL_S):
+            return False
+        self._side_key, self._side_at = key, now
+        return True
 
     def _update_call_stack(self, finished: bool) -> None:
         """The frames of the Node the program is at (the stepper's current Node)."""
@@ -235,6 +258,9 @@ class ProgramWidget(W.VBox):
             display(self)  # a terminal prints it once: no saved output to keep up to date
             return None
         self._handle = display(self, display_id=True)
+        # What the notebook recorded when each widget opened: _after_cell re-sends only
+        # what differs from it.
+        self._shown_state = {w.model_id: w.get_state() for w in _tree(self)}
         ip.events.register("post_execute", self._after_cell)
         return self._handle
 
@@ -257,7 +283,10 @@ class ProgramWidget(W.VBox):
         if ip is not None:
             ip.events.unregister("post_execute", self._after_cell)
         for w in _tree(self):
-            w.send_state()
+            before, now = self._shown_state.get(w.model_id), w.get_state()
+            changed = list(now) if before is None else [k for k in now if now[k] != before.get(k)]
+            if changed:
+                w.send_state(key=changed)
         self._show_final()
     def _error_text(self, error: str) -> str:
         line = getattr(self.state, "error_line", None)
