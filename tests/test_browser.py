@@ -42,6 +42,7 @@ CELLS = [
     '    s["n"] = len(s["word"])',
     '%%sgl nested --step\ns += "Pick an animal: "\n'
     's += select("pick", choices=["cat", "dog"])\ninner(s, topic="pets")',
+    '%%sgl long --max-tokens 2000\ns += "Once upon a time"\ns += gen("story", ignore_eos=True)',
 ]
 
 
@@ -216,3 +217,29 @@ def _run(page, url: str, expect) -> None:
     nested.locator(".sgl-node", has_text="Pick an animal").click()
     expect(nested.locator(".sgl-node[data-selected]")).to_contain_text("Pick an animal")
     expect(nested.locator(".sgl-node-source")).to_contain_text('s += "Pick an animal: "')
+    _pause_a_long_run(page, cells.nth(6), expect)
+
+
+def _generated(cell) -> int:
+    """The generated-token count the stream view's header shows now."""
+    m = re.search(r"generated (\d+)", cell.locator(".sgl-head").inner_text())
+    return int(m.group(1)) if m else 0
+
+
+def _pause_a_long_run(page, cell, expect) -> None:
+    """A 2,000-token generation streams while the page stays responsive: Pause takes effect
+    within a second, the count then stops, and Stop ends the program."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while _generated(cell) < 20:
+        assert time.monotonic() < deadline, "the long program never streamed"
+        page.wait_for_timeout(200)
+    cell.get_by_role("button", name="Pause").click()
+    expect(cell.get_by_text(re.compile("held at a (decode|node)"))).to_be_visible(timeout=1000)
+    page.wait_for_timeout(500)  # the stream view's last delta (it sends 10 a second)
+    held = _generated(cell)
+    assert 20 <= held < 2000, held
+    page.wait_for_timeout(1500)
+    assert _generated(cell) == held  # nothing decodes while it is held
+    page.screenshot(path=str(ARTIFACTS / "7-long-paused.png"), full_page=True)
+    cell.get_by_role("button", name="Stop").click()
+    expect(cell.locator(".sgl-head")).to_contain_text("cancelled", timeout=TIMEOUT_MS)
