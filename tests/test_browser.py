@@ -234,7 +234,8 @@ def _pause_a_long_run(page, cell, expect) -> None:
         assert time.monotonic() < deadline, "the long program never streamed"
         page.wait_for_timeout(200)
     cell.get_by_role("button", name="Pause").click()
-    expect(cell.get_by_text(re.compile("held at a (decode|node)"))).to_be_visible(timeout=1000)
+    expect(cell.get_by_text(re.compile("held at a (decode|node)")).first).to_be_visible(
+        timeout=1000)
     page.wait_for_timeout(500)  # the stream view's last delta (it sends 10 a second)
     held = _generated(cell)
     assert 20 <= held < 2000, held
