@@ -28,7 +28,7 @@ from sgl_nb.notebook.widgets.compact import (
     line_html,
 )
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
-from sgl_nb.notebook.widgets.throttle import EventPump, held
+from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.runtime.events import Event, EventBus
 from sgl_nb.tracing.timeline import Timeline
 
@@ -57,7 +57,7 @@ class _Replay:
         return getattr(self._backend, name)
 
 
-class BatchSummary(StaticCopy, W.VBox):
+class BatchSummary(PumpedView, StaticCopy, W.VBox):
     """Create it (it subscribes) before the items start, `attach(futures)` once they are
     queued. `counts()` and `text` say where the batch is; `open_item(i)` shows item i."""
 
@@ -161,17 +161,6 @@ class BatchSummary(StaticCopy, W.VBox):
     def _finished(self) -> bool:
         return len(self.futures) == self.n and all(
             self.status(i) in ENDED for i in range(self.n))
-
-    def sync(self, timeout: float | None = 60.0) -> None:
-        """Fold everything published so far and render it (headless use, tests)."""
-        if self.pump is not None:
-            self.pump.flush(timeout)
-        else:
-            self.render()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the final render (after every item ended); True when it happened."""
-        return self.pump.join(timeout) if self.pump is not None else True
 
     # ---- rendering -------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 from traitlets import Float, Int, Unicode
 
-from sgl_nb.notebook.widgets.throttle import EventPump, held
+from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import Timeline
 
@@ -127,7 +127,7 @@ class StaticCopy:
         self.send_state()
 
 
-class CompactView(StaticCopy, W.HTML):
+class CompactView(PumpedView, StaticCopy, W.HTML):
     """One program's line. Create it (it subscribes) before the program starts,
     `attach(state)` once it runs; `sync()` renders now, `wait()` for the final render."""
 
@@ -186,17 +186,6 @@ class CompactView(StaticCopy, W.HTML):
     def stop(self) -> bool:
         """Cancel the program; False if it had already ended."""
         return self.state is not None and self.state.cancel()
-
-    def sync(self, timeout: float | None = 60.0) -> None:
-        """Fold everything published so far and render it (headless use, tests)."""
-        if self.pump is not None:
-            self.pump.flush(timeout)
-        else:
-            self.render()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the final render (after the program ended); True when it happened."""
-        return self.pump.join(timeout) if self.pump is not None else True
 
     def render(self) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
 from sgl_nb.notebook.widgets.static_view import static_html
 from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
 from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
-from sgl_nb.notebook.widgets.throttle import EventPump, held
+from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.notebook.widgets.variables import VariablesPanel
 from sgl_nb.runtime.events import Event
@@ -40,7 +40,7 @@ from sgl_nb.tracing.timeline import NodeView, Timeline
 SIDE_VIEWS_INTERVAL_S = 1.0
 
 
-class ProgramWidget(W.VBox):
+class ProgramWidget(PumpedView, W.VBox):
     program_id = Int(None, allow_none=True).tag(sync=True)
     status = Unicode("starting").tag(sync=True)
     error = Unicode("").tag(sync=True)
@@ -142,17 +142,6 @@ class ProgramWidget(W.VBox):
 
     def _poke(self) -> None:
         self._last_hold = None  # a button was pressed: the pump renders on its next poll
-
-    def sync(self, timeout: float | None = 60.0) -> None:
-        """Fold everything published so far and render it (headless use, tests)."""
-        if self.pump is not None:
-            self.pump.flush(timeout)
-        else:
-            self.render()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the final render (after the program ended); True when it happened."""
-        return self.pump.join(timeout) if self.pump is not None else True
 
     # ---- rendering -------------------------------------------------------------------------
 

@@ -156,3 +156,24 @@ class EventPump:
                 f.done.set()
             if self.on_stop is not None:
                 self.on_stop()
+
+
+class PumpedView:
+    """A view fed by an EventPump (its `pump`, None before it starts) that draws itself in
+    `render`: the headless controls every such view has."""
+
+    pump: EventPump | None
+
+    def render(self) -> None:
+        raise NotImplementedError
+
+    def sync(self, timeout: float | None = 60.0) -> None:
+        """Fold everything published so far and render it (headless use, tests)."""
+        if self.pump is not None:
+            self.pump.flush(timeout)
+        else:
+            self.render()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the final render (after what it shows has ended); True when it happened."""
+        return self.pump.join(timeout) if self.pump is not None else True
