@@ -99,7 +99,7 @@ class ProgramWidget(PumpedView, W.VBox):
         self.stop_button.disabled = False
         self._family = {state.id}  # grows with the fork events
         self.stepper.bind(state.debug,
-                          node_only=not getattr(state.backend, "instruction_stepping", True))
+                          node_only=not state.backend.instruction_stepping)
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
                               changed=self._hold_changed, rate=self.rate,
                               on_stop=self._unsubscribe).start()
