@@ -84,8 +84,7 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
                                 value=None, layout=W.Layout(width="auto"))
         self.items.observe(lambda change: self._show(change["new"]), "value")
         self.item_line = W.HTML("")
-        self.item_text = W.HTML("")
-        self.item_text.add_class("sgl-stream-view")
+        self.item_text = W.HTML("", _dom_classes=["sgl-stream-view"])
         self.full_button = W.Button(description="Full widget", icon="search-plus",
                                     tooltip="this item's stream view, stepper and cache tree",
                                     layout=W.Layout(width="auto"))

@@ -127,8 +127,8 @@ class CacheTreeView(W.VBox):
     def __init__(self, max_nodes: int = 300, **kwargs):
         self.max_nodes = max_nodes
         self._decoded: dict[tuple, str] = {}
-        self.tree = CacheTreeGraph()
-        self.tree.add_class("sgl-cache-view")
+        # Classes given at construction go with the widget's opening, not as an update.
+        self.tree = CacheTreeGraph(_dom_classes=["sgl-cache-view"])
         super().__init__(children=[self.tree], **kwargs)
 
     def update(self, cache, tokenizer, program_tokens: list[int] | None = None) -> None:

@@ -78,8 +78,7 @@ class ProgramWidget(PumpedView, W.VBox):
         self.cache = CacheTreeView()
         self.variables = VariablesPanel()
         self.call_stack = CallStackPanel()
-        self.tabs = W.Tab(children=[self.stepper, self.cache])
-        self.tabs.titles = ("Stepper", "Cache tree")
+        self.tabs = W.Tab(children=[self.stepper, self.cache], titles=("Stepper", "Cache tree"))
         header = W.HBox([self.title, self.stop_button],
                         layout=W.Layout(justify_content="space-between", align_items="center"))
         panels = W.HBox([

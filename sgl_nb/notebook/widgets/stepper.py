@@ -131,7 +131,9 @@ class StepperView(W.VBox):
         self._node_only = False
         self._rows: dict[int, Row] = {}
         self.on_command = None  # called after each button, so the owner re-renders soon
-        auto = {"layout": W.Layout(width="auto")}
+        # Disabled until bound to a controller: bind(None) below then changes nothing (no
+        # message per button before the program starts).
+        auto = {"layout": W.Layout(width="auto"), "disabled": True}
         self.step_node = W.Button(description="Step node", icon="step-forward", **auto)
         self.step_instruction = W.Button(description="Step instruction", icon="forward", **auto)
         self.continue_button = W.Button(description="Continue", icon="play", **auto)
@@ -142,16 +144,15 @@ class StepperView(W.VBox):
         self.bp_spec = W.Text(placeholder="answer | kind=Gen | line=3",
                               description="Break on", layout=W.Layout(width="420px"))
         self.add_bp = W.Button(description="Add breakpoint", **auto)
-        self.graph = StepperGraph()
-        self.graph.add_class("sgl-stepper-graph")
+        # Classes given at construction go with the widget's opening, not as an update.
+        self.graph = StepperGraph(_dom_classes=["sgl-stepper-graph"])
         self.status_html = W.HTML("")
         self.buttons = [self.step_node, self.step_instruction, self.continue_button,
                         self.pause_button]
         for b, fn in zip(self.buttons, ("step", "step_instruction", "continue_", "pause")):
             b.on_click(lambda _b, fn=fn: self._command(fn))
         self._drawn: tuple = ([], None, set())  # what the graph shows: rows, current, bps
-        self.source_html = W.HTML("")
-        self.source_html.add_class("sgl-node-source")
+        self.source_html = W.HTML("", _dom_classes=["sgl-node-source"])
         self.node_choice.observe(lambda _c: self._redraw(), names="value")
         self.graph.observe(self._row_clicked, names="clicked")  # a click on a Node's row
         self.toggle_bp.on_click(lambda _b: self._toggle_breakpoint())
