@@ -138,6 +138,16 @@ def test_a_mangled_span(trace_lines, tmp_path, seed, value, drop):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("field", ["startTimeUnixNano", "endTimeUnixNano"])
+def test_an_infinite_time_is_a_trace_format_error(trace_lines, tmp_path, field):
+    """Found by the fuzz above: json reads Infinity, and int() of it overflowed."""
+    doc = json.loads(trace_lines[0])
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0][field] = float("inf")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:1: a malformed span \(Overflow"):
+        load_lines(tmp_path, [json.dumps(doc), *trace_lines[1:]])
+
+
+@pytest.mark.slow
 def test_another_format_version_is_named(trace_lines, tmp_path):
     lines = [line.replace('"intValue": "1"}}]', '"intValue": "7"}}]') for line in trace_lines]
     assert lines != trace_lines

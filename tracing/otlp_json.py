@@ -99,7 +99,9 @@ class TraceFormatError(ValueError):
 
 
 # What a field of the wrong shape raises while a span is read back.
-MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+# What a well-formed line with a wrong field raises while decoding (OverflowError: a time
+# of inf, as json reads "Infinity").
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
 
 
 @dataclass
