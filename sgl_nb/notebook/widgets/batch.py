@@ -114,10 +114,6 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
                               rate=self.rate, on_stop=self._stopped).start()
         return self
 
-    def _stopped(self) -> None:
-        self.backend.events.unsubscribe(self._queue)
-        self._show_final()
-
     def _fold(self, events: list[Event]) -> bool:
         changed = False
         with self._lock:

@@ -126,6 +126,11 @@ class StaticCopy:
     def _resend(self) -> None:
         self.send_state()
 
+    def _stopped(self) -> None:
+        """The pump ended: stop listening, leave the final static copy."""
+        self.backend.events.unsubscribe(self._queue)
+        self._show_final()
+
 
 class CompactView(PumpedView, StaticCopy, W.HTML):
     """One program's line. Create it (it subscribes) before the program starts,
@@ -161,10 +166,6 @@ class CompactView(PumpedView, StaticCopy, W.HTML):
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
                               rate=self.rate, on_stop=self._stopped).start()
         return self
-
-    def _stopped(self) -> None:
-        self.backend.events.unsubscribe(self._queue)
-        self._show_final()
 
     def _fold(self, events: list[Event]) -> bool:
         changed = False
