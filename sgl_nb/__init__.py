@@ -5,6 +5,7 @@ Programs written for SGLang's frontend run with `import sgl_nb as sgl`.
 
 from sgl_nb.backends.local_runtime import Runtime
 from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
+from sgl_nb.language.diff import RunDiff, diff
 from sgl_nb.language.expressions import (
     REGEX_BOOL,
     REGEX_FLOAT,
@@ -51,14 +52,15 @@ __all__ = [
     "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end", "video", "enable_tracing", "disable_tracing", "RuntimeEndpoint",
-    "global_config",
+    "global_config", "diff", "RunDiff",
 ]
 __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache, %sgl_trace and %sgl_widget
-    magics, `%config SglMagics.widget`, and one summary widget for a cell's run_batch."""
+    """`%load_ext sgl_nb`: the %%sgl, %sgl_model, %sgl_cache, %sgl_trace, %sgl_widget and
+    %sgl_diff magics, `%config SglMagics.widget`, and one summary widget for a cell's
+    run_batch."""
     from sgl_nb.notebook.magics import load_ipython_extension as load  # IPython only when asked
 
     load(ipython)

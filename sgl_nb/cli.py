@@ -62,6 +62,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(args.trace, not args.no_timings)
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Exit 0 when the runs are the same, 1 when they differ (like diff(1)), 2 on bad input."""
+    from pathlib import Path
+
+    from sgl_nb.language.diff import diff
+    from sgl_nb.tracing import TraceFormatError
+
+    sides = [(a, p) if p is not None else a for a, p in
+             ((args.a, args.program_a), (args.b, args.program_b))]
+    try:
+        d = diff(*sides, names=(Path(args.a).name, Path(args.b).name))
+    except (OSError, TraceFormatError, ValueError, KeyError) as e:
+        print(f"sgl-nb diff: {e}", file=sys.stderr)
+        return 2
+    if args.text or not sys.stdout.isatty():
+        print(d)
+    else:
+        from sgl_nb.tui.diff_app import DiffApp
+
+        DiffApp(d).run()
+    return 1 if d else 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from sgl_nb.server.serve import cmd_serve as serve
 
@@ -142,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("trace", metavar="TRACE.jsonl")
     r.add_argument("--no-timings", action="store_true", help="hide timings in the state pane")
     r.set_defaults(func=cmd_replay)
+
+    f = sub.add_parser("diff", help="compare two runs recorded as traces: the first Node and "
+                       "token where they part (exit 0: the same, 1: they differ, 2: bad input)")
+    f.add_argument("a", metavar="A.jsonl")
+    f.add_argument("b", metavar="B.jsonl")
+    f.add_argument("--program-a", type=int, default=None, metavar="ID",
+                   help="the program of A to compare, when it holds several")
+    f.add_argument("--program-b", type=int, default=None, metavar="ID")
+    f.add_argument("--text", action="store_true", help="print the report, even on a terminal")
+    f.set_defaults(func=cmd_diff)
 
     args = p.parse_args(argv)
     return args.func(args)

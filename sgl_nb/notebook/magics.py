@@ -1,6 +1,7 @@
 """IPython magics: `%%sgl` runs a cell as a program, `%sgl_model`, `%sgl_cache`,
-`%sgl_trace`, `%sgl_widget`. Load them with `%load_ext sgl_nb`. `SglMagics.widget` (a
-`%config` trait) says what cells show; a cell's run_batch shows one summary widget.
+`%sgl_trace`, `%sgl_widget`, `%sgl_diff` (compare two runs). Load them with
+`%load_ext sgl_nb`. `SglMagics.widget` (a `%config` trait) says what cells show; a cell's
+run_batch shows one summary widget.
 
 A `%%sgl` cell returns at once: the program's body runs on a pool thread, its Instructions
 on the executor's and the engine's, and its widget follows it from the event stream. Nothing
@@ -271,6 +272,39 @@ class SglMagics(Magics):
 
             print(f"wrote {len(read_spans(args.file))} spans to {args.file}")
         return None
+
+    @magic_arguments()
+    @argument("a", help="a notebook variable (a state, a record, a Timeline, (path, program "
+              "id)) or a trace file")
+    @argument("b", nargs="?", default=None, help="the same; omitted: A is a re-run, compared "
+              "with its original")
+    @argument("--text", action="store_true", help="print the plain-text report")
+    @line_magic
+    def sgl_diff(self, line: str):
+        """%sgl_diff A B: compare two runs (sgl_nb.diff): the first Node and token where they
+        part, the arguments that differ, and time and tokens per Node, side by side."""
+        from sgl_nb.language.diff import diff
+
+        args = _parse(self.sgl_diff, line)
+        names = [n for n in (args.a, args.b) if n is not None]
+        runs = [self._run_named(n) for n in names]
+        try:
+            d = diff(*runs, names=tuple(names) if len(names) == 2 else ("original", names[0]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"%sgl_diff: {e}") from None
+        if args.text:
+            print(d)
+        else:
+            display(d)  # its HTML report in a notebook
+        return None
+
+    def _run_named(self, name: str):
+        ns = self.shell.user_ns if self.shell is not None else {}
+        if name in ns:
+            return ns[name]
+        if os.path.isfile(name):
+            return name
+        raise UsageError(f"%sgl_diff: {name!r} is neither a notebook variable nor a trace file")
 
     # ---- run_batch in a cell: one summary widget (the hook sgl_nb/language/function.py calls)
 
