@@ -6,6 +6,7 @@ notebook widgets step through both the same way. No threads, no I/O."""
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from sgl_nb.runtime.events import Event
 
 # The Node kinds whose output is part of the program's text.
 _TEXT_KINDS = ("Text", "RoleBegin", "RoleEnd", "Gen", "Select")
+# What program_started says of the call, for a re-run (sgl_nb/language/rerun.py).
+CALL_KEYS = ("module", "qualname", "args", "options")
 
 
 @dataclass
@@ -22,6 +25,11 @@ class TokenView:
     logprob: float | None
     forced: bool
     seq: int
+    # Why this token (runtime/token_choice.py): the step's top alternatives as (id, text,
+    # logprob, masked), most likely first, and the tokens the grammar left (-1: none).
+    # Empty / -1 in traces recorded below the "token" level or before they existed.
+    top: list[tuple[int, str, float, bool]] = field(default_factory=list)
+    allowed: int = -1
 
 
 @dataclass
@@ -56,6 +64,7 @@ class NodeView:
     text: str | None = None  # what the node added to the program's text (node_finished)
     value: str | None = None  # repr of the variable it bound, if any (node_finished)
     stack: list[str] = field(default_factory=list)  # the call stack it was added under
+    params: dict = field(default_factory=dict)  # a Gen's sampling params, a Select's choices
 
 
 @dataclass
@@ -72,6 +81,7 @@ class ProgramView:
     model: str | None = None
     start_ns: int | None = None
     end_ns: int | None = None
+    call: dict = field(default_factory=dict)  # module, qualname, args, options (JSON text)
 
 
 def _empty_cache() -> dict:
@@ -80,6 +90,17 @@ def _empty_cache() -> dict:
 
 class Timeline:
     """Everything known so far about a run. `apply` one Event at a time, in seq order."""
+
+    # sgl_nb.language.rerun sets it: re-running needs the language layer, above this one.
+    rerunner = None
+
+    def rerun(self, at, **kwargs):
+        """Run a traced program again from Node `at`, with an edit (`value=`, sampling
+        arguments; `program=` when the trace holds several): see ProgramState.rerun. Its
+        function must be importable from where the trace recorded it."""
+        if Timeline.rerunner is None:
+            raise RuntimeError("import sgl_nb to re-run a traced program")
+        return Timeline.rerunner(self, at, **kwargs)
 
     def __init__(self, events: Iterable[Event] = ()):
         self.events: list[Event] = []
@@ -140,6 +161,7 @@ class Timeline:
         p.priority = d.get("priority", p.priority)
         p.model = d.get("model", p.model)
         p.start_ns = e.ts
+        p.call.update({k: d[k] for k in CALL_KEYS if d.get(k) is not None})
         parent = d.get("parent")
         if parent is not None:
             p.parent = parent
@@ -162,6 +184,7 @@ class Timeline:
         n.line, n.file, n.preds = d.get("line"), d.get("file"), list(d.get("preds") or [])
         n.text = d.get("text", n.text)
         n.stack = list(d.get("stack") or [])
+        n.params = _params(d.get("params"))
         n.status, n.start_ns = "running", e.ts
 
     def _on_node_finished(self, e: Event) -> None:
@@ -215,8 +238,10 @@ class Timeline:
         if n is None:
             return  # a bare rt.generate request: no program, no Node
         d = e.data
+        top = [tuple(a) for a in d.get("top") or ()]
         n.tokens.append(TokenView(d.get("token"), d.get("text") or "", d.get("logprob"),
-                                  bool(d.get("forced", False)), e.seq))
+                                  bool(d.get("forced", False)), e.seq, top,
+                                  d.get("allowed", -1)))
 
     def _mark(self, e: Event) -> None:
         ins = self._instruction(e)
@@ -321,6 +346,17 @@ class Timeline:
             elif n.tokens:
                 parts.append("".join(t.text for t in n.tokens))
         return "".join(parts)
+
+
+def _params(raw) -> dict:
+    """node_started's params: JSON text (a trace keeps it so); {} when absent or mangled."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        out = json.loads(raw) if isinstance(raw, str) else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def fork_children(events: Iterable[Event]) -> dict[int, list[int]]:

@@ -15,6 +15,7 @@ from textual.widgets import Footer, Header, Static
 from sgl_nb.runtime.events import Event
 from sgl_nb.tui.cache_pane import CachePane
 from sgl_nb.tui.graph_pane import GraphPane
+from sgl_nb.tui.rerun_screens import DIALOG_CSS, RerunScreen, TokenScreen
 from sgl_nb.tui.rows import NodeRow, Position
 from sgl_nb.tui.session import Session
 from sgl_nb.tui.source_pane import SourcePane
@@ -36,7 +37,7 @@ class EventBatch(Message):
 class DebuggerApp(App):
     TITLE = "sgl-nb"
     ENABLE_COMMAND_PALETTE = False
-    CSS = """
+    CSS = DIALOG_CSS + """
     #status { height: 1; padding: 0 1; background: $boost; }
     #top { height: 3fr; }
     #bottom { height: 2fr; }
@@ -58,6 +59,8 @@ class DebuggerApp(App):
         Binding("p", "pause", "Pause"),
         Binding("b", "breakpoint", "Breakpoint"),
         Binding("x", "cancel", "Cancel program"),
+        Binding("r", "rerun", "Re-run from here"),
+        Binding("w", "why_token", "Why this token"),
         Binding("N", "back_node", "Back node"),
         Binding("S", "back_instruction", "Back instruction"),
         Binding("q", "quit", "Quit"),
@@ -90,14 +93,17 @@ class DebuggerApp(App):
         self.sub_title = self.session.mode
         self.query_one("#nodes").focus()
         if self.session.mode == "live":
-            pump = self.session.pump  # type: ignore[attr-defined]
-            self.run_worker(lambda: pump(self._post_events, self._stop), thread=True,
-                            name="events", exit_on_error=False)
+            self._start_pump()
             self.set_interval(POLL_S, self.refresh_panes)
             self.set_interval(CACHE_TREE_S, self._refresh_cache)
         self.refresh_panes(force=True)
         self._refresh_cache()
         self.call_after_refresh(self.refresh_panes, True)  # again, now that panes have sizes
+
+    def _start_pump(self) -> None:
+        pump, stop = self.session.pump, self._stop  # type: ignore[attr-defined]
+        self.run_worker(lambda: pump(self._post_events, stop), thread=True, name="events",
+                        exit_on_error=False)
 
     def on_resize(self) -> None:
         self.call_after_refresh(self.refresh_panes, True)
@@ -155,7 +161,7 @@ class DebuggerApp(App):
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action in ("back_node", "back_instruction"):
             return self.session.mode == "replay"  # hidden in a live run
-        if action == "cancel":
+        if action in ("cancel", "rerun"):
             return self.session.mode == "live"  # nothing runs in a replay
         return True
 
@@ -183,6 +189,37 @@ class DebuggerApp(App):
 
     def action_back_instruction(self) -> None:
         self._did(self.session.back_instruction())
+
+    def action_rerun(self) -> None:
+        row = self.query_one(GraphPane).selected_row()
+        if row is None or row.kind not in ("Gen", "Select", "Text"):
+            self._did("select a gen, a select or a text Node to re-run from")
+            return
+        node = self.session.timeline.nodes.get(row.id)
+        current = node.text if node is not None and node.text is not None else ""
+        self.push_screen(RerunScreen(row, current), lambda edit: self._rerun(row, edit))
+
+    def _rerun(self, row: NodeRow, edit) -> None:
+        if edit is None:
+            return
+        try:
+            session = self.session.rerun(row, *edit)  # type: ignore[attr-defined]
+        except (TypeError, ValueError, KeyError) as e:
+            self._did(f"cannot re-run: {e}")
+            return
+        self._stop.set()
+        self.session.close(release=True)  # type: ignore[attr-defined]
+        self.session, self._stop, self._shown = session, threading.Event(), None
+        self._start_pump()
+        self._did(f"re-run from #{row.number} {row.label}: what came before is replayed")
+
+    def action_why_token(self) -> None:
+        row = self.query_one(GraphPane).selected_row()
+        node = self.session.timeline.nodes.get(row.id) if row is not None else None
+        if node is None or not node.tokens:
+            self._did("select a Node that generated tokens")
+            return
+        self.push_screen(TokenScreen(row, node.tokens))
 
     def action_breakpoint(self) -> None:
         row = self.query_one(GraphPane).selected_row()

@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from sgl_nb.language.replay import MISSING
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, Node
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
@@ -26,12 +27,13 @@ BATCH_S = 1 / 30  # events that arrive within this long reach the app as one mes
 class LiveSession:
     mode = "live"
 
-    def __init__(self, program: ProgramFile, backend, passes=None):
-        self.backend = backend
+    def __init__(self, program: ProgramFile, backend, passes=None, start=None):
+        """start: what starts the run instead (a re-run), called once we listen."""
+        self.backend, self.program = backend, program
         self._bus = backend.events
         self._queue = self._bus.subscribe()  # before the run starts: no event is missed
-        self.state = program.function.run(backend=backend, step=True, passes=passes,
-                                           **program.args)
+        self.state = start() if start is not None else program.function.run(
+            backend=backend, step=True, passes=passes, **program.args)
         self.debug = self.state.debug
         self.breakpoints: set[Breakpoint] = self.debug.breakpoints
         self.timeline = Timeline()
@@ -168,6 +170,14 @@ class LiveSession:
         return "a live run only goes forward: step backwards in a replay (sgl-nb replay)"
 
     back_instruction = back_node
+
+    def rerun(self, row: NodeRow, value=MISSING, sampling: dict | None = None) -> LiveSession:
+        """A live session over this program run again from `row`'s Node with an edit
+        (ProgramState.rerun: what comes before is replayed). Raises on a bad edit."""
+        sampling = sampling or {}
+        from_state = self.state.rerun  # checks the edit before anything runs
+        return LiveSession(self.program, self.backend, start=lambda: from_state(
+            row.id, value, stream=True, debug=True, **sampling))
 
     def toggle_breakpoint(self, row: NodeRow) -> str:
         bp = row.breakpoint()

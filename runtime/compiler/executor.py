@@ -214,7 +214,8 @@ class Executor:
         if error is not None and track.error is None:
             track.error = error
             track.todo.clear()  # the rest of a failed Node does not run
-        data = {**_ids(ins), **(usage or {})}
+        ins.usage = usage or {}
+        data = {**_ids(ins), **ins.usage}
         if error is not None:
             data.update(status=ins.status, error=repr(error))
         track.host.emit("instruction_finished", node=ins.node, request=ins.request, data=data)

@@ -37,6 +37,7 @@ class Instruction:
     index: int = 0  # its place among its Node's Instructions
     status: str = "pending"  # pending -> running -> done | error | cancelled | skipped
     request: int | None = None  # the engine request that runs it (Decode, Score)
+    usage: dict | None = None  # what its instruction_finished event reported
 
     @property
     def kind(self) -> str:

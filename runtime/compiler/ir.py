@@ -30,6 +30,10 @@ class Node:
     id: int = field(default_factory=lambda: next(_node_ids))
     # What it lowered to, once queued to run (runtime/compiler/lowering.py): what the executor runs.
     instructions: list = field(default_factory=list, repr=False)
+    # Once it ran: what it added to the program's text, and when (time.monotonic_ns).
+    output: str | None = field(default=None, repr=False)
+    start_ns: int | None = field(default=None, repr=False)
+    end_ns: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         assert self.kind in NODE_KINDS, self.kind
@@ -47,6 +51,17 @@ class Node:
         if self.kind == "Join":
             return f"Join mode={d.get('mode')}"
         return f"{self.kind} {self.name or ''}".rstrip()
+
+
+def node_params(node: Node) -> dict:
+    """What a Gen or Select was asked for (its sampling parameters; its choices and
+    method): two runs' Nodes with the same kind, name and params are the same step."""
+    d = node.detail
+    if node.kind == "Select":
+        return {"choices": list(d.get("choices", ())), "method": d.get("method")}
+    if node.kind == "Gen":
+        return {k: v for k, v in d.items() if k not in ("decided", "resolved", "text")}
+    return {}
 
 
 def dot(name: str, nodes: list[Node]) -> str:

@@ -9,20 +9,24 @@ through callbacks; Fork makes the branches; Join gathers them; Return ends the p
 
 from __future__ import annotations
 
-from sgl_nb.language import speculation
+import json
+import time
+
+from sgl_nb.language import speculation, token_info
 from sgl_nb.language.logprob_meta import logprob_meta
 from sgl_nb.language.reasoning import split_reasoning
+from sgl_nb.language.replay_effects import ReplayEffects
 from sgl_nb.language.select_scoring import choose
 from sgl_nb.runtime.compiler.executor import Done
 from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, node_params
 
 # A fork's shared Extend runs only when at least this much of the branches' common text is
 # not computed yet (less is not worth a request of its own).
 SHARE_MIN_CHARS = 32
 
 
-class ProgramEffects:
+class ProgramEffects(ReplayEffects):
     """The executor's side of ProgramState (a mixin: the state holds the data)."""
 
     # ---- the executor's host interface ------------------------------------------------
@@ -38,7 +42,7 @@ class ProgramEffects:
             node.status = "running"
             self.emit("program_started", data={
                 "function": node.detail["function"], "priority": self.priority,
-                "parent": None, "model": self._model_name()})
+                "parent": None, "model": self._model_name(), **node.detail.get("call", {})})
             return "run"
         if node.kind == "Return":
             return "run"  # a cancelled or failed program still ends
@@ -46,6 +50,7 @@ class ProgramEffects:
             node.status = "running"
             self._node_started_event(node)
             self._node_start[node.id] = len(self._text)
+            self._replay_step(node)
             return "run"
         if self._cancelled:
             node.status = "cancelled"
@@ -57,6 +62,7 @@ class ProgramEffects:
         node.status = "running"
         self._node_started_event(node)
         self._node_start[node.id] = len(self._text)
+        self._replay_step(node)
         if node.kind == "VarScope":  # no Instruction: it marks where its text starts, ends
             self._scope(self._payloads[node.id])
         return "run"
@@ -86,6 +92,7 @@ class ProgramEffects:
                 error = self._choose(node)
             self._node_end(node, error)
         elif node.status == "cancelled":
+            node.output, node.end_ns = "", time.monotonic_ns()
             self.emit("node_finished", node=node.id, data={"status": "cancelled", "text": ""})
         with self._cond:
             self._pending -= 1
@@ -94,9 +101,12 @@ class ProgramEffects:
     # ---- nodes ------------------------------------------------------------------------
 
     def _node_started_event(self, node: Node) -> None:
-        self.emit("node_started", node=node.id, data={
-            "kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
-            "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)})
+        node.start_ns = time.monotonic_ns()
+        data = {"kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
+                "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)}
+        if node.kind in ("Gen", "Select"):  # what a re-run or a diff compares it by
+            data["params"] = json.dumps(node_params(node), default=repr, sort_keys=True)
+        self.emit("node_started", node=node.id, data=data)
 
     def _node_end(self, node: Node, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
@@ -109,7 +119,9 @@ class ProgramEffects:
             self.emit("error", node=node.id, data={"error": repr(error), "line": node.line})
         else:
             node.status = "done"
-        done = {"status": node.status, "text": self._text[self._node_start.pop(node.id, 0):]}
+        node.output = self._text[self._node_start.pop(node.id, 0):]
+        node.end_ns = time.monotonic_ns()
+        done = {"status": node.status, "text": node.output}
         if node.name is not None and node.name in self._vars:
             done["value"] = repr(self._vars[node.name])
         self.emit("node_finished", node=node.id, data=done)
@@ -130,6 +142,8 @@ class ProgramEffects:
 
     def _extend(self, node: Node, ins) -> None:
         start = len(self._text)
+        if node.kind in ("Text", "Select"):  # a re-run's edit of it
+            ins.text = self._edited_text(node, ins.text)
         self._extend_text(node, ins)
         if self.speculated:
             self.speculated = speculation.fill(self.speculated, self._text[start:])
@@ -202,6 +216,11 @@ class ProgramEffects:
 
     def _decode(self, node: Node, ins, done: Done) -> int | None:
         g, prompt = self._payloads[node.id], self._text
+        stepped = self._stepped(node)
+        if stepped is not None:  # a re-run: its recorded or edited value, no decoding
+            self._replay_gen(node, g, stepped, done)
+            return None
+        ins.params = self._edited_params(node, ins.params)
         if self.spec_tokens and speculation.speculable(ins.params):
             return self._speculate(node, ins, g, done)
         self.speculated = ""
@@ -264,6 +283,7 @@ class ProgramEffects:
         result = self._outcome(handle, done)
         if result is None:
             return
+        token_info.record(self, handle, result)  # an aborted gen's tokens so far too
         aborted = result.meta.get("finish_reason") == "abort"
         self._kv_len = len(self._text)  # the prompt and what was generated are cached
         if g.name is not None:
@@ -291,6 +311,9 @@ class ProgramEffects:
     def start_scores(self, group: list, dones: list[Done]) -> list[int]:
         node = self._nodes_by_id[group[0].node]
         self.speculated = ""  # its choice is not read off a speculated answer
+        stepped = self._stepped(node)
+        if stepped is not None:
+            return self._replay_scores(node, stepped, dones)
         tok = self.backend.tokenizer
         prefix = (tok.bos_token or "\n") if group[0].unconditional else self._text
         post = self._executor.post
@@ -322,6 +345,8 @@ class ProgramEffects:
     def _choose(self, node: Node) -> BaseException | None:
         """All of a Select's Scores are in: pick, append, bind."""
         sel, got = self._payloads[node.id], self._scores.pop(node.id, {})
+        if self._replay_choice(node, sel):
+            return None
         scored = node.detail.get("allowed", range(len(sel.choices)))  # in choice order
         scores = [got[(False, i)] for i in scored]
         uncond = [got[(True, i)] for i in scored] if any(u for u, _ in got) else None
@@ -342,8 +367,10 @@ class ProgramEffects:
         children = [type(self)(self.backend, self.defaults, self._text, parent=self,
                                debug=self.debug, passes=self.passes, priority=self.priority)
                     for _ in range(ins.n)]
-        for c in children:
+        for i, c in enumerate(children):
             c._kv_len = self._kv_len
+            if self.replay is not None:
+                c.replay = self.replay.branch(self._steps[node.id].index, i)
         self._children.extend(children)
         self._forked[node.id] = children
         self.emit("fork", node=node.id, data={"n": ins.n, "children": [c.id for c in children]})

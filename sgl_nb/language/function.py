@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from sgl_nb.language.body_pool import BodyPool
 from sgl_nb.language.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
@@ -89,6 +91,28 @@ class ProgramFuture:
         return asyncio.to_thread(self.result).__await__()
 
 
+@dataclass
+class ProgramCall:
+    """What a program was started with: what `state.rerun` starts again."""
+
+    function: SglFunction
+    args: dict  # the program's own arguments
+    defaults: dict  # run options that are sampling defaults (temperature, ...)
+    options: dict  # passes, priority
+
+    def attrs(self) -> dict:
+        """For program_started (and so a trace): where the function is, its arguments as
+        JSON (None when they are not JSON: such a trace cannot be re-run)."""
+        f = self.function.func
+        out = {"module": f.__module__, "qualname": f.__qualname__,
+               "options": json.dumps(self.defaults, default=repr, sort_keys=True)}
+        try:
+            out["args"] = json.dumps(self.args, sort_keys=True)
+        except (TypeError, ValueError):
+            out["args"] = None
+        return out
+
+
 class SglFunction:
     def __init__(self, func: Callable, num_api_spec_tokens: int | None = None):
         self.func = func
@@ -101,7 +125,7 @@ class SglFunction:
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
                passes=None, priority: str = "normal", pool: BodyPool | None = None,
-               shared_prefix: str = "", after=None, **defaults) -> ProgramFuture:
+               shared_prefix: str = "", after=None, replay=None, **defaults) -> ProgramFuture:
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
@@ -128,7 +152,10 @@ class SglFunction:
             else:
                 state._finish()
 
-        state.begin(self.func.__name__, shared_prefix, after)
+        state.call = ProgramCall(self, dict(args), dict(defaults),
+                                 {"passes": passes, "priority": priority})
+        state.replay = replay
+        state.begin(self.func.__name__, shared_prefix, after, call=state.call.attrs())
         (pool or _bodies).submit(body)
         return ProgramFuture(state)
 

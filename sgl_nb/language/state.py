@@ -20,6 +20,9 @@ from contextlib import contextmanager
 
 from sgl_nb.language.effects import ProgramEffects
 from sgl_nb.language.expressions import Concat, Gen, Role, RoleBlock, Select
+from sgl_nb.language.replay import MISSING
+from sgl_nb.language.rerun import rerun_state
+from sgl_nb.language.token_info import TokenInfo, token_info
 from sgl_nb.runtime.compiler.executor import get_executor
 from sgl_nb.runtime.compiler.instructions import Cancelled
 from sgl_nb.runtime.compiler.ir import Node, dot
@@ -96,15 +99,24 @@ class ProgramState(ProgramEffects):
         # and what of the answer the following text and gens have not taken yet.
         self.spec_tokens: int | None = None
         self.speculated = ""
+        self.call = None  # the ProgramCall that started it (function.py): rerun() repeats it
+        self.replay = None  # a re-run's record of the run it repeats (language/replay.py)
+        self._tokens: dict = {}  # gen node id -> its TokenChoices, in order
+        self._steps: dict = {}  # node id -> what the re-run does with it (Stepped)
+        self._chosen: dict = {}  # select node id -> (choice, how) a re-run gave it
+        self.rerun_report = None  # a re-run's RerunReport
+        self.rerun_of = None  # ... and the record of the run it repeats (a ProgramRecord)
 
-    def begin(self, function: str, shared_prefix: str = "", after=None) -> Node:
+    def begin(self, function: str, shared_prefix: str = "", after=None,
+              call: dict | None = None) -> Node:
         """A program's start: its Init Node, queued ahead of anything its body records (the
         executor runs its Init Instruction, which says program_started). `shared_prefix`:
         this program also computes that text for others (a shared Extend after Init);
         `after`: such an Extend of another program, which this one starts after."""
         self.function = function
         self._has_body = True
-        detail = {"function": function, "shared_prefix": shared_prefix, "after": after}
+        detail = {"function": function, "shared_prefix": shared_prefix, "after": after,
+                  "call": call or {}}
         node = Node("Init", self.id, [], None, detail)
         self._record(node)
         return node
@@ -400,6 +412,24 @@ class ProgramState(ProgramEffects):
         return listing(self.nodes)
 
     listing = graph
+
+    def token_info(self, var: str, i: int, branch: int | None = None) -> TokenInfo:
+        """Why token i of `var` was chosen: its alternatives, mask, Node, line, cache hit."""
+        return token_info(self, var, i, branch)
+
+    def rerun(self, at, value=MISSING, *, stream: bool = False, backend=None,
+              debug: bool = False, **sampling) -> ProgramState:
+        """Run this program again from Node `at` (a Node of `nodes`, a node id, or the
+        variable a gen or select binds) with an edit: `value` replaces its output (a gen's
+        text, a select's choice, a text), or sampling arguments (temperature, max_tokens,
+        seed, regex, ...) generate a gen again with them. The program's Python runs again
+        from its start, side effects included; before `at` every Node's recorded output is
+        replayed (no decoding; the radix cache serves the prompt), from `at` on it runs
+        live, as it does from the first Node where the Python leaves the record. Returns the
+        new state (at once with stream=True; debug=True: under a step controller, not held);
+        `rerun_report` says what was replayed."""
+        return rerun_state(self, at, value, stream=stream, backend=backend, debug=debug,
+                           **sampling)
 
     def dot(self) -> str:
         """The graph this program ran, as Graphviz DOT."""
