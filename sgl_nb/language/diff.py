@@ -28,7 +28,6 @@ from sgl_nb.language.run_record import (
     record_of_state,
     record_of_timeline,
 )
-from sgl_nb.runtime.compiler.instructions import Decode
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import Timeline
 
@@ -198,23 +197,7 @@ def as_record(run) -> ProgramRecord:
 
 def _of_state(state) -> ProgramRecord:
     state.sync()  # until it has ended (or a step controller holds it)
-    rec = record_of_state(state)
-    # A re-run's new sampling for a gen goes to the gen's Decode Instruction, not into its
-    # Node: read it there, so that the Node's parameters show the change.
-    ran = {n.id: ins.params for n in _state_nodes(state) for ins in n.instructions
-           if isinstance(ins, Decode)}
-    for _, _, n in rec.walk():
-        if n.id in ran:
-            n.params = {**n.params, **ran[n.id]}
-    return rec
-
-
-def _state_nodes(state) -> list:
-    out = list(state.nodes)
-    for children in state._forked.values():
-        for child in children:
-            out += _state_nodes(child)
-    return out
+    return record_of_state(state)
 
 
 def _traced(src, program: int | None) -> ProgramRecord:

@@ -48,9 +48,9 @@ class ProgramEffects(ReplayEffects):
             return "run"  # a cancelled or failed program still ends
         if node.kind == "Join":  # it gathers what the branches produced, cancelled or not
             node.status = "running"
+            self._replay_step(node)
             self._node_started_event(node)
             self._node_start[node.id] = len(self._text)
-            self._replay_step(node)
             return "run"
         if self._cancelled:
             node.status = "cancelled"
@@ -60,9 +60,9 @@ class ProgramEffects(ReplayEffects):
             node.status = "skipped"  # the program failed before it
             return "skipped"
         node.status = "running"
+        self._replay_step(node)  # first: an edit's sampling arguments are the Node's now
         self._node_started_event(node)
         self._node_start[node.id] = len(self._text)
-        self._replay_step(node)
         if node.kind == "VarScope":  # no Instruction: it marks where its text starts, ends
             self._scope(self._payloads[node.id])
         return "run"

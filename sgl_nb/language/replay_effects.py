@@ -22,7 +22,9 @@ class ReplayEffects:
         if node.kind == "Join":
             ids = node.detail.get("branches", ())
             branches = [c.replay for c in self._children if c.id in ids and c.replay]
-        self._steps[node.id] = self.replay.step(node, branches)
+        stepped = self._steps[node.id] = self.replay.step(node, branches)
+        if stepped.step is Step.EDIT and self.replay.edit.sampling:
+            node.detail.update(self.replay.edit.sampling)  # its events and record show them
 
     def _stepped(self, node: Node | None) -> Stepped | None:
         """The re-run's decision for `node` when it is not to run live as recorded."""
@@ -34,6 +36,7 @@ class ReplayEffects:
         return s
 
     def _edited_params(self, node: Node, params: dict) -> dict:
+        """The Decode's params (lowered before the edit was known) with the edit's."""
         s = self._steps.get(node.id)
         if s is not None and s.step is Step.EDIT:
             return {**params, **self.replay.edit.sampling}
