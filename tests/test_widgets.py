@@ -208,7 +208,7 @@ def test_stepper_buttons(default_backend):
     stepper.continue_button.click()
     assert w.wait(120)
     assert st.error() is None and w.status == "done"
-    assert stepper.step_node.disabled  # a finished program has nothing to step
+    assert stepper.controls.display == "none"  # a finished program has nothing to step
 
 
 def test_parse_breakpoint():
@@ -310,11 +310,65 @@ def test_stop_button_cancels_the_program(default_backend):
         s += "A long tale:" + sgl.gen("t", max_tokens=2000, ignore_eos=True)
 
     w, st = watch(default_backend, tale)
-    assert not w.stop_button.disabled
+    assert w.stop_button.layout.display is None and not w.stop_button.disabled  # shown
     next(st.text_iter("t"))
     w.stop_button.click()  # what the browser's click does on the kernel side
     st.wait(60)
     assert w.wait(60)
     assert isinstance(st.error(), sgl.ProgramCancelled) and st["t"]
-    assert w.status == "cancelled" and w.stop_button.disabled
+    assert w.status == "cancelled" and w.stop_button.layout.display == "none"
     assert w.stream.text.endswith(st["t"])  # what it produced stays in the view
+
+
+def test_a_frozen_keyed_view_sends_its_changes_as_the_snapshot():
+    from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+
+    v = KeyedView(items=[Item("none", "nothing yet")])  # opened with it: no patch sent
+    assert v.patches == 0 and v.snapshot == [{"k": "none", "h": "nothing yet"}]
+    v.show([Item("a", "A")])
+    assert v.patches == 1
+    v.freeze()
+    assert v.snapshot == [{"k": "a", "h": "A"}]
+    with v.hold_sync():  # the owner's render: the final rows and the snapshot, one message
+        assert v.show([Item("a", "A2"), Item("b", "B")]) != {}
+    assert v.patches == 1 and v.snapshot == [{"k": "a", "h": "A2"}, {"k": "b", "h": "B"}]
+    assert v.show([Item("a", "A2"), Item("b", "B")]) == {} and v.patches == 1
+
+
+@slow
+def test_the_final_state_goes_again_after_a_cell_only_if_another_request_carried_it(
+        default_backend, monkeypatch):
+    """A notebook runner records the messages of the cell it runs only: the final state is
+    sent again after the next cell when it went out under another request (the program
+    ended between cells), not when it went out under that cell's own."""
+    import ipywidgets as W
+
+    from sgl_nb.notebook.widgets import program as P
+
+    request = {"now": ("cell-2", "cell-2")}  # (comm parent, display parent) message ids
+    monkeypatch.setattr(P, "_output_parent", lambda: request["now"])
+    resent = {}
+    for ended_under, after in (("cell-2", "cell-2"), ("cell-1", "cell-2")):
+        request["now"] = (ended_under, ended_under)
+        w, st = watch(default_backend, qa, q="Name a colour.")
+        tree = P._tree(w)
+        w._shown_state = {m.model_id: m.get_state() for m in tree}  # what show() keeps
+        sent = []
+        for m in tree:
+            def record(msg_type, data=None, metadata=None, buffers=None, _m=m,
+                       _publish=m.comm.publish_msg, _sent=sent, **keys):
+                _sent.append((_m, data))
+                return _publish(msg_type, data=data, metadata=metadata, buffers=buffers,
+                                **keys)
+            m.comm.publish_msg = record
+        assert w.wait(120) and w.status == "done"
+        # The buttons never send: the row (and Stop) is shown and hidden by its layout.
+        assert not any(isinstance(m, W.Button) for m, _ in sent)
+        assert w.stepper.controls.display == "none"
+        mark = len(sent)
+        request["now"] = (after, after)
+        w._after_cell()
+        resent[ended_under] = {m for m, _ in sent[mark:]}
+        assert all(d["method"] == "update" for _, d in sent[mark:])
+    assert resent["cell-2"] == set()  # recorded already, as the cell's own output
+    assert {w, w.stream, w.stepper.controls, w.stepper.graph, w.variables} <= resent["cell-1"]

@@ -14,8 +14,9 @@ ensure_ascii off) plus its binary buffers; the envelope (header, parent header, 
 signature) is not counted. Bytes a token are comm_msg bytes over the generated tokens (the
 comm_open messages, sent once when the widgets are made, are counted apart). Messages a
 second are comm_msg over the program's time (first to last comm_msg), and the most comm_msg
-in any one second. The stream view's own share (its comm ids, asked from the kernel) is
-shown apart.
+in any one second, with what those were (`peak_by_widget`: the widget's class or model
+name and the state keys of an update, or "custom"). The stream view's own share (its comm
+ids, asked from the kernel) is shown apart.
 """
 
 from __future__ import annotations
@@ -62,12 +63,30 @@ def message_bytes(msg: dict) -> int:
 
 def peak_per_second(times: list[float]) -> int:
     """The most of `times` (sorted) within any one-second window."""
-    best, lo = 0, 0
+    lo, hi = peak_window(times)
+    return hi - lo
+
+
+def peak_window(times: list[float]) -> tuple[int, int]:
+    """Indices [lo, hi) of `times` (sorted) in the one-second window holding the most."""
+    best, lo = (0, 0), 0
     for hi, t in enumerate(times):
         while t - times[lo] > 1.0:
             lo += 1
-        best = max(best, hi - lo + 1)
+        if hi - lo + 1 > best[1] - best[0]:
+            best = (lo, hi + 1)
     return best
+
+
+def describe(msg: dict, models: dict[str, str]) -> str:
+    """A comm_msg in short: its widget's model name and what it carries (the state keys of
+    an update, or "custom")."""
+    content = msg["content"]
+    data = content.get("data", {})
+    name = models.get(content["comm_id"], "?")
+    if data.get("method") == "update":
+        return f"{name} update {','.join(sorted(data.get('state', {})))}"
+    return f"{name} {data.get('method', '?')}"
 
 
 def measure(kernel: Kernel, tokens: int, timeout: float) -> dict:
@@ -85,6 +104,7 @@ def measure(kernel: Kernel, tokens: int, timeout: float) -> dict:
     per_comm_times: dict[str, list[float]] = {}
     models: dict[str, str] = {}
     times: list[float] = []
+    kinds: list[str] = []  # what each comm_msg of `times` was (describe)
     t0 = time.monotonic()
     cell_id = kernel.send(CELL.format(tokens=tokens))
     wait_id = kernel.send(WAIT.format(timeout=timeout))
@@ -103,7 +123,9 @@ def measure(kernel: Kernel, tokens: int, timeout: float) -> dict:
             open_bytes += size
             per_comm[content["comm_id"]] += size
             state = content.get("data", {}).get("state", {})
-            models[content["comm_id"]] = state.get("_model_name", "?")
+            # An anywidget's model is "AnyModel": its class name says which view it is.
+            models[content["comm_id"]] = (state.get("_anywidget_id", "").rpartition(".")[2]
+                                          or state.get("_model_name", "?"))
         elif kind == "comm_msg":
             msgs += 1
             size = message_bytes(msg)
@@ -112,6 +134,7 @@ def measure(kernel: Kernel, tokens: int, timeout: float) -> dict:
             per_comm_msgs[content["comm_id"]] += 1
             per_comm_msg_bytes[content["comm_id"]] += size
             times.append(time.monotonic())
+            kinds.append(describe(msg, models))
             per_comm_times.setdefault(content["comm_id"], []).append(times[-1])
         elif kind == "stream" and parent in (cell_id, wait_id):
             out.append(content["text"])
@@ -149,6 +172,7 @@ def measure(kernel: Kernel, tokens: int, timeout: float) -> dict:
         "bytes_per_token": round(msg_bytes / generated, 1) if generated else None,
         "msgs_per_s": round(msgs / span, 1) if span > 0 else None,
         "peak_msgs_in_1s": peak_per_second(times),
+        "peak_by_widget": dict(Counter(kinds[slice(*peak_window(times))]).most_common()),
         "stream_bytes": stream_bytes,
         "stream_msgs": stream_msgs,
         "stream_bytes_per_token": round(stream_bytes / generated, 1) if generated else None,
@@ -199,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _line(r: dict) -> str:
+    top = ", ".join(f"{n} {what}" for what, n in list(r["peak_by_widget"].items())[:3])
     return (f"{r['comm_msg_bytes']:,} comm_msg bytes ({r['bytes_per_token']} a token; stream "
             f"view {r['stream_bytes']:,}), {r['comm_msg']} comm_msg in {r['seconds']} s "
-            f"({r['msgs_per_s']}/s, peak {r['peak_msgs_in_1s']} in 1 s), {r['renders']} "
-            f"renders, {r['comm_open']} comm_open ({r['comm_open_bytes']:,} bytes)")
+            f"({r['msgs_per_s']}/s, peak {r['peak_msgs_in_1s']} in 1 s: {top}), "
+            f"{r['renders']} renders, {r['comm_open']} comm_open "
+            f"({r['comm_open_bytes']:,} bytes)")

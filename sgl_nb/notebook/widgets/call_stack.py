@@ -56,10 +56,9 @@ class CallStackPanel(KeyedView):
     _css = _CSS
 
     def __init__(self, **kwargs):
-        super().__init__(root_class="sgl-stack", **kwargs)
+        super().__init__(root_class="sgl-stack", items=[_empty("not started")], **kwargs)
         self.frames: list[Frame] = []
         self.node: int | None = None  # the Node whose stack this is
-        self.show([_empty("not started")])
 
     def update(self, frames: list[Frame], node: int | None, idle: str = "") -> None:
         self.frames, self.node = frames, node

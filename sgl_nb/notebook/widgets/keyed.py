@@ -6,8 +6,11 @@ sends one custom message with only the rows that changed, the keys removed, and 
 order of the parents whose children changed; an unchanged render sends nothing. A view
 opening later (a second output, a page reload) asks for everything once ("hello"). When
 the owner is done, `freeze()` puts the whole tree in the `snapshot` trait, so a notebook
-saved with its widget state shows it without a kernel. A click on a row sets `clicked` to
-its key.
+saved with its widget state shows it without a kernel; from then on a change updates the
+snapshot instead of sending a patch (the front end redraws from it, keeping what it can):
+the final state goes out as one message, not a patch and then the snapshot. The rows a
+view is made with go into `snapshot` too, with the widget's opening, not as a patch. A
+click on a row sets `clicked` to its key.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ function render({ model, el }) {
     if (!items.length) return;
     const order = {};
     for (const it of items) (order[it.p || ""] ||= []).push(it.k);
-    apply({ reset: true, set: items, order });
+    // Rows it keeps stay where they are, folded or not as the user left them.
+    const keep = new Set(items.map((it) => it.k));
+    apply({ set: items, del: [...nodes.keys()].filter((k) => !keep.has(k)), order });
   }
   root.addEventListener("click", (e) => {  // a click on a row names it to the kernel
     const target = e.target.closest("[data-key]");
@@ -136,9 +141,11 @@ class KeyedView(anywidget.AnyWidget):
     patches = Int(0)  # messages sent so far (not synced: for tests and the curious)
     rows_sent = Int(0)  # rows sent so far, over all messages
 
-    def __init__(self, root_class: str = "", **kwargs):
-        super().__init__(root_class=root_class, **kwargs)
-        self._items: dict[str, Item] = {}  # what the front end has, in order
+    def __init__(self, root_class: str = "", items: list[Item] = (), **kwargs):
+        super().__init__(root_class=root_class, snapshot=[it.as_dict() for it in items],
+                         **kwargs)
+        self._items: dict[str, Item] = {it.key: it for it in items}  # the front end's, in order
+        self._frozen = False
         self.on_msg(self._on_front_end)
         self.last_patch: dict = {}
         self.sent: list[dict] = []  # the patches sent, newest last (the last 1,000 at most)
@@ -166,7 +173,9 @@ class KeyedView(anywidget.AnyWidget):
             patch["del"] = gone
         if order:
             patch["order"] = order
-        if patch:
+        if patch and self._frozen:
+            self.snapshot = [it.as_dict() for it in items]
+        elif patch:
             self.send(patch)
             self.sent.append(patch)
             if len(self.sent) > 1000:
@@ -177,7 +186,11 @@ class KeyedView(anywidget.AnyWidget):
         return patch
 
     def freeze(self) -> None:
-        """Put the whole tree in the synced state (the final view, kept when saved)."""
+        """Put the whole tree in the synced state (the final view, kept when saved); what
+        `show()` changes from now on goes there too, not in a patch. Freeze before the
+        final `show()`, inside the owner's hold_sync: the final rows and the snapshot are
+        then one message."""
+        self._frozen = True
         self.snapshot = [it.as_dict() for it in self._items.values()]
 
     def _on_front_end(self, _widget, content, _buffers) -> None:

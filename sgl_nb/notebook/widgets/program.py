@@ -53,6 +53,7 @@ class ProgramWidget(PumpedView, W.VBox):
         self._final_shown = False  # the final state was re-sent from the kernel's thread
         self._shown_state: dict[str, dict] = {}  # model id -> its state when displayed
         self._final_updated = False  # the display was updated once the program ended
+        self._final_parent: tuple | None = None  # the request the final state went out under
         self._side_key: tuple | None = None  # what the side views last showed, in brief
         self._side_at = 0.0  # when they were last refreshed (monotonic)
         self.forks: dict[int, list[int]] = {}
@@ -67,13 +68,14 @@ class ProgramWidget(PumpedView, W.VBox):
         self._queue = backend.events.subscribe()
         self.title_text = title
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
-        # Stop cancels the program (state.cancel()): a click only asks, and returns.
-        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="cancel this program (what it produced is kept)",
-                                    layout=W.Layout(width="auto"), disabled=True)
-        self.stop_button.on_click(lambda _: self.stop())
         self.stream = StreamView()
         self.stepper = StepperView()
+        # Stop cancels the program (state.cancel()): a click only asks, and returns. It is
+        # shown with the step buttons (their layout), while the program runs.
+        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="cancel this program (what it produced is kept)",
+                                    layout=self.stepper.controls)
+        self.stop_button.on_click(lambda _: self.stop())
         self.stepper.on_command = self._poke
         self.cache = CacheTreeView()
         self.variables = VariablesPanel()
@@ -95,7 +97,6 @@ class ProgramWidget(PumpedView, W.VBox):
         """Follow this program (its events may already be queued: nothing is lost)."""
         self.state = state
         self.program_id = state.id
-        self.stop_button.disabled = False
         self._family = {state.id}  # grows with the fork events
         self.stepper.bind(state.debug,
                           node_only=not state.backend.instruction_stepping)
@@ -145,6 +146,7 @@ class ProgramWidget(PumpedView, W.VBox):
     # ---- rendering -------------------------------------------------------------------------
 
     def render(self) -> None:
+        parent = _output_parent()
         with self._lock:
             if self.program_id is None or self.program_id not in self.timeline.programs:
                 return
@@ -166,19 +168,23 @@ class ProgramWidget(PumpedView, W.VBox):
                 if self.error:
                     self.stream.header.value += (
                         f'<div style="color:#b91c1c">{html.escape(self.error)}</div>')
+                if finished:
+                    # The final rows in the widget state: frozen first, a view sends them
+                    # as its snapshot alone (one message, not a patch and the snapshot).
+                    for view in (self.variables, self.call_stack, self.cache.tree):
+                        view.freeze()
                 if self._side_views_due(rows, finished):
                     self.stepper.update(rows, finished)
-                    self.stop_button.disabled = finished
                     self.cache.update(self.backend.cache, self._tokenizer(),
                                       self._path_tokens(model, text))
                     self.variables.update(self.state)
                     self._update_call_stack(finished)
-                if finished:
-                    for view in (self.variables, self.call_stack, self.cache.tree):
-                        view.freeze()  # the final rows in the widget state
         if finished and not self._final_updated:
             self._final_updated = True
             self._show_final()
+            # Recorded where the final state went (see _after_cell); None if that moved
+            # while it was being sent.
+            self._final_parent = parent if _output_parent() == parent else None
 
     def _side_views_due(self, rows: list, finished: bool) -> bool:
         debug = self.state.debug
@@ -258,9 +264,12 @@ class ProgramWidget(PumpedView, W.VBox):
 
     def _after_cell(self) -> None:
         """After each cell, on the kernel's own thread, once the program has ended: send the
-        final state and the final static copy again. Messages sent from the pump thread
-        belong to the cell that started the program; a notebook runner (nbclient) records
-        only those of the cell it is running, so the final state is sent here too."""
+        final state and the final static copy again, unless they went out as this cell's
+        own output. Messages sent from the pump thread carry the request the kernel handled
+        last; a notebook runner (nbclient) records only those of the cell it is running, so
+        a program that ended between cells (or while a widget message was handled) would
+        leave its final state unrecorded. One that ended while this cell ran was recorded:
+        sending it again would only double the messages of that second."""
         if self._final_shown or not self._finished() or (
                 self.pump is not None and not self.pump.join(0)):
             return
@@ -270,6 +279,8 @@ class ProgramWidget(PumpedView, W.VBox):
         ip = get_ipython()
         if ip is not None:
             ip.events.unregister("post_execute", self._after_cell)
+        if self._final_parent is not None and self._final_parent == _output_parent():
+            return
         for w in _tree(self):
             before, now = self._shown_state.get(w.model_id), w.get_state()
             changed = list(now) if before is None else [k for k in now if now[k] != before.get(k)]
@@ -330,14 +341,36 @@ class ProgramWidget(PumpedView, W.VBox):
 
 
 def _tree(widget) -> list:
-    """The widget and every widget under it."""
+    """The widget and every widget under it, their layouts included (the step buttons are
+    shown and hidden through theirs)."""
     out, todo = [], [widget]
     while todo:
         w = todo.pop()
         if isinstance(w, W.Widget) and w not in out:
             out.append(w)
             todo.extend(getattr(w, "children", ()) or ())
+            layout = getattr(w, "layout", None)
+            if isinstance(layout, W.Layout):
+                todo.append(layout)
     return out
+
+
+def _output_parent() -> tuple | None:
+    """The request that a widget message or a display update sent from this thread now
+    goes out under (the ids of its comm parent and of its display parent), or None
+    outside a kernel. A thread's messages carry the request the kernel handled last."""
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        kernel = getattr(ip, "kernel", None)
+        comm = kernel.get_parent() if kernel is not None else None
+        display = ip.display_pub.parent_header if kernel is not None else None
+    except Exception:  # noqa: BLE001 - an older or other kernel: send again, to be safe
+        return None
+    # get_parent() is the whole request; the display publisher keeps its header only.
+    ids = ((comm or {}).get("header", {}).get("msg_id"), (display or {}).get("msg_id"))
+    return ids if all(ids) else None
 
 
 class LiveCacheTree(CacheTreeView):

@@ -119,21 +119,25 @@ class StepperGraph(KeyedView):
 
 
 class StepperView(W.VBox):
-    current_node = Int(None, allow_none=True).tag(sync=True)
-    current_instruction = Unicode("").tag(sync=True)
-    waiting_at = Unicode("").tag(sync=True)  # "node" | "decode" | "" (not held)
-    breakpoints = List(Unicode()).tag(sync=True)
-    message = Unicode("").tag(sync=True)
-    selected_source = Unicode("").tag(sync=True)  # the chosen Node's line: "3: s += ..."
+    # Not synced: the page shows them in status_html, the graph and source_html already,
+    # and each change synced would be one more message (one a step, two as a program ends).
+    current_node = Int(None, allow_none=True)
+    current_instruction = Unicode("")
+    waiting_at = Unicode("")  # "node" | "decode" | "" (not held)
+    breakpoints = List(Unicode())
+    message = Unicode("")
+    selected_source = Unicode("")  # the chosen Node's line: "3: s += ..."
 
     def __init__(self, **kwargs):
         self.controller: StepController | None = None
         self._node_only = False
         self._rows: dict[int, Row] = {}
         self.on_command = None  # called after each button, so the owner re-renders soon
-        # Disabled until bound to a controller: bind(None) below then changes nothing (no
-        # message per button before the program starts).
-        auto = {"layout": W.Layout(width="auto"), "disabled": True}
+        # The step buttons' row is shown while a program is bound and running, hidden before
+        # and after: one message (this layout's, shared with the ProgramWidget's Stop) where
+        # disabling each button would send one a button.
+        self.controls = W.Layout(width="auto", display="none")
+        auto = {"layout": W.Layout(width="auto")}
         self.step_node = W.Button(description="Step node", icon="step-forward", **auto)
         self.step_instruction = W.Button(description="Step instruction", icon="forward", **auto)
         self.continue_button = W.Button(description="Continue", icon="play", **auto)
@@ -158,15 +162,17 @@ class StepperView(W.VBox):
         self.toggle_bp.on_click(lambda _b: self._toggle_breakpoint())
         self.add_bp.on_click(lambda _b: self._add_breakpoint())
         super().__init__(children=[
-            W.HBox(self.buttons), self.status_html, self.graph,
+            W.HBox(self.buttons, layout=self.controls), self.status_html, self.graph,
             W.HBox([self.node_choice, self.toggle_bp]), self.source_html,
             W.HBox([self.bp_spec, self.add_bp]),
         ], **kwargs)
-        self.bind(None)
 
     def bind(self, controller: StepController | None, node_only: bool = False) -> None:
-        """node_only: a remote backend, whose Instructions run on the server."""
+        """Show the buttons for this controller (None: a program that cannot be stepped;
+        its buttons are disabled). node_only: a remote backend, whose Instructions run on
+        the server."""
         self.controller, self._node_only = controller, node_only
+        self.controls.display = None
         for b in [*self.buttons, self.toggle_bp, self.add_bp]:
             b.disabled = controller is None
         if node_only:
@@ -240,14 +246,13 @@ class StepperView(W.VBox):
             # Keep the user's choice; else offer the current Node (what one breaks on next).
             self.node_choice.value = (chosen if chosen in ids else current if current in ids
                                       else ids[0] if ids else None)
-        self.graph.show(self._graph_items(rows, current, bps))
         if finished:
             self.graph.freeze()  # the final list in the widget state (saved notebooks)
+        self.graph.show(self._graph_items(rows, current, bps))
         state = ("finished" if finished else f"held at a {held}" if held
                  else "paused" if c is not None and c.paused else "running")
-        for b in self.buttons:
-            b.disabled = c is None or finished
-        self.step_instruction.disabled |= self._node_only
+        if finished:
+            self.controls.display = "none"  # nothing left to step (or to stop)
         self.status_html.value = (
             f"<b>{state}</b> · current: {html.escape(self._label(current))}"
             f"{' · ' + html.escape(self.current_instruction) if self.current_instruction else ''}"

@@ -87,9 +87,8 @@ class VariablesPanel(KeyedView):
     _css = _CSS
 
     def __init__(self, **kwargs):
-        super().__init__(root_class="sgl-vars", **kwargs)
+        super().__init__(root_class="sgl-vars", items=[_empty()], **kwargs)
         self.variables: list[Variable] = []
-        self.show([_empty()])
 
     def update(self, state) -> None:
         self.variables = variables_of(state)
