@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.token_choice import TokenChoice
 
 # The Node kinds whose output is part of the program's text.
 _TEXT_KINDS = ("Text", "RoleBegin", "RoleEnd", "Gen", "Select")
@@ -30,6 +31,15 @@ class TokenView:
     # Empty / -1 in traces recorded below the "token" level or before they existed.
     top: list[tuple[int, str, float, bool]] = field(default_factory=list)
     allowed: int = -1
+
+    def choice(self) -> TokenChoice:
+        """As the engine's TokenChoice. Its logprob is the one among `top` (before the
+        mask, as theirs) when the token is there, else the event's (after the mask)."""
+        logprob = next((a[2] for a in self.top if a[0] == self.token), self.logprob)
+        return TokenChoice.from_json({"token": -1 if self.token is None else self.token,
+                                      "text": self.text, "logprob": logprob,
+                                      "forced": self.forced, "allowed": self.allowed,
+                                      "top": self.top})
 
 
 @dataclass

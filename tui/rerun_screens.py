@@ -14,7 +14,6 @@ from textual.widgets import Input, Label, Static
 from sgl_nb.language.replay import MISSING
 from sgl_nb.language.token_info import choice_table
 from sgl_nb.notebook.cell_program import parse_args
-from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import TokenView
 from sgl_nb.tui.rows import NodeRow
 
@@ -90,9 +89,7 @@ class TokenScreen(ModalScreen):
 
     def _show(self) -> None:
         t = self.tokens[self.index]
-        choice = TokenChoice.from_json({"token": t.token, "text": t.text,
-                                        "logprob": t.logprob, "forced": t.forced,
-                                        "top": t.top, "allowed": t.allowed})
+        choice = t.choice()
         grammar = f"grammar allowed {t.allowed}" if t.allowed >= 0 else "no grammar"
         head = (f"#{self.row.number} {self.row.label} · token {self.index + 1} of "
                 f"{len(self.tokens)}: {t.text!r} ({'forced' if t.forced else 'sampled'}; "

@@ -9,7 +9,6 @@ import json
 from dataclasses import dataclass, field
 
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, node_params
-from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
 # The figures of a Node's engine requests that a record keeps (summed over its requests,
@@ -30,7 +29,7 @@ class NodeRecord:
     file: str | None = None
     stack: tuple[str, ...] = ()
     usage: dict = field(default_factory=dict)  # USAGE_KEYS, finish_reason, replayed, ...
-    tokens: list[TokenChoice] = field(default_factory=list)  # a Gen's, when recorded
+    tokens: list = field(default_factory=list)  # a Gen's TokenChoices, when recorded
     seconds: float | None = None
     branches: list[ProgramRecord] = field(default_factory=list)  # a Fork's, in order
 
@@ -165,10 +164,7 @@ def _node_of_view(n: NodeView) -> NodeRecord:
     if n.start_ns is not None and n.end_ns is not None:
         seconds = (n.end_ns - n.start_ns) / 1e9
     text = n.text if n.text is not None else "".join(t.text for t in n.tokens)
-    tokens = [TokenChoice.from_json({"token": t.token, "text": t.text, "logprob": t.logprob,
-                                     "forced": t.forced, "top": getattr(t, "top", None),
-                                     "allowed": getattr(t, "allowed", -1)})
-              for t in n.tokens]
     return NodeRecord(n.kind, n.name, n.line, n.label or n.kind, dict(n.params), n.status,
                       text, n.id, n.file, tuple(n.stack),
-                      _usage([i.attrs for i in n.instructions]), tokens, seconds)
+                      _usage([i.attrs for i in n.instructions]),
+                      [t.choice() for t in n.tokens], seconds)
