@@ -93,7 +93,8 @@ def test_relative_links_resolve(doc):
 LAYERS = {
     "kernels": (),  # nothing of the project
     "runtime": ("sgl_nb.runtime", "sgl_nb.kernels"),
-    "tracing": ("sgl_nb.tracing", "sgl_nb.runtime.events"),
+    # runtime's event types: the events, and the token choices a token event carries.
+    "tracing": ("sgl_nb.tracing", "sgl_nb.runtime.events", "sgl_nb.runtime.token_choice"),
 }
 
 
