@@ -193,3 +193,42 @@ def test_rerun_of_a_cell_program_and_of_its_trace(ipython_shell, tmp_path):
     # whose function the re-run finds.
     c = tracing.load(path).rerun(at="verb", value=" leapt")
     assert c.text() == b.text()
+
+
+@sgl.function
+def long_story(s):
+    s += "Once:" + sgl.gen("tale", max_tokens=200, ignore_eos=True)
+    s += " Moral:" + sgl.gen("moral", max_tokens=4)
+
+
+@sgl.function
+def parse_number(s):
+    s += "Write a word:" + sgl.gen("answer", max_tokens=3)
+    s += " so twice that is " + str(2 * int(s["answer"]))
+
+
+def test_rerun_of_a_failed_program_with_a_value_that_mends_it(default_backend):
+    a = parse_number.run()
+    assert a.error() is not None  # the model wrote no number
+    b = a.rerun(at="answer", value=" 21")
+    assert b.error() is None
+    assert b.text().endswith(" 21 so twice that is 42")
+
+
+def test_rerun_of_a_held_and_of_a_cancelled_program(default_backend):
+    a = story.run("the mountains", step=True)
+    a.debug.step()  # RoleBegin user
+    a.debug.wait_until_held()
+    try:
+        b = a.rerun(at="animal", value="Goat")  # the held run's record reaches no gen yet
+        assert b["animal"] == "Goat" and b.error() is None and b["desc"]
+    finally:
+        a.debug.continue_()
+        a.wait()
+    c = long_story.run(stream=True)
+    next(c.text_iter("tale"))  # it is decoding
+    c.cancel()
+    c.wait()
+    assert [n.status for n in c.nodes if n.kind == "Gen"] == ["cancelled", "cancelled"]
+    d = c.rerun(at="tale", value=" A fox slept.")
+    assert d.error() is None and d["moral"] and d.text().startswith("Once: A fox slept.")

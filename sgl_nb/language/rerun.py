@@ -83,13 +83,15 @@ def resolve_at(record: ProgramRecord, at) -> tuple[tuple, int, NodeRecord]:
         what = f"node {at}"
     elif isinstance(at, str):
         found = [x for x in nodes if x[2].name == at and x[2].kind in ("Gen", "Select")]
-        what = f"a gen or select named {at!r}"
+        what = f"gen or select named {at!r}"
     else:
         raise TypeError(f"rerun(at=...) takes a Node, a node id or a variable name, got "
                         f"{type(at).__name__}")
     if not found:
         names = sorted({n.name for _, _, n in nodes if n.name and n.kind in EDITABLE})
-        raise KeyError(f"no {what} in program {record.id}; its gens and selects: {names}")
+        ended = "" if record.status == "done" else f" (it {record.status} before any other)"
+        raise KeyError(f"no {what} in program {record.id}; its gens and selects: "
+                       f"{names}{ended}")
     if len(found) > 1:
         places = ", ".join(f"node {n.id} (line {n.line})" for _, _, n in found)
         raise ValueError(f"{what} ran {len(found)} times ({places}): pass at=<node id> or "
