@@ -10,6 +10,11 @@ Beside the stream: the Variables panel (variables.py) and the Call stack panel
 token (the stream view's `clicked_node`) selects the Node that produced it and shows its
 line. `show()` displays it with a static `text/html` copy for viewers that run no widgets
 (static_view.py), brought up to date when the program ends.
+
+Time travel (rerun_panel.py): a click on a generated token asks for its alternatives ("why
+this token"), answered to the stream view alone; a Node the user selects in the stepper (or
+through a token) opens the "Re-run from here" panel under the tabs, where each re-run
+shows as a ProgramWidget of its own with its diff against this run.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from traitlets import Int, Unicode
 
 from sgl_nb.notebook.widgets.cache_tree import CacheTreeView
 from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
+from sgl_nb.notebook.widgets.rerun_panel import RerunPanel, why_reply
 from sgl_nb.notebook.widgets.static_view import static_html
 from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
 from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
@@ -65,6 +71,9 @@ class ProgramWidget(PumpedView, W.VBox):
         self._cached_chars: dict[tuple[int, int], int] = {}
         self._live: dict = {}  # node id -> the live Node, refreshed on each render
         self._family: set[int] = set()  # this program and its fork branches
+        self.on_final: list = []  # called with the widget after its final render (pump thread)
+        self.rerun_panel: RerunPanel | None = None  # built on the user's first selection
+        self._render_thread: int | None = None  # the thread inside render(), if any
         self._queue = backend.events.subscribe()
         self.title_text = title
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
@@ -90,6 +99,9 @@ class ProgramWidget(PumpedView, W.VBox):
         super().__init__(children=[header, self.stream, panels, self.tabs], **kwargs)
         if self.stream.has_trait("clicked_node"):  # a click on a token names its Node
             self.stream.observe(self._token_clicked, names="clicked_node")
+        self.stream.on_why = self._why
+        self.stepper.on_select = self._open_rerun
+        self.stepper.node_choice.observe(self._node_chosen, names="value")
 
     # ---- wiring ------------------------------------------------------------------------
 
@@ -107,6 +119,12 @@ class ProgramWidget(PumpedView, W.VBox):
 
     def _unsubscribe(self) -> None:
         self.backend.events.unsubscribe(self._queue)
+
+    def discard(self) -> None:
+        """A widget never attached (its program did not start): unsubscribe and close."""
+        self._unsubscribe()
+        for w in _tree(self):
+            w.close()
 
     def _fold(self, events: list[Event]) -> bool:
         """Fold this program's events (and its fork branches'); others only say whether the
@@ -146,6 +164,13 @@ class ProgramWidget(PumpedView, W.VBox):
     # ---- rendering -------------------------------------------------------------------------
 
     def render(self) -> None:
+        self._render_thread = threading.get_ident()
+        try:
+            self._render()
+        finally:
+            self._render_thread = None
+
+    def _render(self) -> None:
         parent = _output_parent()
         with self._lock:
             if self.program_id is None or self.program_id not in self.timeline.programs:
@@ -185,6 +210,8 @@ class ProgramWidget(PumpedView, W.VBox):
             # Recorded where the final state went (see _after_cell); None if that moved
             # while it was being sent.
             self._final_parent = parent if _output_parent() == parent else None
+            for fn in list(self.on_final):
+                fn(self)
 
     def _side_views_due(self, rows: list, finished: bool) -> bool:
         debug = self.state.debug
@@ -226,6 +253,24 @@ class ProgramWidget(PumpedView, W.VBox):
         if ok:
             self.tabs.selected_index = 0
         return ok
+
+    def _node_chosen(self, change) -> None:
+        """The stepper's Node list changed its choice: the user's, unless render made it."""
+        if change.get("new") is not None and self._render_thread != threading.get_ident():
+            self._open_rerun(change["new"])
+
+    def _open_rerun(self, node_id: int) -> None:
+        if self.state is None:
+            return
+        if self.rerun_panel is None:
+            self.rerun_panel = RerunPanel(self)
+            self.children = (*self.children, self.rerun_panel)
+        self.rerun_panel.show_node(node_id)
+
+    def _why(self, node_id, index) -> dict:
+        """The stream view's question about one of its tokens (rerun_panel.why_reply)."""
+        with self._lock:
+            return why_reply(self.timeline, self.state, node_id, index)
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)

@@ -133,6 +133,7 @@ class StepperView(W.VBox):
         self._node_only = False
         self._rows: dict[int, Row] = {}
         self.on_command = None  # called after each button, so the owner re-renders soon
+        self.on_select = None  # called with a Node's id after a click selected it
         # The step buttons' row is shown while a program is bound and running, hidden before
         # and after: one message (this layout's, shared with the ProgramWidget's Stop) where
         # disabling each button would send one a button.
@@ -324,6 +325,8 @@ class StepperView(W.VBox):
         if node_id not in self._rows:
             return False
         self.node_choice.value = node_id
+        if self.on_select is not None:  # also when it was selected already
+            self.on_select(node_id)
         return True
 
     @property

@@ -6,6 +6,8 @@
 //   {t: "f", ...the same keys}: the whole state (the answer to our "hello"); it replaces ours.
 // The `snapshot` trait holds the whole state once the run has ended (a saved notebook, a
 // view opened later); before that a new view asks for it with {type: "hello"}.
+//   {type: "why", node, index, top: [[rank, text, p, masked, taken], ...], ...}: the answer
+//     to our {type: "why", node, index} (a click on a token), shown under the stream.
 
 const ORIGIN = { p: "prompt", c: "cached", g: "generated", f: "forced", t: "template" };
 
@@ -54,8 +56,42 @@ class Stream {
     }
     this.body = document.createElement("div");
     this.body.className = "sgl-stream";
-    el.append(this.head, legend, this.body);
+    this.whyEl = document.createElement("div");
+    this.whyEl.className = "sgl-why";
+    this.whyEl.hidden = true;
+    el.append(this.head, legend, this.body, this.whyEl);
     this.reset();
+  }
+
+  // Which token of its Node a piece is (what the kernel's Timeline indexes), or -1.
+  tokenIndex(target) {
+    if (target.dataset.tok === undefined) return -1;
+    const same = this.body.querySelectorAll(`[data-node="${target.dataset.node}"][data-tok]`);
+    return Array.prototype.indexOf.call(same, target);
+  }
+
+  askWhy(target) {
+    const index = this.tokenIndex(target);
+    if (index < 0) return;
+    for (const s of this.body.querySelectorAll(".sgl-why-on")) s.classList.remove("sgl-why-on");
+    target.classList.add("sgl-why-on");
+    this.model.send({ type: "why", node: Number(target.dataset.node), index });
+  }
+
+  closeWhy() {
+    this.whyEl.hidden = true;
+    for (const s of this.body.querySelectorAll(".sgl-why-on")) s.classList.remove("sgl-why-on");
+  }
+
+  why(msg) {
+    const close = document.createElement("button");
+    close.className = "sgl-why-close";
+    close.title = "close";
+    close.textContent = "×";
+    close.addEventListener("click", () => this.closeWhy());
+    const rows = msg.error ? [document.createTextNode(msg.error)] : whyBody(msg);
+    this.whyEl.replaceChildren(close, ...rows);
+    this.whyEl.hidden = false;
   }
 
   reset() {
@@ -126,6 +162,7 @@ class Stream {
       const title = pieceTitle(it);
       if (title) s.title = title;
       s.dataset.node = it[2];
+      if (it.length === 5) s.dataset.tok = it[4] ?? "";  // a generated token: it has a "why"
       const node = this.nodes.get(it[2]);
       if (node) {
         s.dataset.status = node[2];
@@ -168,9 +205,47 @@ class Stream {
   }
 }
 
+function pct(p) {
+  return p === null || p === undefined ? "?" : `${(100 * p).toFixed(2)}%`;
+}
+
+// The answer's lines: the token, where it came from, then its alternatives (all as text).
+function whyBody(m) {
+  const grammar = m.allowed >= 0 ? `grammar allowed ${m.allowed} tokens` : "no grammar";
+  const head = document.createElement("div");
+  const b = document.createElement("b");
+  b.textContent = `token ${m.index} of ${m.label}: ${JSON.stringify(m.text)} p=${pct(m.p)}`;
+  head.append(b, ` (${m.forced ? "forced" : "sampled"}; ${grammar})`);
+  const where = document.createElement("div");
+  const cache = m.prompt === null || m.prompt === undefined ? ""
+    : ` · cache hit ${m.cached ?? 0}/${m.prompt} prompt tokens`;
+  const line = m.line === null || m.line === undefined ? "no line"
+    : `line ${m.line}${m.source ? ": " + m.source : ""}`;
+  where.textContent = `${line} · ${m.instruction ?? "no instruction"}${cache}`;
+  const table = document.createElement("table");
+  const tr = (cells, tag) => {
+    const r = document.createElement("tr");
+    for (const c of cells) {
+      const d = document.createElement(tag);
+      d.textContent = c;
+      r.appendChild(d);
+    }
+    return table.appendChild(r);
+  };
+  tr(["rank", "token", "prob", "marks"], "th");
+  for (const [rank, text, p, masked, taken] of m.top ?? []) {
+    const marks = [masked ? "masked" : "", taken && m.forced ? "forced" : ""];
+    const r = tr([rank ?? "-", JSON.stringify(text), pct(p), marks.join(" ").trim()], "td");
+    if (taken) r.className = "sgl-why-taken";
+    if (masked) r.classList.add("sgl-why-masked");
+  }
+  if (!(m.top ?? []).length) tr(["", "(no alternatives recorded)", "", ""], "td");
+  return [head, where, table];
+}
+
 function render({ model, el }) {
   const view = new Stream(el, model);
-  const onMsg = (msg) => view.apply(msg);
+  const onMsg = (msg) => (msg.type === "why" ? view.why(msg) : view.apply(msg));
   const onSnapshot = () => {
     const snap = model.get("snapshot");
     if (snap && snap.final) view.draw(snap);
@@ -190,6 +265,7 @@ function render({ model, el }) {
     }
     model.set("clicked_node", id);
     model.save_changes();
+    view.askWhy(target);
   });
   return () => {
     model.off("msg:custom", onMsg);

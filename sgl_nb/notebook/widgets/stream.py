@@ -22,10 +22,13 @@ a cache hit recolours the prompt before it). An item is a piece
 `[text, origin, node, None, None, title]`, origin one of p(rompt) c(ached) g(enerated)
 f(orced) t(emplate); or a marker `{"k": role|var|mark|fork|err|perr, "t": text, "n": node}`
 (a fork's `"b"` lists its branches' lanes, in branch order). A view that opens while the
-program runs says "hello" and gets the whole state at once ("t": "f"). When the run ends the
-whole state goes into the `snapshot` trait and `text` and the counts are synced; during the
-run those traits change in Python only (no re-sync on every render). `static_html()` is the
-coloured text as self-contained HTML, for a notebook viewer that runs no widgets.
+program runs says "hello" and gets the whole state at once ("t": "f"). A click on a token
+asks {"type": "why", "node", "index"} (its place among its Node's tokens); `on_why` (the
+ProgramWidget's) answers, and the answer goes back as one message with "type": "why".
+When the run ends the whole state goes into the `snapshot` trait and `text` and the counts
+are synced; during the run those traits change in Python only (no re-sync on every render).
+`static_html()` is the coloured text as self-contained HTML, for a notebook viewer that
+runs no widgets.
 """
 
 from __future__ import annotations
@@ -58,7 +61,12 @@ _CSS = """
  vertical-align:super;margin-left:1px}.sgl-branch{display:block;border-left:3px solid #a78bfa;
  margin:2px 0 2px 8px;padding-left:6px}.sgl-mark{color:#7c3aed;font-size:10px}
 .sgl-error{color:#b91c1c;font-weight:bold}.sgl-legend span{padding:0 4px;margin-right:4px}
-.sgl-stream [data-node]{cursor:pointer}
+.sgl-stream [data-node]{cursor:pointer}.sgl-why-on{outline:2px solid #2563eb}
+.sgl-why{font-family:monospace;font-size:12px;border:1px solid #93c5fd;background:#f8fafc;
+ padding:4px 6px;margin-top:4px;white-space:pre-wrap}.sgl-why table{border-collapse:collapse}
+.sgl-why td,.sgl-why th{padding:0 8px;text-align:left}.sgl-why .sgl-why-taken{font-weight:bold}
+.sgl-why .sgl-why-masked{color:#9ca3af;text-decoration:line-through}
+.sgl-why-close{float:right;cursor:pointer;border:none;background:none;font-size:14px}
 """
 _STYLE = f"<style>{_CSS}</style>"
 _LEGEND = ('<div class="sgl-legend">' + "".join(
@@ -429,6 +437,8 @@ class StreamView(anywidget.AnyWidget):
         self.bytes_sent = 0  # the custom messages' content, as JSON
         super().__init__(**kwargs)
         self.header = _Header(self)
+        # (node, index) -> the answer to a click on that token (set by the ProgramWidget).
+        self.on_why: Callable[[object, object], dict] | None = None
         self.on_msg(self._on_msg)
 
     # ---- the traits: quiet during the run -----------------------------------------------
@@ -610,9 +620,14 @@ class StreamView(anywidget.AnyWidget):
                 self.send_state(list(self._QUIET))
 
     def _on_msg(self, _widget, content, _buffers) -> None:
-        if isinstance(content, dict) and content.get("type") == "hello":
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "hello":
             with self._send_lock:
                 self._send_custom(self._full())
+        elif kind == "why" and self.on_why is not None:
+            reply = self.on_why(content.get("node"), content.get("index"))
+            with self._send_lock:
+                self._send_custom(reply)
 
 
 def _common_prefix(a: list, b: list) -> int:
