@@ -9,6 +9,8 @@ go to test-artifacts/browser/."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,13 +64,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _notebook(path: Path) -> None:
-    import nbformat
+def notebook(cells: list[str], kernel: bool = True):
+    """A notebook of these code cells; kernel=False: without a kernelspec (JupyterLab then
+    asks which kernel to start, and "No Kernel" starts none)."""
     from nbformat.v4 import new_code_cell, new_notebook
 
-    nb = new_notebook(cells=[new_code_cell(c) for c in CELLS], metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(nb, path)
+    meta = {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                           "language": "python"}} if kernel else {}
+    return new_notebook(cells=[new_code_cell(c) for c in cells], metadata=meta)
 
 
 def _settings(folder: Path) -> None:
@@ -80,23 +84,36 @@ def _settings(folder: Path) -> None:
     news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
 
 
-@pytest.fixture
-def lab(tmp_path):
+@contextlib.contextmanager
+def serve_lab(tmp_path: Path, notebooks: dict) -> Iterator[tuple[str, str]]:
+    """JupyterLab on 127.0.0.1 serving these notebooks (file name -> notebook node), with a
+    token; yields (base URL, token). A notebook whose metadata says "trusted" is signed:
+    JupyterLab renders the widgets of a notebook it did not run only when it is trusted
+    (an untrusted one shows each output's static text/html)."""
     _need_chromium()
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
     from sgl_nb.runtime.model.model_loader import cache_dir
 
-    root, settings = tmp_path / "root", tmp_path / "settings"
+    root, settings, data = tmp_path / "root", tmp_path / "settings", tmp_path / "data"
     root.mkdir()
-    _notebook(root / "browser.ipynb")
+    data.mkdir()
+    for name, nb in notebooks.items():
+        trusted = nb.metadata.pop("trusted", False)
+        nbformat.write(nb, root / name)
+        if trusted:  # as JupyterLab signs a notebook its user saved
+            NotebookNotary(data_dir=str(data)).sign(nb)
     _settings(settings)
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "SGL_NB_CACHE": str(cache_dir()),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTERLAB_SETTINGS_DIR": str(settings),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_DATA_DIR": str(data)}  # its notebook signatures
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "jupyterlab.log", "w")  # noqa: SIM115 - closed below
+    log = open(ARTIFACTS / f"jupyterlab-{tmp_path.name}.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
@@ -117,6 +134,29 @@ def lab(tmp_path):
         log.close()
 
 
+@contextlib.contextmanager
+def chromium_page(tmp_path: Path, last_shot: str = "last.png"):
+    """A page of Debian's Chromium (a fresh profile); a full-page screenshot at the end."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=FLAGS, viewport={"width": 1400, "height": 1600})
+        page = ctx.new_page()
+        try:
+            yield page
+        finally:
+            page.screenshot(path=str(ARTIFACTS / last_shot), full_page=True)
+            ctx.close()
+
+
+@pytest.fixture
+def lab(tmp_path):
+    with serve_lab(tmp_path, {"browser.ipynb": notebook(CELLS)}) as served:
+        yield served
+
+
 def _wait_ready(base: str, token: str, server: subprocess.Popen) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -131,37 +171,16 @@ def _wait_ready(base: str, token: str, server: subprocess.Popen) -> None:
 
 
 def test_sgl_cell_in_jupyterlab(lab, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, token = lab
-    profile = tmp_path / "chromium-profile"  # a fresh --user-data-dir
-    with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(
-            str(profile), executable_path=CHROMIUM, headless=True, args=FLAGS,
-            viewport={"width": 1400, "height": 1600})
-        page = ctx.new_page()
-        try:
-            _run(page, f"{base}/lab/tree/browser.ipynb?token={token}", expect)
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "last.png"), full_page=True)
-            ctx.close()
+    with chromium_page(tmp_path) as page:
+        _run(page, f"{base}/lab/tree/browser.ipynb?token={token}", expect)
 
 
 def _run(page, url: str, expect) -> None:
-    page.set_default_timeout(TIMEOUT_MS)
-    expect.set_options(timeout=TIMEOUT_MS)
-    page.goto(url)
-    cells = page.locator(".jp-Notebook .jp-CodeCell")
-    expect(cells).to_have_count(len(CELLS))
-    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
-        1, timeout=TIMEOUT_MS)
+    cells = run_all(page, url, len(CELLS), expect)
     page.screenshot(path=str(ARTIFACTS / "1-opened.png"))
-
-    # Make the notebook the current widget (the Run menu acts on it), then run everything.
-    cells.nth(0).locator(".jp-InputPrompt").click()
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-    expect(cells.nth(0).locator(".jp-InputPrompt")).to_contain_text("[1]")
 
     # The program's output, printed by the kernel, and the same text in the stream widget.
     printed = cells.nth(2).locator(".jp-OutputArea-output", has_text="GENERATED<<")
@@ -220,6 +239,31 @@ def _run(page, url: str, expect) -> None:
     _pause_a_long_run(page, cells.nth(6), expect)
 
 
+def open_notebook(page, url: str, n_cells: int, expect, kernel: bool = True):
+    """Open a notebook and wait until it is ready (its kernel idle); its code cells."""
+    page.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    page.goto(url)
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    expect(cells).to_have_count(n_cells)
+    if kernel:
+        expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+               ).to_have_count(1, timeout=TIMEOUT_MS)
+    return cells
+
+
+def run_all(page, url: str, n_cells: int, expect):
+    """Open a notebook, run all its cells (they queue; the first has run when this
+    returns); its code cells."""
+    cells = open_notebook(page, url, n_cells, expect)
+    # Make the notebook the current widget (the Run menu acts on it), then run everything.
+    cells.nth(0).locator(".jp-InputPrompt").click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    expect(cells.nth(0).locator(".jp-InputPrompt")).to_contain_text("[1]")
+    return cells
+
+
 def _generated(cell) -> int:
     """The generated-token count the stream view's header shows now."""
     m = re.search(r"generated (\d+)", cell.locator(".sgl-head").inner_text())
@@ -244,3 +288,97 @@ def _pause_a_long_run(page, cell, expect) -> None:
     page.screenshot(path=str(ARTIFACTS / "7-long-paused.png"), full_page=True)
     cell.get_by_role("button", name="Stop").click()
     expect(cell.locator(".sgl-head")).to_contain_text("cancelled", timeout=TIMEOUT_MS)
+
+
+SAVED_CELLS = [
+    "%load_ext sgl_nb",
+    '%%sgl menu --max-tokens 6\ns += "Lunch today: "\n'
+    's += select("dish", choices=["soup", "salad"])\ns += ". The reason:"\n'
+    's += gen("why", ignore_eos=True)',
+    'menu.wait(300)\nassert menu.widget.wait(60)\n'
+    'print("WHY<<" + menu["why"] + ">>DISH<<" + menu["dish"] + ">>")',
+]
+
+
+def _executed(tmp_path: Path, monkeypatch):
+    """SAVED_CELLS run by nbclient on a real kernel, the widget state stored in the
+    notebook's metadata (as JupyterLab's saveState setting, `make install`, stores it)."""
+    from nbclient import NotebookClient
+
+    from sgl_nb.runtime.model.model_loader import cache_dir
+
+    nb = notebook(SAVED_CELLS)
+    monkeypatch.setenv("SGL_NB_CACHE", str(cache_dir()))  # the kernel finds the model
+    work = tmp_path / "work"
+    work.mkdir()
+    NotebookClient(nb, timeout=300, kernel_name="python3", store_widget_state=True,
+                   resources={"metadata": {"path": str(work)}}).execute()
+    printed = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    why, dish = re.search(r"WHY<<(.*)>>DISH<<(.*)>>", printed, re.S).groups()
+    assert "application/vnd.jupyter.widget-state+json" in nb.metadata.get("widgets", {})
+    return nb, why, dish
+
+
+def _no_kernel(nb):
+    """The notebook without a kernelspec or language: JupyterLab opens it asking which
+    kernel to start, and "No Kernel" starts none."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("kernelspec")
+    nb.metadata.pop("language_info", None)  # else it starts a kernel of that language
+    return nb
+
+
+def _trusted(nb):
+    nb = copy.deepcopy(nb)
+    nb.metadata["trusted"] = True  # serve_lab signs it, as JupyterLab signs what it saves
+    return nb
+
+
+def test_a_saved_notebook_shows_its_programs(tmp_path, monkeypatch):
+    """Opened with no kernel, a notebook JupyterLab did not sign itself (nbclient's, or
+    one received) shows each program's static copy (JupyterLab renders only the safe
+    text/html of an untrusted output; its sanitizer drops the <style> block, so the
+    origins are marked by class but not coloured): the final text, the Node list and the
+    statuses. Signed and opened on a kernel that has not run it, the widgets come back
+    from the saved widget state. Signed and opened with no kernel, the outputs stay at
+    "Loading widget...": @jupyter-widgets/jupyterlab-manager 5.0 (WidgetManager.
+    restoreWidgets) waits for sessionContext.ready, which "No Kernel" never resolves, and
+    its _loadFromKernel throws "Kernel not set" before _loadFromNotebook reads the saved
+    state (jupyter-widgets/ipywidgets#3773, open): nothing a widget can change."""
+    from playwright.sync_api import expect
+
+    nb, why, dish = _executed(tmp_path, monkeypatch)
+    notebooks = {"bare.ipynb": _no_kernel(nb), "signed.ipynb": _trusted(nb)}
+    with serve_lab(tmp_path, notebooks) as (base, token), \
+            chromium_page(tmp_path, "saved-last.png") as page:
+        cells = open_notebook(page, f"{base}/lab/tree/bare.ipynb?token={token}",
+                              len(SAVED_CELLS), expect, kernel=False)
+        page.locator(".jp-Dialog").get_by_role("button", name="No Kernel", exact=True).click()
+        expect(page.locator(".jp-Toolbar-kernelName").first).to_contain_text("No Kernel")
+        static = cells.nth(1).locator(".sgl-static")
+        expect(static.locator(".sgl-static-status")).to_have_text("done")
+        _shows_the_program(static, why, dish, expect)
+        with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as r:
+            assert json.load(r) == [], "a kernel was started"
+        page.screenshot(path=str(ARTIFACTS / "saved-no-kernel.png"), full_page=True)
+
+        # Its own workspace: the default one would open bare.ipynb again beside it.
+        cells = open_notebook(page, f"{base}/lab/workspaces/signed/tree/signed.ipynb"
+                              f"?token={token}", len(SAVED_CELLS), expect)
+        program = cells.nth(1)
+        expect(program.locator(".sgl-static")).to_have_count(0)  # the widgets, not the copy
+        expect(program.locator(".sgl-head").first).to_contain_text("done")
+        _shows_the_program(program, why, dish, expect)
+        page.screenshot(path=str(ARTIFACTS / "saved-fresh-kernel.png"), full_page=True)
+
+
+def _shows_the_program(where, why: str, dish: str, expect) -> None:
+    stream = where.locator(".sgl-stream").first
+    expect(stream).to_contain_text("Lunch today: ")
+    expect(stream.locator(".sgl-generated").first).to_be_visible()  # coloured by origin
+    expect(stream).to_contain_text(dish)
+    expect(stream).to_contain_text(why.strip())
+    nodes = where.locator(".sgl-node")
+    for label in ("Lunch today", "Select dish", "The reason", "Gen why"):
+        expect(nodes.filter(has_text=label)).to_contain_text("[done]")
+    expect(nodes).to_have_count(4)
