@@ -337,8 +337,8 @@ def _trusted(nb):
 def test_a_saved_notebook_shows_its_programs(tmp_path, monkeypatch):
     """Opened with no kernel, a notebook JupyterLab did not sign itself (nbclient's, or
     one received) shows each program's static copy (JupyterLab renders only the safe
-    text/html of an untrusted output; its sanitizer drops the <style> block, so the
-    origins are marked by class but not coloured): the final text, the Node list and the
+    text/html of an untrusted output; its sanitizer drops the <style> block, so the origin
+    colours are inline too): the final text coloured by origin, the Node list and the
     statuses. Signed and opened on a kernel that has not run it, the widgets come back
     from the saved widget state. Signed and opened with no kernel, the outputs stay at
     "Loading widget...": @jupyter-widgets/jupyterlab-manager 5.0 (WidgetManager.
@@ -358,6 +358,8 @@ def test_a_saved_notebook_shows_its_programs(tmp_path, monkeypatch):
         static = cells.nth(1).locator(".sgl-static")
         expect(static.locator(".sgl-static-status")).to_have_text("done")
         _shows_the_program(static, why, dish, expect)
+        expect(static.locator(".sgl-generated").first).to_have_css(
+            "background-color", "rgb(220, 252, 231)")  # the inline colour survived
         with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as r:
             assert json.load(r) == [], "a kernel was started"
         page.screenshot(path=str(ARTIFACTS / "saved-no-kernel.png"), full_page=True)

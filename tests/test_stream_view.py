@@ -149,7 +149,8 @@ def test_the_deltas_add_up_to_the_text_and_the_traits_sync_once(default_backend)
                        r'forced)"[^>]*>([^<]*)</span>', static.split('class="sgl-stream"')[1])
     assert "".join(html.unescape(t) for t in spans) == st.text()
     assert 'data-var="answer"' in static and '<span class="sgl-role">user</span>' in static
-    assert len(re.findall(r'<span class="sgl-generated" title="p=[0-9.]+ token \d+" '
+    assert len(re.findall(r'<span class="sgl-generated" style="background:#dcfce7" '
+                          r'title="p=[0-9.]+ token \d+" '
                           r'data-node="\d+">', static)) == 48
 
 

@@ -75,7 +75,8 @@ def test_stream_view_after_a_program(default_backend):
     assert view.generated_tokens == 8 and view.prompt_tokens > 0 and view.tok_per_s > 0
     markup = view.static_html()  # what the front end draws, as HTML
     assert 'data-var="answer"' in markup and '<span class="sgl-role">user</span>' in markup
-    assert markup.count('<span class="sgl-generated" title=') == 8
+    assert markup.count(
+        '<span class="sgl-generated" style="background:#dcfce7" title=') == 8
     assert "tok/s" in view.header.value
     state = json.loads(json.dumps(view.get_state()))  # the final state lives in the traits
     assert state["text"] == st.text() and state["generated_tokens"] == 8
@@ -114,7 +115,8 @@ def test_token_probability_on_hover(default_backend):
     as the token's HTML title."""
     w, st = watch(default_backend, qa, q="Name a tree.")
     assert w.wait(120)
-    titles = re.findall(r'<span class="sgl-generated" title="p=([0-9.]+) token \d+" '
+    titles = re.findall(r'<span class="sgl-generated" style="background:#dcfce7" '
+                        r'title="p=([0-9.]+) token \d+" '
                         r'data-node="(\d+)">', w.stream.static_html())
     gen = next(n for n in st.nodes if n.kind == "Gen")
     assert len(titles) == 8 and all(0.0 < float(p) <= 1.0 for p, _ in titles)

@@ -51,6 +51,12 @@ ORIGINS = ("prompt", "cached", "generated", "forced")
 CODES = {"prompt": "p", "cached": "c", "generated": "g", "forced": "f", "template": "t"}
 ORIGIN_OF = {v: k for k, v in CODES.items()}
 ENDED = ("done", "error", "cancelled")
+
+
+def _inline_attr(origin: str) -> str:
+    return f' style="{_INLINE[origin]}"' if origin in _INLINE else ""
+
+
 _CSS = """
 .sgl-stream{white-space:pre-wrap;font-family:monospace;font-size:12px;line-height:1.5;
  max-height:360px;overflow:auto;border:1px solid #ddd;padding:6px}
@@ -69,8 +75,12 @@ _CSS = """
 .sgl-why-close{float:right;cursor:pointer;border:none;background:none;font-size:14px}
 """
 _STYLE = f"<style>{_CSS}</style>"
+# The static copy's origin colours, inline as well: JupyterLab's sanitizer drops a <style>
+# block in an output it does not trust (a saved notebook opened without its kernel).
+_INLINE = {"cached": "background:#dbeafe", "generated": "background:#dcfce7",
+           "forced": "background:#fef3c7", "template": "color:#888"}
 _LEGEND = ('<div class="sgl-legend">' + "".join(
-    f'<span class="sgl-{o}">{o}</span>' for o in ORIGINS) + "</div>")
+    f'<span class="sgl-{o}"{_inline_attr(o)}>{o}</span>' for o in ORIGINS) + "</div>")
 
 
 @dataclass
@@ -337,7 +347,7 @@ def _span(item: list) -> str:
     cls = "sgl-template sgl-prompt" if origin == "template" else f"sgl-{origin}"
     title = _title(item)
     title = f' title="{html.escape(title)}"' if title else ""
-    return (f'<span class="{cls}"{title} data-node="{item[2]}">'
+    return (f'<span class="{cls}"{_inline_attr(origin)}{title} data-node="{item[2]}">'
             f'{html.escape(item[0])}</span>')
 
 
