@@ -134,6 +134,10 @@ def test_rerun_errors_name_the_problem(default_backend):
         a.rerun(at="nope", value="x")
     with pytest.raises(TypeError, match="unknown sampling"):
         a.rerun(at="desc", temprature=0.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        a.rerun(at="desc", max_tokens=-3)
+    with pytest.raises(ValueError, match="regex"):
+        a.rerun(at="desc", regex="(unclosed")
     with pytest.raises(TypeError, match="not both"):
         a.rerun(at="desc", value="x", max_tokens=3)
     b = branchy.run()

@@ -20,6 +20,7 @@ from sgl_nb.language.run_record import (
     record_of_timeline,
 )
 from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.tracing.timeline import Timeline
 
 EDITABLE = ("Gen", "Select", "Text")
@@ -63,6 +64,8 @@ def _start(function, args: dict, defaults: dict, options: dict, record: ProgramR
            value, stream: bool, backend, sampling: dict):
     path, index, node = resolve_at(record, at)
     edit = Edit(value, check_edit(node, value, sampling))
+    if backend is not None and ("regex" in edit.sampling or "json_schema" in edit.sampling):
+        backend.check_grammar(edit.sampling.get("regex"), edit.sampling.get("json_schema"))
     where = f"{node.label} (line {node.line})" if node.line is not None else node.label
     report = RerunReport(where)
     fut = function._start(dict(args), backend, replay=Replay(record, (path, index), edit, report),
@@ -123,6 +126,10 @@ def check_edit(node: NodeRecord, value, sampling: dict) -> dict:
         raise TypeError(f"a text Node's value must be a str, got {type(value).__name__}")
     out = sampling_args({k: v for k, v in sampling.items() if k in SAMPLING_ARGS})
     out.update({k: sampling[k] for k in GRAMMAR_ARGS if k in sampling})
+    try:
+        SamplingParams(**out)  # a bad value fails here, before anything runs
+    except TypeError as e:
+        raise TypeError(f"bad sampling arguments {out}: {e}") from None
     return out
 
 
