@@ -172,7 +172,7 @@ class StreamModel:
     def _fork_children(self, fork: NodeView, children: list[int]) -> list[int]:
         """The branches this Fork made (a program may fork more than once)."""
         if self.forks is None:
-            self.forks = fork_children(self.tl.events)
+            self.forks = self.tl.fork_children()
         return self.forks.get(fork.id, children)
 
     def _text_at(self, pending: list, fork: NodeView) -> str:
@@ -292,12 +292,6 @@ def _title(item: list) -> str:
     if len(item) >= 5:
         return token_title(item[3], item[4], item[1] == "f")
     return ""
-
-
-def fork_children(events) -> dict[int, list[int]]:
-    """Fork Node id -> the program ids of its branches, from the fork events."""
-    return {e.node: list(e.data["children"]) for e in events
-            if e.kind == "fork" and e.data.get("children")}
 
 
 def render_html(root: int | None, lanes: dict, nodes: dict) -> str:
