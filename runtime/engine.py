@@ -29,9 +29,10 @@ from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import GenerateOutput, Request
-from sgl_nb.runtime.sampler import Sampled, sample
+from sgl_nb.runtime.sampler import Sampled, sample, top_alternatives
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
+from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 from sgl_nb.runtime.token_usage import TokenUsage
 
 log = logging.getLogger("sgl_nb.engine")
@@ -197,6 +198,9 @@ class Engine:
         self.scheduler.events = self.events
         self._grammars: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
+        # Token id -> its text, decoded once: every step names k alternatives (a decode
+        # is ~2 us, a lookup a tenth of that).
+        self._token_texts: dict[int, str] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         # Request ids to abort, added from any thread; the engine thread applies them
@@ -263,6 +267,8 @@ class Engine:
                 "kv_pool_tokens"
             )
         req = Request(list(prompt_ids), params, max_new)
+        if self.settings.token_alternatives:
+            req.token_choices = []
         if params.regex is not None or params.json_schema is not None:
             req.grammar = self.grammars().matcher(params.regex, params.json_schema)
         return req
@@ -468,11 +474,14 @@ class Engine:
         reqs = [r for _, r in ready]
         if len(ready) < last.shape[0]:
             last = last[torch.tensor([i for i, _ in ready], device=last.device)]
-        rows, reqs = self._masked_rows(last.float().cpu(), reqs)
+        rows, reqs, top = self._masked_rows(last.float().cpu(), reqs)
+        if not reqs:
+            return
         sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
                          all_logprobs=self.events.active)
-        for req, s in zip(reqs, sampled):
-            self._take(req, s)
+        alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
+        for b, (req, s) in enumerate(zip(reqs, sampled)):
+            self._take(req, s, alts[b] if alts else None)
             self._propose_drafts(req)
 
     def _take_drafted(self, req: Request, rows: torch.Tensor) -> None:
@@ -483,21 +492,18 @@ class Engine:
         (forced); the first pick that differs is taken instead, and the drafts after it are
         dropped with their KV."""
         taken = 0
-        for row in rows:
-            try:
-                self._adjust_row(row, req)
-            except Exception as e:  # noqa: BLE001 - handed to the request's caller
-                self._finish(req, error=e)
-                return
-            s = sample(row[None], [req.params], [req.generator],
-                       all_logprobs=self.events.active)[0]
+        for j in range(rows.shape[0]):
+            row, kept, top = self._masked_rows(rows[j : j + 1], [req])
+            if not kept:
+                return  # its penalties or grammar failed: finished with the error
+            s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
             s.forced = s.token == req.draft_ids[0] if req.draft_ids else False
             if s.forced:
                 req.draft_ids.pop(0)
                 self.forced["accepted"] += 1
             else:
                 self.scheduler.drop_drafts(req)
-            self._take(req, s)
+            self._take(req, s, top.lists(row, [s.token])[0] if top is not None else None)
             taken += 1
             if req.finished or not s.forced:
                 break  # the rows after a pick of its own belong to dropped drafts
@@ -520,25 +526,45 @@ class Engine:
     # goes on, and its KV (all computed by then) is released as for any other end.
 
     def _masked_rows(self, rows: torch.Tensor, reqs: list[Request]):
-        """Penalties and grammar masks applied to each request's row of logits; the rows
-        and requests that still have a token to sample."""
-        keep = []
-        for i, r in enumerate(reqs):
-            try:
-                self._adjust_row(rows[i], r)
-            except Exception as e:  # noqa: BLE001 - handed to the request's caller
-                self._finish(r, error=e)
-                continue
-            keep.append(i)
+        """Penalties, then the top alternatives (TopK, or None when not recorded), then
+        the grammar masks, on each request's row of logits: the rows, requests and
+        alternatives of those that still have a token to sample. The alternatives come
+        between the two so that they show what the model offered, masked or not."""
+        keep = self._rows_that(self._penalize, rows, range(len(reqs)), reqs)
+        k = self.settings.token_alternatives
+        top = top_alternatives(rows, k) if k else None  # the whole batch at once
+        grammars = [i for i in keep if reqs[i].grammar is not None]
+        if grammars:
+            failed = set(grammars) - set(self._rows_that(self._mask, rows, grammars, reqs))
+            keep = [i for i in keep if i not in failed]
+            if top is not None:
+                top.mark_masked(rows)
         if len(keep) < len(reqs):
             rows, reqs = rows[keep], [reqs[i] for i in keep]
-        return rows, reqs
+            top = top.select(keep) if top is not None else None
+        return rows, reqs, top
 
-    def _adjust_row(self, row: torch.Tensor, r: Request) -> None:
+    def _rows_that(self, fn, rows: torch.Tensor, which, reqs: list[Request]) -> list[int]:
+        """fn(row, request) for each row in `which`; those it did not fail on (a request
+        whose own logits or grammar go wrong finishes with the error)."""
+        ok = []
+        for i in which:
+            try:
+                fn(rows[i], reqs[i])
+            except Exception as e:  # noqa: BLE001 - handed to the request's caller
+                self._finish(reqs[i], error=e)
+                continue
+            ok.append(i)
+        return ok
+
+    def _penalize(self, row: torch.Tensor, r: Request) -> None:
         p = r.params
         if p.adjusts_logits:
             stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
             adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
+
+    def _mask(self, row: torch.Tensor, r: Request) -> None:
+        p = r.params
         if r.grammar is not None:
             r.grammar.mask(row)
             if r.grammar.allowed == 0:
@@ -548,8 +574,9 @@ class Engine:
                     f"{len(r.output_ids)} generated ({r.text[-40:]!r}): no token of the "
                     "model's vocabulary continues it")
 
-    def _take(self, req: Request, s: Sampled) -> None:
-        """One sampled token into its request: text, events, stream, finish."""
+    def _take(self, req: Request, s: Sampled, alts: tuple | None = None) -> None:
+        """One sampled token into its request: text, events, stream, finish. alts: its
+        row of TopK.lists (None when alternatives are not recorded)."""
         if s.error is not None:  # its own sampling parameters: a ValueError, like bad input
             self._finish(req, error=ValueError(f"request {req.rid}: {s.error}"))
             return
@@ -561,17 +588,36 @@ class Engine:
         self.generated_tokens += 1
         forced = s.forced or (req.grammar is not None and req.grammar.forced)
         self.forced["tokens"] += forced
+        allowed = req.grammar.allowed if req.grammar is not None else -1
+        choice = None
+        if alts is not None and req.token_choices is not None:
+            choice = self._choice(s.token, forced, allowed, alts)
+            req.token_choices.append(choice)
         if self.events.active:
+            data = {"token": s.token, "logprob": s.logprob, "step": self.scheduler.step_no,
+                    "text": self._token_text(s.token), "forced": forced, "allowed": allowed}
+            if choice is not None:
+                data["top"] = [a.to_json() for a in choice.top]
             self.events.emit("token", request=req.rid, program=req.program, node=req.node,
-                             data={"token": s.token, "logprob": s.logprob,
-                                   "step": self.scheduler.step_no,
-                                   "text": self.tokenizer.decode([s.token]),
-                                   "forced": forced})
+                             data=data)
         handle = self._handles.get(req.rid)
         if handle is not None:
             handle._push(req.take_delta())
         if req.finished:
             self._finish(req)
+
+    def _choice(self, token: int, forced: bool, allowed: int, alts: tuple) -> TokenChoice:
+        ids, logprobs, masked, chosen = alts
+        text = self._token_text
+        top = [Alternative(t, text(t), lp, m) for t, lp, m in zip(ids, logprobs, masked)]
+        return TokenChoice(token, text(token), chosen, forced, allowed, top)
+
+    def _token_text(self, token: int) -> str:
+        """One token's own text (as the token event has always given it), decoded once."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _record_scores(self, batch: ScheduledBatch, scored_logits: torch.Tensor) -> None:
         n_scored = sum(n for _, _, n in batch.scored)  # jump-forward's rows come after

@@ -34,6 +34,10 @@ class EngineConfig:
     # Text a grammar forces (a JSON key, a closing quote) is computed in one extend step
     # and checked against the model's own choices, instead of one decode step a token.
     jump_forward: bool = True
+    # Why this token: the k most likely tokens of each step, with what the grammar masked,
+    # kept on every request (Request.token_choices, GenerateOutput.tokens, token events).
+    # 0: none recorded.
+    token_alternatives: int = 5
 
     def __post_init__(self) -> None:
         for name in ("kv_pool_tokens", "max_prefill_tokens", "max_running", "time_slice",
@@ -41,6 +45,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        alts = self.token_alternatives
+        if not isinstance(alts, int) or isinstance(alts, bool) or alts < 0:
+            raise ValueError(f"token_alternatives must be an integer >= 0, got {alts!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -40,7 +40,13 @@ EVENT_KINDS = (
 #   token             token (id), text (its characters, may be ""), logprob, forced (True
 #                     when the grammar allowed only this token, or it is a jump-forward
 #                     draft of the grammar's forced text), step (the scheduler's step
-#                     counter: batches scheduled so far); program/node/request set
+#                     counter: batches scheduled so far), allowed (tokens the grammar
+#                     left at that step, -1 without one), top (when the engine records
+#                     alternatives, EngineConfig.token_alternatives: [[id, text, logprob,
+#                     masked], ...], the step's k most likely tokens before the grammar
+#                     mask, masked = ruled out by it; these logprobs are taken before the
+#                     mask, "logprob" above after it: runtime/token_choice.py);
+#                     program/node/request set
 #   cache_hit         cached_tokens, prompt_tokens           (request, program, node)
 #   cache_insert      tokens (newly added to the radix tree) (request, program, node)
 #   cache_evict       tokens (freed)

@@ -11,6 +11,7 @@ import torch
 
 from sgl_nb.runtime.sampler import Sampled
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime.token_choice import TokenChoice
 
 _ids = itertools.count(1)
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -24,6 +25,9 @@ class GenerateOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     input_logprobs: list[float] | None = None  # scoring requests: logprob of each scored token
+    # One per generated token: its top alternatives, what the grammar masked, whether it was
+    # forced (runtime/token_choice.py). None when the engine records none.
+    tokens: list[TokenChoice] | None = None
 
 
 @dataclass
@@ -79,6 +83,8 @@ class Request:
     prefill_tokens: int = 0  # tokens computed in extend steps (a resume adds none)
     max_batch: int = 0  # the largest batch it ran in
     input_logprobs: list[float] = field(default_factory=list)
+    # One TokenChoice per output token; the engine sets [] when it records them.
+    token_choices: list[TokenChoice] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -203,4 +209,5 @@ class Request:
             logprobs=list(self.logprobs) if want else None,
             top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
             input_logprobs=None if self.logprob_start is None else list(self.input_logprobs),
+            tokens=None if self.token_choices is None else list(self.token_choices),
         )

@@ -79,7 +79,10 @@ def span_events(s: SpanRecord) -> list[Event]:
     for name, ts, ea in s.events:
         if codec.SEQ in ea and name in EVENT_KINDS:
             eids = (ea.get(codec.PROGRAM), ea.get(codec.NODE), ea.get(codec.REQUEST))
-            out.append(_event(name, eids, codec.from_attrs(ea, codec.DATA), ts, ea[codec.SEQ]))
+            data = codec.from_attrs(ea, codec.DATA)
+            if name == "token":
+                _token_top(data)
+            out.append(_event(name, eids, data, ts, ea[codec.SEQ]))
     if "sgl.tokens.seq" in a:
         out.extend(_tokens(a, ids, s.start))
     return out
@@ -109,6 +112,14 @@ _OPEN_CLOSE = {"program": _program, "node": _node, "instruction": _instruction}
 def _event(kind: str, ids: tuple, data: dict, ts: int, seq: int) -> Event:
     program, node, request = ids
     return Event(kind, program, node, request, data, ts=ts, seq=seq)
+
+
+def _token_top(data: dict) -> None:
+    """A token event's "top" ([[id, text, logprob, masked], ...]) is not one primitive
+    type, so the span event holds it as JSON text (codec.attr_value): back to the list."""
+    top = data.get("top")
+    if isinstance(top, str):
+        data["top"] = json.loads(top)
 
 
 def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:

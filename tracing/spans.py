@@ -19,6 +19,8 @@ from sgl_nb.runtime.events import Event
 from sgl_nb.tracing import codec
 from sgl_nb.tracing.genai import instruction_usage, node_llm_attrs, node_span_name
 
+# A token's own columns at the default level; its other fields (step, and the top
+# alternatives and allowed count of runtime/token_choice.py) go in "sgl.tokens.extra".
 _TOKEN_KEYS = ("token", "text", "logprob", "forced")
 _MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
 

@@ -82,7 +82,8 @@ class TokenInfo:
         cache = ("" if self.prompt_tokens is None
                  else f"; cache hit {self.cached_tokens or 0}/{self.prompt_tokens} prompt tokens")
         c = self.choice
-        grammar = f"grammar allowed {c.allowed} tokens" if c.allowed >= 0 else "no grammar"
+        grammar = ("no grammar" if c.allowed < 0 else
+                   f"grammar allowed {c.allowed} token{'s' if c.allowed != 1 else ''}")
         return [f"token {self.index} of {self.variable!r}{branch}: {c.text!r} "
                 f"({'forced' if c.forced else 'sampled'}; {grammar})",
                 f"  {self.label}, {where}; {self.instruction or 'no instruction'}{cache}"]
