@@ -29,6 +29,11 @@ def _gen_usage(state, name):
     return node.instructions[0].usage
 
 
+def _token_ids(state, name):
+    node = next(n for n in state.nodes if n.kind == "Gen" and n.name == name)
+    return [t.token for t in state._tokens[node.id]]
+
+
 def test_rerun_with_an_edited_gen_is_the_program_with_that_text(default_backend):
     a = story.run("the sea")
     b = a.rerun(at="animal", value="Camel")
@@ -36,6 +41,7 @@ def test_rerun_with_an_edited_gen_is_the_program_with_that_text(default_backend)
     assert b["animal"] == "Camel"
     assert b.text() == want.text()
     assert b["desc"] == want["desc"]
+    assert _token_ids(b, "desc") == _token_ids(want, "desc")  # token for token
     assert b.get_meta_info("animal").get("edited") is True
     # The prompt before the edited gen was computed by the first run: the next gen's
     # request finds all of it in the radix cache.
