@@ -251,6 +251,16 @@ def test_a_regex_the_vocabulary_cannot_spell_is_not_a_500(model_path):
                 r = c.post("/generate", json={"text": "Hello", "sampling_params": {
                     "regex": "\U000526cb", "max_new_tokens": 2, "temperature": temperature}})
                 assert r.status_code < 500, r.text
+            # Streamed, it fails before the first event: a 400, not an error in a 200 stream.
+            for path, body in (("/generate", {"text": "Hi", "sampling_params": {
+                    "regex": "\U000526cb", "max_new_tokens": 2}}),
+                    ("/v1/chat/completions", {"messages": [
+                        {"role": "user", "content": "Hi"}], "guided_regex": "\U000526cb"}),
+                    ("/v1/completions", {"prompt": "Hi",
+                                         "guided_regex": "\U000526cb"})):
+                r = c.post(path, json={**body, "stream": True})
+                assert r.status_code == 400, (path, r.text)
+                assert "allows no next token" in r.json()["error"]["message"]
             r = c.post("/generate", json={"text": "Hello", "sampling_params": {
                 "max_new_tokens": 2}})
             assert r.status_code == 200

@@ -4,6 +4,7 @@ requests and returns an Answer or a Stream (see replies.py)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Iterator
@@ -219,8 +220,12 @@ def _stream_chat(head: dict, handle, include_usage: bool) -> Iterator[dict]:
         return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                      "finish_reason": finish}]}
 
+    chunks = handle.chunks()
+    # The role goes with the first text, not before it: a request its own input fails
+    # fails before any event, so the server answers a 400, not a 200 stream.
+    first = next(chunks, None)
     yield event({"role": "assistant", "content": ""})
-    for chunk in handle.chunks():
+    for chunk in itertools.chain([] if first is None else [first], chunks):
         yield event({"content": chunk})
     out = handle.result()
     yield event({}, out.meta["finish_reason"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import anyio
@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from sgl_nb.server.errors import error_response
 from sgl_nb.server.replies import Answer, Stream, cancel_all
 
 log = logging.getLogger("sgl_nb.serve")
@@ -95,8 +96,6 @@ class EventStream(Response):
         self.reply, self.limiter = reply, limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": self.raw_headers})
         finished = False
         try:
             async with anyio.create_task_group() as tg:
@@ -105,32 +104,47 @@ class EventStream(Response):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
-                async for chunk in self._chunks():
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-                finished = True
+                finished = await self._send_all(scope, receive, send)
                 tg.cancel_scope.cancel()
-            if finished:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass  # the client went while we wrote
         finally:
             if not finished:
                 cancel_all(self.reply.handles)
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        events: Iterator[dict] = self.reply.events
-        while True:
+    async def _send_all(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """The 200 goes out with the first event: a request its own input fails before
+        that (a grammar no token continues, ...) is a 400, never an error in a 200 stream."""
+        try:
+            first = await self._next()
+        except ValueError as e:
+            cancel_all(self.reply.handles)
+            await error_response(400, str(e) or type(e).__name__)(scope, receive, send)
+            return True
+        except Exception as e:  # noqa: BLE001 - the engine's own failure: a 500
+            log.exception("a streamed request failed")
+            await error_response(500, f"{type(e).__name__}: {e}")(scope, receive, send)
+            return True
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": self.raw_headers})
+        async for chunk in self._chunks(first):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    async def _next(self):
+        return await in_thread(next, self.reply.events, _END, limiter=self.limiter)
+
+    async def _chunks(self, event) -> AsyncIterator[bytes]:
+        while event is not _END:
+            yield _sse(event)
             try:
-                event = await in_thread(next, events, _END, limiter=self.limiter)
+                event = await self._next()
             except Exception as e:  # noqa: BLE001 - the headers are sent: say it in the stream
                 log.exception("a streamed request failed")
                 yield _sse({"error": {"message": f"{type(e).__name__}: {e}",
                                       "type": "server_error", "code": 500}})
                 break
-            if event is _END:
-                break
-            yield _sse(event)
         yield b"data: [DONE]\n\n"
 
 
