@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 from traitlets import Float, Int, Unicode
 
+from sgl_nb.notebook.widgets.static_view import stop_after_cell
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.runtime.events import Event
 from sgl_nb.tracing.timeline import Timeline
@@ -115,11 +116,7 @@ class StaticCopy:
                                                           and not pump.join(0)):
             return
         self._final_shown = True
-        from IPython import get_ipython
-
-        ip = get_ipython()
-        if ip is not None:
-            ip.events.unregister("post_execute", self._after_cell)
+        stop_after_cell(self._after_cell)
         self._resend()
         self._show_final()
 

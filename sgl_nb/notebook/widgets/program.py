@@ -30,7 +30,7 @@ from traitlets import Int, Unicode
 from sgl_nb.notebook.widgets.cache_tree import CacheTreeView
 from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
 from sgl_nb.notebook.widgets.rerun_panel import RerunPanel, why_reply
-from sgl_nb.notebook.widgets.static_view import static_html
+from sgl_nb.notebook.widgets.static_view import static_html, stop_after_cell
 from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
 from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
@@ -319,11 +319,7 @@ class ProgramWidget(PumpedView, W.VBox):
                 self.pump is not None and not self.pump.join(0)):
             return
         self._final_shown = True
-        from IPython import get_ipython
-
-        ip = get_ipython()
-        if ip is not None:
-            ip.events.unregister("post_execute", self._after_cell)
+        stop_after_cell(self._after_cell)
         if self._final_parent is not None and self._final_parent == _output_parent():
             return
         for w in _tree(self):

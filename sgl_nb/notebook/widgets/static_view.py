@@ -38,3 +38,13 @@ def static_html(widget) -> str:
             f"<details open><summary><b>Nodes</b></summary>{nodes}</details>"
             f"<details open><summary><b>Variables</b></summary>{widget.variables.html()}"
             "</details></div>")
+
+
+def stop_after_cell(callback) -> None:
+    """Unregister a post_execute callback that show() registered; nothing if it was not
+    (a widget driven from code, or already unregistered)."""
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    if ip is not None and callback in ip.events.callbacks.get("post_execute", ()):
+        ip.events.unregister("post_execute", callback)
