@@ -57,13 +57,13 @@ class DebuggerApp(App):
         Binding("s", "next_instruction", "Step instruction"),
         Binding("c", "continue", "Continue"),
         Binding("p", "pause", "Pause"),
-        Binding("b", "breakpoint", "Breakpoint"),
+        Binding("b", "breakpoint", "Break"),
         Binding("x", "cancel", "Cancel program"),
-        Binding("r", "rerun", "Re-run from here"),
-        Binding("w", "why_token", "Why this token"),
+        Binding("r", "rerun", "Re-run"),  # from the selected Node, with an edit
+        Binding("w", "why_token", "Why token"),  # the selected Node's tokens, alternatives
+        Binding("q", "quit", "Quit"),
         Binding("N", "back_node", "Back node"),
         Binding("S", "back_instruction", "Back instruction"),
-        Binding("q", "quit", "Quit"),
     ]
 
     def __init__(self, session: Session, show_timings: bool = True):
