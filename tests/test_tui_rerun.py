@@ -100,3 +100,32 @@ def test_why_token_key_shows_the_alternatives(runtime):
         assert app.screen is not screen
 
     finished_app(runtime, scenario)
+
+
+def test_why_token_key_in_a_replay(runtime, tmp_path):
+    """A trace at the default level keeps each token's alternatives: `w` shows them in a
+    replay as in a live run; `r` has no run to start there."""
+    import sgl_nb as sgl
+    from sgl_nb.tracing import load
+    from sgl_nb.tui.replay import ReplaySession
+
+    path = tmp_path / "story.jsonl"
+    sgl.enable_tracing(file=path, runtime=runtime)
+    try:
+        load_program(f"{PROGRAM}:story").function.run(backend=runtime).wait()
+    finally:
+        sgl.disable_tracing()
+
+    async def run() -> None:
+        app = DebuggerApp(ReplaySession(load(path), path.name), show_timings=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("n", "n")  # Gen a has run
+            await until(pilot, shown(pilot, "held before #3"), "the Text after Gen a")
+            await pilot.press("r")
+            assert app.screen is app.screen_stack[0]  # no re-run dialog in a replay
+            await select(pilot, "Gen a")
+            await pilot.press("w")
+            assert "token 6 of 6" in app.screen.plain
+            assert app.screen.plain.count("%") >= 5
+
+    asyncio.run(run())
