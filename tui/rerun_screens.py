@@ -11,9 +11,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from sgl_nb.language.replay import MISSING
 from sgl_nb.language.token_info import choice_table
-from sgl_nb.notebook.cell_program import parse_args
+from sgl_nb.notebook.cell_program import parse_edit
 from sgl_nb.tracing.timeline import TokenView
 from sgl_nb.tui.rows import NodeRow
 
@@ -52,13 +51,9 @@ class RerunScreen(ModalScreen):
             self.query_one("#error", Static).update(Text(str(e)))
 
     def edit(self) -> tuple[object, dict]:
-        value = self.query_one("#value", Input).value
-        sampling = {}
-        if self.row.kind == "Gen":
-            sampling = parse_args(self.query_one("#sampling", Input).value.split())
-        if sampling or (self.row.kind == "Gen" and value == ""):
-            return MISSING, sampling  # generate it again (with the new arguments)
-        return value, {}
+        sampling = self.query("#sampling")
+        return parse_edit(self.row.kind, self.query_one("#value", Input).value,
+                          sampling.first(Input).value if sampling else "")
 
     def action_dismiss_none(self) -> None:
         self.dismiss(None)

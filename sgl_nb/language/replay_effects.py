@@ -31,7 +31,7 @@ class ReplayEffects:
         s = self._steps.get(node.id) if node is not None else None
         if s is None or s.step is Step.LIVE:
             return None
-        if s.step is Step.EDIT and s.record is not None and self.replay.edit.value is MISSING:
+        if s.step is Step.EDIT and self.replay.edit.value is MISSING:
             return None  # only its sampling arguments change: it runs live with them
         return s
 

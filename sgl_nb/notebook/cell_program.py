@@ -15,6 +15,7 @@ import types
 
 import sgl_nb.language.expressions as dsl
 from sgl_nb.language.function import SglFunction
+from sgl_nb.language.replay import MISSING
 
 # The names a cell body sees without importing anything.
 DSL_NAMES = (
@@ -50,6 +51,24 @@ def parse_args(pairs: list[str]) -> dict:
             raise ValueError(f"--arg takes key=value with a Python name as key, got {pair!r}")
         out[key] = parse_arg_value(value)
     return out
+
+
+SAMPLING_HINT = "temperature=0.8 max_tokens=40 seed=2"
+
+
+def parse_edit(kind: str, value: str, sampling_text: str) -> tuple[object, dict]:
+    """What the boxes say as rerun's (value, sampling): a Gen with sampling arguments or an
+    empty value is generated again; otherwise the value replaces the Node's output."""
+    sampling = {}
+    if kind == "Gen" and sampling_text.strip():
+        try:
+            sampling = parse_args(sampling_text.split())
+        except ValueError:
+            raise ValueError(f"sampling arguments are key=value pairs separated by spaces, "
+                             f"e.g. {SAMPLING_HINT}; got {sampling_text.strip()!r}") from None
+    if sampling or (kind == "Gen" and value == ""):
+        return MISSING, sampling
+    return value, {}
 
 
 def compile_cell(body: str, name: str, magic_line: str, user_ns: dict, args: dict,

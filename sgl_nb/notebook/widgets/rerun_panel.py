@@ -23,15 +23,13 @@ import math
 
 import ipywidgets as W
 
-from sgl_nb.language.replay import MISSING
 from sgl_nb.language.rerun import EDITABLE, check_edit, resolve_at
 from sgl_nb.language.run_record import record_of_state
-from sgl_nb.notebook.cell_program import parse_args
+from sgl_nb.notebook.cell_program import SAMPLING_HINT, parse_edit
 from sgl_nb.notebook.widgets.stepper import source_line
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
-SAMPLING_HINT = "temperature=0.8 max_tokens=40 seed=2"
 # What a bad edit raises at call time (sgl_nb/language/rerun.py), shown in the panel.
 EDIT_ERRORS = (TypeError, ValueError, KeyError, ImportError)
 
@@ -96,21 +94,6 @@ def _where(tl: Timeline, view: NodeView) -> dict:
 
 
 # ---- re-run from here ---------------------------------------------------------------------
-
-def parse_edit(kind: str, value: str, sampling_text: str) -> tuple[object, dict]:
-    """What the boxes say as rerun's (value, sampling): a Gen with sampling arguments or an
-    empty value is generated again; otherwise the value replaces the Node's output."""
-    sampling = {}
-    if kind == "Gen" and sampling_text.strip():
-        try:
-            sampling = parse_args(sampling_text.split())
-        except ValueError:
-            raise ValueError(f"sampling arguments are key=value pairs separated by spaces, "
-                             f"e.g. {SAMPLING_HINT}; got {sampling_text.strip()!r}") from None
-    if sampling or (kind == "Gen" and value == ""):
-        return MISSING, sampling
-    return value, {}
-
 
 def _nodes_of(state) -> dict:
     """Node id -> the live Node, fork branches included."""
