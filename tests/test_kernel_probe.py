@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime.model.kernel_probe import FAULT_ENV, TIMEOUT_ENV
+from sgl_nb.runtime.model.kernel_probe import FAULT_ENV, START_TIMEOUT_ENV, TIMEOUT_ENV
 from sgl_nb.runtime.model.linear import (
     DenseLinear,
     Int4Linear,
@@ -103,6 +103,34 @@ def test_a_probe_process_that_exits_or_hangs_is_a_crash(cache, monkeypatch, faul
     (layer, why), = _layers([("int8", 90, 64)]).values()
     assert isinstance(layer, DenseLinear)
     assert why == f"torch's int8 kernel crashed on [90, 64] bf16 in a probe process {status}"
+
+
+def _slow_start(tmp_path, monkeypatch, seconds: float) -> None:
+    """Every child Python sleeps `seconds` before its own code: a slow, busy machine."""
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def test_the_probe_limit_starts_when_the_child_is_ready(cache, monkeypatch, tmp_path):
+    """A start-up longer than the per-probe limit is not a kernel's fault."""
+    _slow_start(tmp_path, monkeypatch, 5)
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    (layer, why), = _layers([("int8", 90, 64)]).values()
+    assert why is None and not isinstance(layer, DenseLinear)
+
+
+def test_a_child_never_ready_fails_before_any_kernel_and_caches_nothing(cache, monkeypatch,
+                                                                        tmp_path):
+    _slow_start(tmp_path, monkeypatch, 3600)
+    monkeypatch.setenv(START_TIMEOUT_ENV, "2")
+    (layer, why), = _layers([("int8", 90, 64)]).values()
+    assert isinstance(layer, DenseLinear)
+    assert why.startswith("the kernel probe process failed before checking a kernel "
+                          "(not ready in 2 s")
+    assert not list((cache / "kernel_checks").glob("*.json"))
 
 
 @pytest.mark.parametrize("fault,reason", [

@@ -7,7 +7,11 @@ in a child, `python -m sgl_nb.runtime.model.kernel_probe`, on random weights of 
 their dequantized values. One child takes every unchecked shape of a load, reporting each
 verdict as it goes; if it dies (a signal, a non-zero exit, no answer in
 $SGL_NB_PROBE_TIMEOUT s, default 120) the shape it was on is "crashed" and the rest go to a
-new child. Verdicts are kept in `$SGL_NB_CACHE/kernel_checks/<key>.json`, the key covering
+new child. That limit starts when the child reports it is ready (torch imported, our
+extension loaded): a start-up takes 2 s on one machine and 10 s on a busy, slower one, and
+is no kernel's fault. The start-up has its own, generous limit ($SGL_NB_PROBE_START_TIMEOUT
+s, default 600), past which the child failed before checking a kernel.
+Verdicts are kept in `$SGL_NB_CACHE/kernel_checks/<key>.json`, the key covering
 the CPU, torch and our extension's build, so later loads spawn nothing.
 
 The child's weights are random, not the model's: what makes a kernel crash or miscompute
@@ -43,6 +47,7 @@ from sgl_nb.runtime.model.quantize import INT4_GROUP, dequantize
 
 FAULT_ENV = "SGL_NB_PROBE_FAULT"
 TIMEOUT_ENV = "SGL_NB_PROBE_TIMEOUT"
+START_TIMEOUT_ENV = "SGL_NB_PROBE_START_TIMEOUT"
 _REPORT = "sgl-nb-probe "  # the prefix of the child's report lines on its stdout
 _ROWS = (1, 3, 9)  # rows per check: a decode row; torch's blocks of 4 rows, part and whole
 _CHUNK = 8192  # weight rows dequantized at a time for the reference (an LM head is large)
@@ -199,22 +204,27 @@ def _follow(proc: subprocess.Popen, probes: list[Probe]):
     on, and "no answer in ..." if it went quiet, killed)."""
     lines = _lines(proc.stdout)
     limit = float(os.environ.get(TIMEOUT_ENV, "120"))
+    start_limit = float(os.environ.get(START_TIMEOUT_ENV, "600"))
     got: dict[str, str | None] = {}
-    current = None
+    current, ready = None, False
     while True:
+        wait = limit if ready else start_limit
         try:
-            line = lines.get(timeout=limit)
+            line = lines.get(timeout=wait)
         except queue.Empty:
             proc.kill()
             while lines.get(timeout=30) is not None:  # to the end of its output
                 pass
-            return got, current, f"no answer in {limit:g} s"
+            return got, current, f"no answer in {wait:g} s" if ready else \
+                f"not ready in {wait:g} s"
         if line is None:
             return got, current, None
         if not line.startswith(_REPORT):
             continue
         report = json.loads(line[len(_REPORT):])
-        if "start" in report:
+        if "ready" in report:
+            ready = True
+        elif "start" in report:
             current = probes[report["start"]]
         else:
             got[probes[report["done"]].key] = report["why"]
@@ -255,9 +265,12 @@ def _extension_path() -> str | None:
 
 
 def main() -> int:
+    from sgl_nb.runtime.model import linear  # noqa: F401  (check's import, before ready)
+
     job = json.load(sys.stdin)
     _use_extension(job["extension"])
     probes = [Probe(**p) for p in job["probes"]]
+    _report(ready=True)  # the parent's per-probe limit starts here, not at the spawn
     for i, probe in enumerate(probes):
         _report(start=i)
         print(f"sgl-nb: probing {probe.name} on {probe.shape} ({i + 1}/{len(probes)})",
