@@ -5,6 +5,15 @@ Programs written for SGLang's frontend run with `import sgl_nb as sgl`.
 
 from sgl_nb.backends.local_runtime import Runtime
 from sgl_nb.backends.runtime_endpoint import RuntimeEndpoint
+from sgl_nb.backends.unsupported import (
+    Anthropic,
+    Crusoe,
+    Engine,
+    LiteLLM,
+    OpenAI,
+    ServerArgs,
+    VertexAI,
+)
 from sgl_nb.language.diff import RunDiff, diff
 from sgl_nb.language.expressions import (
     REGEX_BOOL,
@@ -52,7 +61,9 @@ __all__ = [
     "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end", "video", "enable_tracing", "disable_tracing", "RuntimeEndpoint",
-    "global_config", "diff", "RunDiff",
+    "global_config", "diff", "RunDiff", "__version__",
+    # SGLang's names for what sgl-nb does not have: calling one says what to use instead.
+    "Anthropic", "Crusoe", "Engine", "LiteLLM", "OpenAI", "ServerArgs", "VertexAI",
 ]
 __version__ = "0.1.0"
 

@@ -14,6 +14,23 @@ from sgl_nb.runtime.priority import parse_priority
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
 
+# SGLang's Runtime takes ServerArgs' names; those with a setting of ours are mapped to it.
+SGLANG_SETTINGS = {"max_total_tokens": "kv_pool_tokens", "max_running_requests": "max_running",
+                   "chunked_prefill_size": "max_prefill_tokens"}
+# ServerArgs' names about the HTTP server SGLang's Runtime starts in a child process: this
+# Runtime starts none (`sgl-nb serve` is the server), so they have nothing to set.
+SERVER_ONLY_SETTINGS = ("log_level", "launch_timeout", "host", "port")
+# ServerArgs' names a program may pass that this engine cannot honour, and why.
+REFUSED_SETTINGS = {
+    "tokenizer_path": "the tokenizer is read from the model folder (model_path)",
+    "context_length": "the model's own context length (max_position_embeddings) is used",
+    "mem_fraction_static": "the KV pool is sized in tokens: kv_pool_tokens=",
+    "disable_radix_cache": "the radix prefix cache is always on (sgl.flush_cache() empties it)",
+    "random_seed": "sampling is seeded per request: seed= on gen() or run()",
+    "tp_size": "one device, one process: no tensor parallelism",
+    "dp_size": "one device, one process: no data parallelism",
+}
+
 
 class Runtime:
     """A model loaded in this process with a paged KV pool, a radix prefix cache and a
@@ -29,7 +46,14 @@ class Runtime:
         higher-priority work), preemption (False: priorities only order the queue),
         starvation_steps (after waiting this long any request runs one slice at the top
         level), schedule_policy ("lpm": a long queue admits the longest cached prefix
-        first; or "fifo"). An unknown setting is a TypeError naming it."""
+        first; or "fifo"). An unknown setting is a TypeError naming it.
+
+        SGLang's names are taken too: max_total_tokens (kv_pool_tokens),
+        max_running_requests (max_running), chunked_prefill_size (max_prefill_tokens),
+        dtype="auto"; log_level, launch_timeout, host and port are accepted and set nothing
+        (no server is started); the ServerArgs this engine cannot honour are a ValueError
+        saying why."""
+        settings = _our_settings(settings)
         names = [f.name for f in dataclasses.fields(EngineConfig)]
         unknown = sorted(set(settings) - set(names))
         if unknown:
@@ -65,6 +89,16 @@ class Runtime:
     def get_tokenizer(self):
         """SGLang's Runtime spells it so."""
         return self.tokenizer
+
+    @property
+    def endpoint(self) -> Runtime:
+        """SGLang's Runtime holds a RuntimeEndpoint to its server here; this Runtime runs the
+        programs itself, so it is its own endpoint (`rt.endpoint.get_model_name()`)."""
+        return self
+
+    def get_model_name(self) -> str:
+        """The model folder, as SGLang's RuntimeEndpoint reports its server's model_path."""
+        return str(self.model_path)
 
     @property
     def model_path(self) -> Path:
@@ -222,13 +256,20 @@ class Runtime:
             return list(prompt)
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt=True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt=True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: OpenAI-style function tools, passed to the template (which may ignore them)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Compute `prefix` into the radix cache now (SGLang's Runtime.cache_prefix), so
+        requests that start with it reuse its KV."""
+        self.prefill(prefix).result()
 
     def flush_cache(self) -> int:
         """Drop the radix cache's prefixes (those running requests hold stay); the number
@@ -236,12 +277,36 @@ class Runtime:
         return self.engine.flush_cache()
 
     def get_server_info(self) -> dict:
-        """What runs here: model, context, precision, pool, and the scheduler's figures."""
-        eng = self.engine
-        return {"model_path": str(eng.model_path), "context_len": eng.context_len,
-                "dtype": str(eng.model.dtype).removeprefix("torch."),
-                "quantization": eng.model.quantization, "device": str(eng.device),
-                "kv_pool_tokens": eng.pool.capacity, **eng.metrics()}
+        """What runs here, under the keys of SGLang's /server_info that clients read
+        (model_path, tokenizer_path, context_length, max_total_num_tokens,
+        max_running_requests, version, internal_states[0] with last_gen_throughput and
+        memory_usage, ...), then ours: context_len, kv_pool_tokens and the scheduler's
+        figures (rt.metrics()). `sgl.get_server_info()` and `sgl-nb serve`'s
+        /get_server_info return this. No avg_spec_accept_length: there is no speculative
+        decoding here (SGLang leaves it out then too)."""
+        from sgl_nb import __version__  # the package is loaded by the time this is asked
+
+        eng, cfg, pool = self.engine, self.engine.settings, self.engine.pool
+        metrics = eng.metrics()
+        path, dtype = str(eng.model_path), str(eng.model.dtype).removeprefix("torch.")
+        kv_bytes = sum(t.nbytes for t in (*pool.k_buffers, *pool.v_buffers))
+        state = {"last_gen_throughput": metrics["tokens_per_second"], "world_size": 1,
+                 "effective_max_running_requests_per_dp": cfg.max_running,
+                 "memory_usage": {"kvcache": round(kv_bytes / 2**30, 3),
+                                  "token_capacity": pool.capacity}}
+        return {
+            "model_path": path, "tokenizer_path": path, "served_model_name": self.model_name,
+            "context_length": eng.context_len, "max_total_num_tokens": pool.capacity,
+            "max_total_tokens": pool.capacity,
+            "max_req_input_len": min(eng.context_len, pool.capacity) - 1,
+            "max_running_requests": cfg.max_running, "max_prefill_tokens": cfg.max_prefill_tokens,
+            "chunked_prefill_size": cfg.max_prefill_tokens, "page_size": 1,
+            "schedule_policy": cfg.schedule_policy, "dtype": dtype, "kv_cache_dtype": dtype,
+            "quantization": eng.model.quantization, "device": str(eng.device),
+            "tp_size": 1, "dp_size": 1, "disable_radix_cache": False, "version": __version__,
+            "internal_states": [state],
+            "context_len": eng.context_len, "kv_pool_tokens": pool.capacity, **metrics,
+        }
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -251,6 +316,21 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _our_settings(settings: dict) -> dict:
+    """SGLang's ServerArgs names as EngineConfig's; refused ones are a ValueError."""
+    out = {}
+    for name, value in settings.items():
+        if name in REFUSED_SETTINGS:
+            raise ValueError(f"Runtime({name}=...) is not supported: {REFUSED_SETTINGS[name]}")
+        if name in SERVER_ONLY_SETTINGS:
+            continue
+        ours = SGLANG_SETTINGS.get(name, name)
+        if ours in out:
+            raise TypeError(f"Runtime() got {ours} twice (once as SGLang's {name})")
+        out[ours] = None if name == "dtype" and value == "auto" else value
+    return out
 
 
 def wait_all(handles: list[RequestHandle]) -> list[GenerateOutput]:

@@ -91,6 +91,10 @@ class RuntimeEndpoint:
         path = self.model_path
         return path.name if path is not None else None
 
+    def get_model_name(self) -> str | None:
+        """The served model's name or path (SGLang's RuntimeEndpoint.get_model_name)."""
+        return self.model
+
     @functools.cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer

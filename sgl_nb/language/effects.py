@@ -13,7 +13,7 @@ import json
 import time
 
 from sgl_nb.language import speculation, token_info
-from sgl_nb.language.logprob_meta import logprob_meta
+from sgl_nb.language.logprob_meta import ChunkMeta, logprob_meta
 from sgl_nb.language.reasoning import split_reasoning
 from sgl_nb.language.replay_effects import ReplayEffects
 from sgl_nb.language.select_scoring import choose
@@ -229,9 +229,12 @@ class ProgramEffects(ReplayEffects):
             gate = self.debug.may_decode
             self.debug.add_waker(self.backend.wake)
         post = self._executor.post
+        counted = ChunkMeta(g.logprob_options(self.defaults).get("return_text_in_logprobs"),
+                            self.backend)
 
         def on_chunk(delta: str) -> None:
-            post(lambda: self._append(delta, g.name))
+            meta = counted.next()  # the engine's thread: the request's tokens match the text
+            post(lambda: self._append(delta, g.name, meta))
 
         def on_done(handle) -> None:
             post(lambda: self._decoded(handle, g, prompt, done))
@@ -239,6 +242,7 @@ class ProgramEffects(ReplayEffects):
         handle = self.backend.submit(prompt, stream=True, gate=gate, priority=self.priority,
                                      program=self.id, node=node.id, instruction=ins,
                                      on_chunk=on_chunk, on_done=on_done, **ins.params)
+        counted.handle = handle
         self._hold(handle)
         return handle.rid
 
@@ -369,6 +373,9 @@ class ProgramEffects(ReplayEffects):
                     for _ in range(ins.n)]
         for i, c in enumerate(children):
             c._kv_len = self._kv_len
+            # As SGLang forks: the variables so far, and the turn the parent has open.
+            c._vars = dict(self._vars)
+            c._open_role, c._role_start = self._open_role, self._role_start
             if self.replay is not None:
                 c.replay = self.replay.branch(self._steps[node.id].index, i)
         self._children.extend(children)
@@ -404,8 +411,17 @@ class ProgramEffects(ReplayEffects):
         self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
 
     def _gather(self, states) -> None:
-        for k in {k for s in states for k in s._vars}:
-            self[k] = [s._vars.get(k) for s in states]
+        """SGLang's gather_variable: a name the parent does not have becomes a list of the
+        values of the branches that have it, in branch order. A name the parent has
+        (inherited at the fork, or bound since) is not gathered, even if a branch re-bound
+        it."""
+        gathered: dict[str, list] = {}
+        for s in states:
+            for k, v in s._vars.items():
+                if k not in self._vars:
+                    gathered.setdefault(k, []).append(v)
+        for k, values in gathered.items():
+            self[k] = values
 
     # ---- helpers ----------------------------------------------------------------------
 

@@ -61,6 +61,22 @@ SAMPLING_ARGS = {
 }
 # Not sampling: how a gen's meta info shows logprobs (run() may set them for every gen).
 LOGPROB_ARGS = ("return_text_in_logprobs", "logprob_start_len")
+# SGLang's arguments the in-kernel engine cannot honour; gen() and run() refuse a value
+# that asks for them (None, 1 and an empty stop_regex are SGLang's "off").
+UNSUPPORTED_ARGS = ("n", "stop_regex")
+# dtype= as SGLang also spells it, by name.
+DTYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def refuse_unsupported(args: dict) -> None:
+    """A clear error for `n > 1` and `stop_regex`, named, before anything runs."""
+    n = args.get("n")
+    if n not in (None, 1):
+        raise ValueError(f"gen(n={n}) is not supported: fork the state (`s.fork({n})`) "
+                         "and gen in each branch")
+    if args.get("stop_regex") not in (None, "", [], ()):
+        raise ValueError("stop_regex is not supported by sgl-nb's engine: stop on strings "
+                         "(stop=) or constrain the whole output (regex=)")
 
 
 def sampling_args(args: dict) -> dict:
@@ -173,19 +189,22 @@ def gen(
     return_text_in_logprobs: bool | None = None,
     dtype: type | None = None,
     choices: list[str] | None = None,
-    choices_method: str = "token_length_normalized",
+    choices_method: str | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
     max_new_tokens: int | None = None,
     seed: int | None = None,
     jump_forward: bool | None = None,
+    stop_regex: str | list[str] | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name` (SGLang's arguments; the run's where None).
-    With `choices`, this is `select`."""
+    With `choices`, this is `select` (its temperature must be 0, as in SGLang)."""
+    dtype = DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in (None, int, float, str, bool):
         raise ValueError(f"dtype must be int, float, str or bool, got {dtype!r}")
     if choices is not None:
-        sel = select(name, choices, choices_method=choices_method)
+        sel = select(name, choices, temperature=temperature or 0.0,
+                     choices_method=choices_method)
         if json_schema is not None:
             raise ValueError("gen(choices=...) takes regex= or dtype= to rule choices out, "
                              "not json_schema=")
@@ -194,9 +213,7 @@ def gen(
             rule = f"regex {regex!r}" if regex is not None else f"dtype {dtype.__name__}"
             raise ValueError(f"gen {name!r}: no choice of {choices!r} matches its {rule}")
         return sel
-    if n not in (None, 1):
-        raise ValueError(f"gen(n={n}) is not supported: fork the state (`s.fork({n})`) "
-                         "and gen in each branch")
+    refuse_unsupported({"n": n, "stop_regex": stop_regex})
     params = sampling_args({
         "max_tokens": max_tokens, "max_new_tokens": max_new_tokens, "min_tokens": min_tokens,
         "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
@@ -220,13 +237,24 @@ def gen_string(name: str | None = None, **kwargs) -> Gen:
 def select(
     name: str | None = None,
     choices: list[str] | None = None,
-    choices_method: str = "token_length_normalized",
+    temperature: float = 0.0,
+    choices_method: str | None = None,
 ) -> Select:
-    """Pick one of `choices` by the model's likelihood of each after the text so far."""
+    """Pick one of `choices` by the model's likelihood of each after the text so far.
+    `temperature` is SGLang's argument: a pick by score is greedy, so only 0 is taken."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select choices must be non-empty strings, got {choices!r}")
+    if choices_method is None:
+        choices_method = token_length_normalized
+    if not isinstance(choices_method, str):
+        raise TypeError(f"choices_method must name one of sgl-nb's methods {SELECT_METHODS} "
+                        f"(sgl.token_length_normalized, ...); a custom "
+                        f"{type(choices_method).__name__} is not supported")
     if choices_method not in SELECT_METHODS:
         raise ValueError(f"choices_method must be one of {SELECT_METHODS}, got {choices_method!r}")
+    if not isinstance(temperature, int | float) or not 0 <= temperature <= 1e-5:
+        raise ValueError(f"select picks the best-scoring choice: temperature must be 0, got "
+                         f"{temperature!r} (SGLang's runtime refuses it too)")
     return Select(name, list(choices), choices_method)
 
 

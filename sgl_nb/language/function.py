@@ -11,10 +11,18 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from sgl_nb.backends.backend import is_backend
 from sgl_nb.language.body_pool import BodyPool
-from sgl_nb.language.expressions import LOGPROB_ARGS, SAMPLING_ARGS, sampling_args
+from sgl_nb.language.expressions import (
+    LOGPROB_ARGS,
+    SAMPLING_ARGS,
+    UNSUPPORTED_ARGS,
+    refuse_unsupported,
+    sampling_args,
+)
+from sgl_nb.language.global_config import global_config
 from sgl_nb.language.state import ProgramState
-from sgl_nb.language.trace import ProgramGraph, trace_program
+from sgl_nb.language.trace import ProgramGraph, static_prefix, trace_program
 from sgl_nb.runtime.compiler.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.compiler.step_controller import StepController
 from sgl_nb.runtime.priority import parse_priority, priority_name
@@ -24,7 +32,13 @@ _backend_lock = threading.Lock()
 
 
 def set_default_backend(backend) -> None:
+    """The backend programs run on: an `sgl.Runtime`, an `sgl.RuntimeEndpoint`, or None
+    (a default Runtime is made again on first use)."""
     global _default_backend
+    if backend is not None and not is_backend(backend):
+        hint = " (for a server: sgl.RuntimeEndpoint(url))" if isinstance(backend, str) else ""
+        raise TypeError(f"set_default_backend takes sgl.Runtime or sgl.RuntimeEndpoint, got "
+                        f"{type(backend).__name__}{hint}")
     _default_backend = backend
 
 
@@ -59,6 +73,9 @@ _RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
 # SGLang's threading options: run_batch honours num_threads (its bodies' pool); use_thread
 # is accepted (every body runs on a pool thread anyway).
 _THREAD_OPTIONS = ("use_thread", "num_threads")
+# Start of a program whose text is cached by `f.cache()`: SGLang's threshold (shorter is
+# not worth a request).
+CACHE_MIN_CHARS = 64
 # Threads for the bodies of run() / run_async() programs, and run_batch's default.
 DEFAULT_BODY_THREADS = 64
 _bodies = BodyPool(DEFAULT_BODY_THREADS)
@@ -114,18 +131,39 @@ class ProgramCall:
 
 
 class SglFunction:
-    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None):
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None,
+                 bind_arguments: dict | None = None):
         self.func = func
         self.num_api_spec_tokens = num_api_spec_tokens
-        params = list(inspect.signature(func).parameters)
+        self.bind_arguments = dict(bind_arguments or {})  # set by bind(); every run gets them
+        params = list(inspect.signature(func).parameters.values())
         if not params:
             raise TypeError(f"@sgl.function {func.__name__} must take the state `s` first")
-        self.arg_names = params[1:]
+        self.arg_names = [p.name for p in params[1:]]
+        self.arg_defaults = [p.default for p in params[1:] if p.default is not p.empty]
         functools.update_wrapper(self, func)
+
+    def bind(self, **kwargs) -> SglFunction:
+        """The same program with some arguments fixed (SGLang's bind); binding again adds
+        to them. Passing a bound argument to a run is a TypeError."""
+        unknown = sorted(set(kwargs) - set(self.arg_names))
+        if unknown:
+            raise TypeError(f"{self.func.__name__}() has no arguments {unknown} to bind; it "
+                            f"takes {self.arg_names}")
+        return SglFunction(self.func, self.num_api_spec_tokens,
+                           {**self.bind_arguments, **kwargs})
+
+    def _with_bound(self, args: dict) -> dict:
+        twice = sorted(set(args) & set(self.bind_arguments))
+        if twice:
+            raise TypeError(f"{self.func.__name__}(): {twice} are bound by .bind(); a run "
+                            "cannot pass them again")
+        return {**args, **self.bind_arguments}
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
                passes=None, priority: str = "normal", pool: BodyPool | None = None,
                shared_prefix: str = "", after=None, replay=None, **defaults) -> ProgramFuture:
+        args = self._with_bound(args)
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
             raise TypeError(f"{self.func.__name__}() got unexpected arguments {sorted(unknown)}")
@@ -146,7 +184,7 @@ class SglFunction:
             state._body_thread = threading.current_thread()
             state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
             try:
-                self.func(state, **args)
+                state.ret_value = self.func(state, **args)
             except BaseException as e:  # noqa: BLE001 - kept on the state, with its line
                 state._finish(e, file)
             else:
@@ -168,22 +206,28 @@ class SglFunction:
         "normal" or "batch" (the scheduler serves higher levels first).
 
         Inside a running program, `f(s, ...)` with the program's own state first runs f on
-        that state as a nested call (recursion included) and returns the state."""
+        that state as a nested call (recursion included) and returns what f returns, as a
+        Python call does (`state.ret_value` stays the outer program's)."""
         if args and isinstance(args[0], ProgramState):
             return self._call_nested(args[0], args[1:], kwargs)
         call, defaults = self._split(args, kwargs)
         fut = self._start(call, backend, debug=debug, step=step, passes=passes,
                           priority=priority, **defaults)
-        return fut.state if stream or step else fut.result()
+        if stream or step:
+            return fut.state
+        state = fut.result()
+        if global_config.verbosity >= 2:  # SGLang's global_config.verbosity
+            print(state.text())
+        return state
 
-    def _call_nested(self, state: ProgramState, args: tuple, kwargs: dict) -> ProgramState:
+    def _call_nested(self, state: ProgramState, args: tuple, kwargs: dict):
         call, _ = self._split(args, kwargs)  # run options (temperature, ...) are the caller's
+        call = self._with_bound(call)
         state.call_stack.append({"function": self.func.__name__, "args": call})
         try:
-            self.func(state, **call)
+            return self.func(state, **call)
         finally:
             state.call_stack.pop()
-        return state
 
     def __call__(self, *args, **kwargs) -> ProgramState:
         return self.run(*args, **kwargs)
@@ -198,17 +242,34 @@ class SglFunction:
         """The static part of the program's graph for these arguments (no model runs)."""
         call, defaults = self._split(args, kwargs)
         roles = _default_backend.chat_roles if _default_backend is not None else None
-        return trace_program(self.func, call, _run_defaults(defaults), roles)
+        return trace_program(self.func, self._with_bound(call), _run_defaults(defaults), roles)
 
-    def run_batch(self, batch_kwargs: list[dict], progress_bar: bool = False, backend=None,
-                  passes=None, priority: str = "batch", **defaults) -> list[ProgramState]:
-        """Run the program once per dict of arguments, all at once (`num_threads` bodies at
-        a time; "auto": one per item, up to 64). The shared_prefix pass finds the text every
-        item starts with (from each item's static graph): the first item computes it, as a
-        shared Extend after its Init, and the others start when it is in the cache."""
-        unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS}
+    def cache(self, backend=None) -> str:
+        """Compute the text every run of this program starts with (its static start, up to
+        the first argument or gen) into the backend's prefix cache, as SGLang's
+        `f.cache()` does; returns that text ("" when it is under 64 characters, SGLang's
+        threshold: nothing is sent)."""
+        backend = backend or get_default_backend()
+        prefix = static_prefix(self.func, self.bind_arguments, backend.chat_roles)
+        if len(prefix) < CACHE_MIN_CHARS:
+            return ""
+        backend.prefill(prefix).result()
+        return prefix
+
+    def run_batch(self, batch_kwargs: list, progress_bar: bool = False, backend=None,
+                  passes=None, priority: str = "batch", generator_style: bool = False,
+                  **defaults):
+        """Run the program once per item, all at once (`num_threads` bodies at a time;
+        "auto": one per item, up to 64). An item is a dict of arguments, or (SGLang) a list
+        or tuple of them in order. generator_style=True: a generator giving each state in
+        order as it ends. The shared_prefix pass finds the text every item starts with
+        (from each item's static graph): the first item computes it, as a shared Extend
+        after its Init, and the others start when it is in the cache."""
+        unknown = set(defaults) - {*_RUN_DEFAULTS, *_THREAD_OPTIONS, *UNSUPPORTED_ARGS}
         if unknown:
             raise TypeError(f"run_batch() got unexpected options {sorted(unknown)}")
+        refuse_unsupported({k: defaults.pop(k, None) for k in UNSUPPORTED_ARGS})
+        batch_kwargs = [self._batch_item(item) for item in batch_kwargs]
         threads = defaults.pop("num_threads", "auto")
         defaults.pop("use_thread", None)
         if threads == "auto":  # SGLang's default
@@ -216,6 +277,8 @@ class SglFunction:
         backend = backend or get_default_backend()
         parse_priority(priority)
         chosen = check_passes(passes)
+        if not global_config.enable_precache_with_tracing:  # SGLang: no pre-caching
+            chosen = chosen - {"shared_prefix"}
         self.last_batch_report, common = None, ""
         if "shared_prefix" in chosen and len(batch_kwargs) > 1:
             common, self.last_batch_report = self._batch_prefix(batch_kwargs, backend)
@@ -235,26 +298,35 @@ class SglFunction:
             if view is not None:
                 view.attach(futures)  # the items queued (all of them unless one failed)
         pool.close()  # its threads end when the last body has run
-        try:
-            if progress_bar:
-                from tqdm import tqdm
+        results = _results(futures, self.func.__name__ if progress_bar else None)
+        return results if generator_style else list(results)
 
-                return [f.result() for f in tqdm(futures, desc=self.func.__name__)]
-            return [f.result() for f in futures]
-        except KeyboardInterrupt:  # the whole batch stops, not only the item waited on
-            for f in futures:
-                f.cancel()
-            raise
+    def _batch_item(self, item) -> dict:
+        """A run_batch item as its arguments: a dict, or SGLang's list / tuple in order."""
+        if isinstance(item, dict):
+            return dict(item)
+        if isinstance(item, list | tuple):
+            least = len(self.arg_names) - len(self.arg_defaults)
+            if not least <= len(item) <= len(self.arg_names):
+                raise TypeError(f"{self.func.__name__}() takes {least} to "
+                                f"{len(self.arg_names)} arguments {self.arg_names}; a "
+                                f"run_batch item has {len(item)}: {item!r}")
+            return dict(zip(self.arg_names, item))
+        raise TypeError(f"run_batch items are dicts of arguments (or lists in order), got "
+                        f"{type(item).__name__}")
 
     def _batch_prefix(self, batch_kwargs: list[dict], backend) -> tuple[str, PassReport]:
         roles = backend.chat_roles
-        graphs = [trace_program(self.func, dict(kw), {}, roles) for kw in batch_kwargs]
+        graphs = [trace_program(self.func, self._with_bound(kw), {}, roles)
+                  for kw in batch_kwargs]
         return shared_prefix([leading_text(g.nodes) for g in graphs])
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         if len(args) > len(self.arg_names):
             raise TypeError(f"{self.func.__name__}() takes {len(self.arg_names)} arguments")
         call = dict(zip(self.arg_names, args))
+        refuse_unsupported({k: kwargs.pop(k) for k in UNSUPPORTED_ARGS
+                            if k in kwargs and k not in self.arg_names})
         defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in _RUN_DEFAULTS
                     and k not in self.arg_names}
         for k in _THREAD_OPTIONS:
@@ -262,6 +334,24 @@ class SglFunction:
                 kwargs.pop(k, None)
         call.update(kwargs)
         return call, defaults
+
+
+def _results(futures: list[ProgramFuture], progress: str | None) -> Iterator[ProgramState]:
+    """Each item's state in order, as it ends (`progress`: a tqdm bar by that name). An
+    interrupt while waiting stops the whole batch, not only the item waited on."""
+    try:
+        if progress is not None:
+            from tqdm import tqdm
+
+            for f in tqdm(futures, desc=progress):
+                yield f.result()
+        else:
+            for f in futures:
+                yield f.result()
+    except KeyboardInterrupt:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 # ---- the run_batch view: a hook the notebook layer sets (this layer imports nothing above) --

@@ -43,3 +43,32 @@ def prompt_token_logprobs(backend, ids: list[int], start: int) -> list[tuple[flo
         return head
     (scores,) = backend.score(ids[:first], [ids[first:]])
     return head + list(zip(scores, ids[first:]))
+
+
+class ChunkMeta:
+    """A streamed gen's meta for each text chunk, in SGLang's streaming shape:
+    completion_tokens so far and, with return_logprob, output_token_logprobs of the tokens
+    since the last chunk (output_token_logprobs_length: all so far). `next()` runs on the
+    engine's thread, where a request's tokens and its text agree; `handle` is set once the
+    request is submitted (a server's requests have no tokens here: no meta)."""
+
+    def __init__(self, with_text: bool | None, backend):
+        self.handle = None
+        self.with_text, self.backend = bool(with_text), backend
+        self.seen = 0  # tokens reported by the chunks before
+
+    def next(self) -> dict | None:
+        req = getattr(self.handle, "req", None)
+        if req is None:
+            return None  # a chunk before submit() returned counts in the next one's meta
+        ids = list(req.output_ids)
+        meta: dict = {"completion_tokens": len(ids)}
+        if req.params.logprobs:
+            logprobs = list(req.logprobs)
+            tok = self.backend.tokenizer
+            meta["output_token_logprobs"] = [
+                (logprobs[i], ids[i], tok.decode([ids[i]]) if self.with_text else None)
+                for i in range(self.seen, min(len(ids), len(logprobs)))]
+            meta["output_token_logprobs_length"] = len(ids)
+        self.seen = len(ids)
+        return meta

@@ -12,6 +12,7 @@ Python goes on at once and blocks only where it reads a generated value (`s["x"]
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import threading
 import traceback
@@ -19,7 +20,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sgl_nb.language.effects import ProgramEffects
-from sgl_nb.language.expressions import Concat, Gen, Role, RoleBlock, Select
+from sgl_nb.language.expressions import (
+    Concat,
+    Gen,
+    Role,
+    RoleBlock,
+    Select,
+    assistant,
+    system,
+    user,
+)
 from sgl_nb.language.replay import MISSING
 from sgl_nb.language.rerun import rerun_state
 from sgl_nb.language.token_info import TokenInfo, token_info
@@ -32,6 +42,9 @@ from sgl_nb.runtime.compiler.passes import run_passes
 from sgl_nb.runtime.compiler.step_controller import StepController
 
 _state_ids = itertools.count(1)
+
+
+_TURNS = {"system": system, "user": user, "assistant": assistant}
 
 
 class _ScopeMark:
@@ -88,7 +101,8 @@ class ProgramState(ProgramEffects):
         self._lock = threading.RLock()  # the program and a reader may both flush
         self._cond = threading.Condition()
         self._pending = 0  # Nodes handed to the executor that have not ended
-        self._stream: list[tuple[str | None, str]] = []  # (variable, text) as it is produced
+        # (variable, text, meta) as it is produced; meta: a decoded chunk's tokens so far
+        self._stream: list[tuple[str | None, str, dict | None]] = []
         self._finished = False  # its Return ran
         self._ended = threading.Event()
         # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
@@ -106,6 +120,8 @@ class ProgramState(ProgramEffects):
         self._chosen: dict = {}  # select node id -> (choice, how) a re-run gave it
         self.rerun_report = None  # a re-run's RerunReport
         self.rerun_of = None  # ... and the record of the run it repeats (a ProgramRecord)
+        self.ret_value = None  # what the program's function returned (SGLang's name)
+        self._copy_of: ForkGroup | None = None  # `with s.copy() as c:` joins this at its end
 
     def begin(self, function: str, shared_prefix: str = "", after=None,
               call: dict | None = None) -> Node:
@@ -217,14 +233,23 @@ class ProgramState(ProgramEffects):
         finally:
             self._submit(Role(role, False), sys._getframe(2))
 
-    def system(self):
-        return self._role_block("system")
+    def _role_turn(self, role: str, expr, caller):
+        """`with s.user():` (no expr), or SGLang's `s.user(expr)`: the whole turn added at
+        once, the expression returned."""
+        if expr is None:
+            return self._role_block(role)
+        turn = _TURNS[role](expr)
+        self._submit(turn, caller)
+        return turn
 
-    def user(self):
-        return self._role_block("user")
+    def system(self, expr=None):
+        return self._role_turn("system", expr, sys._getframe(1))
 
-    def assistant(self):
-        return self._role_block("assistant")
+    def user(self, expr=None):
+        return self._role_turn("user", expr, sys._getframe(1))
+
+    def assistant(self, expr=None):
+        return self._role_turn("assistant", expr, sys._getframe(1))
 
     @contextmanager
     def var_scope(self, name: str):
@@ -234,16 +259,31 @@ class ProgramState(ProgramEffects):
         finally:
             self._submit(_ScopeMark(name, False))
 
-    def fork(self, n: int = 1) -> ForkGroup:
-        return self._fork(n, sys._getframe(1))
+    def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> ForkGroup:
+        """`size` branches, each starting from this state's text, messages, open role and
+        variables. `position_ids_offset` is accepted as SGLang takes it; SGLang's own
+        interpreter passes it nowhere, and here too it changes nothing."""
+        return self._fork(_fork_size(size, position_ids_offset), sys._getframe(1))
 
-    def copy(self) -> ProgramState:
-        """A branch that goes on from this state's text (SGLang's copy: a fork of one)."""
-        return self._fork(1, sys._getframe(1)).states[0]
+    def copy(self, position_ids_offset: list[int] | None = None) -> ProgramState:
+        """A branch that goes on from this state (a fork of one). `with s.copy() as c:`
+        joins it at the block's end (its new variables gathered, as SGLang's copy does);
+        `c = s.copy()` leaves it unjoined."""
+        group = self._fork(_fork_size(1, position_ids_offset), sys._getframe(1))
+        branch = group.states[0]
+        branch._copy_of = group
+        return branch
+
+    def __enter__(self) -> ProgramState:
+        if self._copy_of is None:
+            raise TypeError("`with` takes a copy of a state: `with s.copy() as c:`")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        group, self._copy_of = self._copy_of, None
+        group._join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
 
     def _fork(self, n: int, caller) -> ForkGroup:
-        if n < 1:
-            raise ValueError(f"fork needs n >= 1, got {n}")
         node = Node("Fork", self.id, self._preds(), None, {"n": n},
                     caller.f_code.co_filename, caller.f_lineno)
         self._record(node)
@@ -399,6 +439,7 @@ class ProgramState(ProgramEffects):
         return dict(self._vars)
 
     def get_meta_info(self, name: str) -> dict:
+        """What the gen or select bound to `name` reported ({} for another name)."""
         self.sync()
         return self._meta.get(name, {})
 
@@ -439,6 +480,11 @@ class ProgramState(ProgramEffects):
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """Text as it is produced (only variable `var_name`'s, if given), until the end.
         An interrupt while it waits cancels the program."""
+        for chunk, _ in self._chunks(var_name):
+            yield chunk
+
+    def _chunks(self, var_name: str | None) -> Iterator[tuple[str, dict | None]]:
+        """(text, meta) as produced; meta: a decoded chunk's token counts and logprobs."""
         self._flush()
         i = 0
         while True:
@@ -449,19 +495,29 @@ class ProgramState(ProgramEffects):
             if done:
                 return
             i += len(items)
-            for var, chunk in items:
+            for var, chunk, meta in items:
                 if var_name is None or var == var_name:
-                    yield chunk
+                    yield chunk, meta
 
-    async def text_async_iter(self, var_name: str | None = None):
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False):
+        """text_iter for asyncio. With `var_name` and return_meta_data=True, (text, meta)
+        pairs, as SGLang streams them: meta's completion_tokens counts the variable's
+        tokens so far, and with return_logprob its output_token_logprobs are this chunk's
+        tokens' (output_token_logprobs_length: all so far)."""
         import asyncio
 
-        it = self.text_iter(var_name)
+        with_meta = return_meta_data and var_name is not None
+        it = self._chunks(var_name)
         while True:
-            chunk = await asyncio.to_thread(next, it, None)
-            if chunk is None:
+            item = await asyncio.to_thread(next, it, None)
+            if item is None:
                 return
-            yield chunk
+            chunk, meta = item
+            if with_meta:
+                yield chunk, meta if meta is not None else dict(self._meta.get(var_name, {}))
+            else:
+                yield chunk
 
     def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
         """The body has returned (or raised `error`): what it queued runs, then Return."""
@@ -489,11 +545,29 @@ class ProgramState(ProgramEffects):
     def __repr__(self) -> str:
         return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
 
-    def _append(self, text: str, var: str | None = None) -> None:
+    def _append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
         with self._cond:
             self._text += text
-            self._stream.append((var, text))
+            self._stream.append((var, text, meta))
             self._cond.notify_all()
+
+
+def _fork_size(size, position_ids_offset) -> int:
+    """fork()'s arguments checked: a size of 0 or more, and SGLang's list of offsets."""
+    if isinstance(size, bool):
+        raise TypeError(f"fork size must be an integer, got {size!r}")
+    try:
+        n = operator.index(size)
+    except TypeError:
+        raise TypeError(f"fork size must be an integer, got {size!r}") from None
+    if n < 0:
+        raise ValueError(f"fork size must be >= 0, got {n}")
+    offsets = position_ids_offset
+    if offsets is not None and (not isinstance(offsets, list | tuple) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in offsets)):
+        raise TypeError(f"position_ids_offset must be None or a list of integers, got "
+                        f"{offsets!r}")
+    return n
 
 
 class ForkGroup:
@@ -501,6 +575,11 @@ class ForkGroup:
 
     def __init__(self, parent: ProgramState, states: list[ProgramState], node: Node):
         self.parent, self.states, self.node = parent, states, node
+
+    @property
+    def src_state(self) -> ProgramState:
+        """SGLang's name for the state that forked."""
+        return self.parent
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
@@ -516,12 +595,26 @@ class ForkGroup:
         return iter(self.states)
 
     def __iadd__(self, other) -> ForkGroup:
+        """`forks += expr` (each branch), `forks += lambda i: ...` or `forks += [e0, e1]`
+        (one expression a branch, as SGLang takes a list or tuple)."""
         frame = sys._getframe(1)
+        if isinstance(other, list | tuple) and len(other) != len(self.states):
+            raise ValueError(f"forks += a list of {len(other)} expressions: there are "
+                             f"{len(self.states)} branches")
         for i, s in enumerate(self.states):
-            s._submit(other(i) if callable(other) else other, frame)
+            expr = other(i) if callable(other) else \
+                other[i] if isinstance(other, list | tuple) else other
+            s._submit(expr, frame)
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
+        """Wait for the branches. gather_variable: each variable a branch has that the
+        parent does not becomes a list on the parent (one value per branch that has it);
+        concate_and_append: the branches' new text is appended to the parent's, in order
+        (no variable is gathered). As SGLang joins."""
+        self._join(mode, sys._getframe(1))
+
+    def _join(self, mode: str, caller) -> None:
         if mode not in ("gather_variable", "concate_and_append"):
             raise ValueError(
                 f"join mode must be gather_variable or concate_and_append, got {mode!r}"
@@ -530,7 +623,6 @@ class ForkGroup:
             s._flush()  # every branch Node is queued before the Join that waits for them
         p = self.parent
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        caller = sys._getframe(1)
         node = Node("Join", p.id, preds, None,
                     {"mode": mode, "branches": [s.id for s in self.states]},
                     caller.f_code.co_filename, caller.f_lineno)

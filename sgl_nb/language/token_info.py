@@ -173,17 +173,22 @@ def _node_of(state, var: str):
 def _with_tokens(state) -> list[str]:
     own = {n.name for n in state.nodes
            if n.program == state.id and n.name is not None and n.id in state._tokens}
-    forked = {k for children in state._forked.values() for c in children for k in c._vars
-              if k not in own}
+    forked = {k for children in state._forked.values() for c in children
+              for k in _bound_by(c) if k not in own}
     return sorted(own) + [f"{k} (fork branches: pass branch=k)" for k in sorted(forked)]
 
 
 def _fork_of(state, var: str) -> list | None:
-    """The branches of the last fork whose branches have `var`."""
+    """The branches of the last fork whose branches bound `var` (not only inherited it)."""
     for children in reversed(list(state._forked.values())):
-        if any(var in c._vars for c in children):
+        if any(var in _bound_by(c) for c in children):
             return children
     return None
+
+
+def _bound_by(branch) -> set[str]:
+    """The variables a branch's own Nodes bind (a branch also has the parent's, copied)."""
+    return {n.name for n in branch.nodes if n.program == branch.id and n.name is not None}
 
 
 def _branch(state, var: str, k: int):

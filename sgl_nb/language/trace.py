@@ -6,9 +6,12 @@ generated value (reading `s["x"]`, `s.text()`) ends the static part.
 
 from __future__ import annotations
 
+import inspect
+
 from sgl_nb.language.state import ForkGroup, ProgramState
 from sgl_nb.runtime.compiler.ir import Node, dot
 from sgl_nb.runtime.compiler.listing import listing
+from sgl_nb.runtime.compiler.passes import leading_text
 
 
 class _EndOfStatic(Exception):
@@ -28,6 +31,7 @@ class TraceState(ProgramState):
         self.nodes: list[Node] = []
         self._open_role = None
         self._error, self._vars, self._text, self._fork_point = None, {}, "", 0
+        self._copy_of = None
 
     def _submit(self, expr, frame=None) -> None:
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
@@ -62,7 +66,7 @@ class TraceState(ProgramState):
 
 
 class _TraceForks(ForkGroup):
-    def join(self, mode: str = "gather_variable") -> None:
+    def _join(self, mode: str, caller=None) -> None:
         p = self.parent
         for s in self.states:
             p.nodes.extend(s.nodes)
@@ -101,3 +105,34 @@ def trace_program(func, args: dict, defaults: dict, roles=None) -> ProgramGraph:
         line = e.__traceback__.tb_next.tb_lineno if e.__traceback__.tb_next else None
         ends = f"raised {e!r} at line {line}"
     return ProgramGraph(func.__name__, state.nodes, ends)
+
+
+class _Argument:
+    """A program argument whose value is not known (`f.cache()` traces with these): any use
+    of it ends the static part, as SGLang's tracer stops at an argument."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def _used(self, *_args, **_kwargs):
+        raise _EndOfStatic(f"uses argument {self._name!r}")
+
+    __str__ = __repr__ = __format__ = __add__ = __radd__ = __mod__ = __rmod__ = _used
+    __iter__ = __len__ = __getitem__ = __contains__ = __bool__ = _used
+    __int__ = __float__ = __index__ = __eq__ = __lt__ = __gt__ = __call__ = _used
+    __hash__ = None
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._used()
+
+
+def static_prefix(func, bound: dict, roles=None) -> str:
+    """The text every run of `func` starts with, whatever its (unbound) arguments: its
+    static part up to the first argument it uses or the first gen (what `f.cache()`
+    computes into the prefix cache)."""
+    params = list(inspect.signature(func).parameters.values())[1:]
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    args = {name: bound[name] if name in bound else _Argument(name) for name in names}
+    return leading_text(trace_program(func, args, {}, roles).nodes)
