@@ -31,6 +31,10 @@ DEFAULTS = {
     "batch": {"model": None, "programs": 1000, "num_threads": 8, "baseline_items": 50,
               "json": None},
     "views": {"model": None, "tokens": [250, 1000, 4000], "timeout": 1800.0, "json": None},
+    "serve": {"model": None, "clients": 32, "duration": 180.0, "disconnect_fraction": 1 / 3,
+              "warmup": 30.0, "rss_growth_mb": 64.0, "seed": 0, "kv_pool_tokens": None,
+              "vllm_bench": None, "vllm_server": None, "rounds": 2, "input_len": 256,
+              "output_len": 64, "num_prompts": 64, "max_concurrency": 8, "json": None},
 }
 REQUIRED = {"remote": ["--server", "http://x:1"]}
 
