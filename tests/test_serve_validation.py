@@ -93,8 +93,8 @@ def test_malformed_bodies_are_named(http, path, raw, needle):
     ("/v1/completions", {"best_of": 3}, ["best_of > 1"]),
     ("/v1/completions", {"suffix": "end"}, ["suffix is not supported"]),
     ("/v1/completions", {"logit_bias": {"42": 5}}, ["logit_bias is not supported"]),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     ["tools is not supported"]),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]},
+     ["functions (the legacy API; use tools) is not supported"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      ["only text message parts"]),

@@ -10,10 +10,20 @@ import uuid
 from collections.abc import Iterator
 
 from sgl_nb.language.logprob_meta import prompt_token_logprobs
+from sgl_nb.server import tool_calls
 from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
 from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest, Sampling
+from sgl_nb.server.tool_calls import (
+    ChatTemplate,
+    ToolUse,
+    template_messages,
+    template_of,
+    template_tools,
+    tool_use,
+)
+from sgl_nb.server.tool_parsers import PlainReader, Reader
 
 
 def models(served: Served) -> dict:
@@ -170,32 +180,48 @@ def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Str
     if body.logprobs:
         params["logprobs"], params["top_logprobs"] = True, body.top_logprobs or 0
     rt = served.runtime
-    prompt = _chat_prompt(rt, body)
+    template = template_of(rt.tokenizer)
+    tools = tool_use(body, lambda schema: rt.check_grammar(None, schema))
+    if tools is not None and tools.forced:
+        if "json_schema" in params or "regex" in params:
+            raise BadRequest("tool_choice 'required' or a named function constrains the "
+                             "output to calls: it cannot be combined with response_format "
+                             "or structured outputs")
+        params["json_schema"] = tools.schema()
+    prompt = _chat_prompt(rt, body, template, tools)
     special = True if body.add_special_tokens is None else body.add_special_tokens
     handle = served.submit(rt.tokenizer.encode(prompt, add_special_tokens=special), params,
                            stream=body.stream)
     head = {"id": f"chatcmpl-{body.request_id or uuid.uuid4().hex}",
             "created": int(time.time()), "model": served.model_name}
     if body.stream:
-        return Stream(_stream_chat(head, handle, _include_usage(body)), [handle])
-    return Answer(lambda: _chat_answer(rt, head, handle), [handle])
+        return Stream(_stream_chat(head, handle, _include_usage(body),
+                                   tool_calls.reader_for(tools, template)), [handle])
+    return Answer(lambda: _chat_answer(rt, head, handle, tool_calls.reader_for(tools, template)),
+                  [handle])
 
 
-def _chat_prompt(rt, body: ChatCompletionRequest) -> str:
+def _chat_prompt(rt, body: ChatCompletionRequest, template: ChatTemplate,
+                 tools: ToolUse | None) -> str:
     from jinja2 import TemplateError
 
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    listed = template_tools(tools)
+    messages = template_messages(body.messages, template, listed)
     try:
-        return rt.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        return rt.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                      tools=listed if template.takes_tools else None)
     except TemplateError as e:  # the model's template refuses these messages (its words)
         raise BadRequest(f"messages: the model's chat template refused them: {e}") from e
 
 
-def _chat_answer(rt, head: dict, handle) -> dict:
+def _chat_answer(rt, head: dict, handle, reader: Reader) -> dict:
     out = handle.result()
+    msg = tool_calls.message(tool_calls.read_all(reader, out.text))
     return {**head, "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": out.text},
-        "finish_reason": out.meta["finish_reason"], "logprobs": _chat_logprobs(rt, out)}],
+        "index": 0, "message": msg,
+        "finish_reason": tool_calls.finish_reason(out.meta["finish_reason"],
+                                                  "tool_calls" in msg),
+        "logprobs": _chat_logprobs(rt, out)}],
         "usage": _Usage().add(out.meta).as_dict()}
 
 
@@ -213,7 +239,7 @@ def _chat_logprobs(rt, out) -> dict | None:
                         for t, lp, alts in zip(out.token_ids, out.logprobs, tops)]}
 
 
-def _stream_chat(head: dict, handle, include_usage: bool) -> Iterator[dict]:
+def _stream_chat(head: dict, handle, include_usage: bool, reader: Reader) -> Iterator[dict]:
     head = {**head, "object": "chat.completion.chunk"}
 
     def event(delta: dict, finish=None) -> dict:
@@ -224,10 +250,15 @@ def _stream_chat(head: dict, handle, include_usage: bool) -> Iterator[dict]:
     # The role goes with the first text, not before it: a request its own input fails
     # fails before any event, so the server answers a 400, not a 200 stream.
     first = next(chunks, None)
-    yield event({"role": "assistant", "content": ""})
+    # With tools the answer may be calls alone: its content stays null until text comes.
+    yield event({"role": "assistant",
+                 "content": "" if isinstance(reader, PlainReader) else None})
     for chunk in itertools.chain([] if first is None else [first], chunks):
-        yield event({"content": chunk})
+        for piece in reader.feed(chunk):
+            yield event(tool_calls.delta(piece))
+    for piece in reader.finish():
+        yield event(tool_calls.delta(piece))
     out = handle.result()
-    yield event({}, out.meta["finish_reason"])
+    yield event({}, tool_calls.finish_reason(out.meta["finish_reason"], reader.calls > 0))
     if include_usage:
         yield {**head, "choices": [], "usage": _Usage().add(out.meta).as_dict()}

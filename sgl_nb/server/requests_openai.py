@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sgl_nb.server.requests_common import (
     Count,
@@ -28,6 +28,7 @@ from sgl_nb.server.requests_common import (
     TopLogprobs,
     TopP,
 )
+from sgl_nb.server.tool_calls import Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(Strict):
@@ -171,17 +172,33 @@ class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     reasoning_content: str | None = None
+    # What the openai package's message of an earlier answer carries when it is sent back
+    # as it is (`messages.append(completion.choices[0].message)`): nothing to render.
+    annotations: list[dict[str, Any]] | None = None
+    parsed: Any = None
+    audio: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         from sgl_nb.server.errors import BadRequest
 
-        if self.tool_calls or self.function_call:
-            raise BadRequest("tool calls in messages are not supported by sgl-nb serve")
+        if self.audio is not None:
+            raise BadRequest("audio in messages is not supported by sgl-nb serve")
+        if self.function_call:
+            raise BadRequest("function_call in messages (the legacy functions API) is not "
+                             "supported by sgl-nb serve: use tool_calls")
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
             if any(p.type != "text" for p in self.content):
                 raise BadRequest("only text message parts are supported by sgl-nb serve")
@@ -194,8 +211,8 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -227,8 +244,7 @@ class ChatCompletionRequest(Sampling):
 
     def unsupported(self) -> dict[str, bool]:
         return {
-            "tools": bool(self.tools), "functions": bool(self.functions),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "functions (the legacy API; use tools)": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
             "modalities other than text": bool(self.modalities) and self.modalities != ["text"],
             "audio": self.audio is not None, "prediction": self.prediction is not None,
