@@ -170,6 +170,79 @@ def test_the_format_is_read_off_the_template():
     assert format_of_template("{{ messages }}") is ToolCallFormat.HERMES  # our own prompt
 
 
+def request(**fields):
+    from sgl_nb.server.requests_openai import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **fields})
+
+
+def test_the_required_schema_admits_calls_to_the_tools_only():
+    use = tool_calls.tool_use(request(tool_choice="required"), check_schema=lambda s: None)
+    schema = use.schema()
+    jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}},
+                         {"name": "get_weather",
+                          "parameters": {"city": "Oslo", "unit": "celsius"}}], schema)
+    for bad in ([], [{"name": "add", "parameters": {"a": "1", "b": 2}}],
+                [{"name": "nope", "parameters": {}}], [{"name": "add"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    one = tool_calls.tool_use(request(tool_choice="required", parallel_tool_calls=False),
+                              check_schema=lambda s: None).schema()
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}}] * 2, one)
+    named = tool_calls.tool_use(
+        request(tool_choice={"type": "function", "function": {"name": "add"}}),
+        check_schema=lambda s: None)
+    assert named.schema() == ADD
+
+
+def test_definitions_move_to_the_root_of_the_required_schema():
+    """`#/$defs/...` references keep pointing at their definitions once nested."""
+    point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}},
+              "required": ["at"], "$defs": {"Point": point}}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": params}}]
+    use = tool_calls.tool_use(request(tools=tools, tool_choice="required"), lambda s: None)
+    schema = use.schema()
+    jsonschema.validate([{"name": "go", "parameters": {"at": {"x": 1.5}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"at": {"x": "far"}}}], schema)
+    other = {**tools[0]["function"], "name": "come",
+             "parameters": {**params, "$defs": {"Point": {"type": "string"}}}}
+    clash = request(tools=[*tools, {"type": "function", "function": other}],
+                    tool_choice="required")
+    with pytest.raises(ValueError, match=r"\$defs/Point differently"):
+        tool_calls.tool_use(clash, lambda s: None)
+
+
+@pytest.mark.slow  # the default model's folder (converted on first use)
+def test_a_template_without_tools_gets_them_as_text(model_path):
+    """The default model's template never mentions tools: they go in the system prompt (after
+    the client's own), calls and results as text, consecutive results in one user turn."""
+    from transformers import AutoTokenizer
+
+    template = tool_calls.template_of(AutoTokenizer.from_pretrained(str(model_path)))
+    assert not template.takes_tools
+    body = request(messages=[
+        {"role": "system", "content": "Be brief."}, *ASK,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "3"},
+        {"role": "tool", "tool_call_id": "b", "content": "sunny"}])
+    use = tool_calls.tool_use(body, lambda s: None)
+    out = tool_calls.template_messages(body.messages, template, tool_calls.template_tools(use))
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n# Tools\n")
+    assert '"name": "get_weather", "description": "The weather in a city now"' in out[0]["content"]
+    assert out[2]["content"] == (
+        'Checking.\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert out[3]["content"] == ("<tool_response>\n3\n</tool_response>\n"
+                                 "<tool_response>\nsunny\n</tool_response>")
+
+
 def test_streamed_deltas_reassemble_with_the_openai_helper():
     """The openai package's own accumulator makes of our deltas the message we answer."""
     from openai.lib.streaming.chat import ChatCompletionStreamState

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from enum import Enum
@@ -168,9 +169,8 @@ def tool_use(body: ChatCompletionRequest, check_schema) -> ToolUse | None:
             try:
                 check_schema(tool.function.parameters)
             except ValueError as e:
-                cause = str(e.__cause__ or e).strip().splitlines()[-1]
                 raise BadRequest(f"tools[{i}].function.parameters (of {tool.function.name!r}) "
-                                 f"is not a valid JSON schema: {cause}") from e
+                                 f"is not a valid JSON schema: {_reason(e)}") from e
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise BadRequest(f"tool_choice names the function {choice.function.name!r}, which "
@@ -182,6 +182,12 @@ def tool_use(body: ChatCompletionRequest, check_schema) -> ToolUse | None:
     if use.forced:
         _shared_defs(use.tools)  # conflicting definitions: a 400 now, not a bad grammar
     return use
+
+
+def _reason(error: ValueError) -> str:
+    """xgrammar's own words, without its source location ("[12:00:00] file.cc:12: ")."""
+    text = str(error.__cause__ or error).strip().splitlines()[-1]
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
 
 
 def _choice_text(choice) -> str:
