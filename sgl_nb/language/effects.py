@@ -233,8 +233,7 @@ class ProgramEffects(ReplayEffects):
                             self.backend)
 
         def on_chunk(delta: str) -> None:
-            meta = counted.next()  # the engine's thread: the request's tokens match the text
-            post(lambda: self._append(delta, g.name, meta))
+            post(lambda: self._append(delta, g.name, counted.next()))
 
         def on_done(handle) -> None:
             post(lambda: self._decoded(handle, g, prompt, done))

@@ -238,10 +238,13 @@ class SglFunction:
         return self._start(call, backend, debug=debug, step=step, passes=passes,
                            priority=priority, **defaults)
 
-    def trace(self, *args, **kwargs) -> ProgramGraph:
-        """The static part of the program's graph for these arguments (no model runs)."""
+    def trace(self, *args, backend=None, **kwargs) -> ProgramGraph:
+        """The static part of the program's graph for these arguments (no model runs;
+        `backend`'s chat template, else the default backend's if one is set, shows the
+        text of role markers)."""
         call, defaults = self._split(args, kwargs)
-        roles = _default_backend.chat_roles if _default_backend is not None else None
+        backend = backend or _default_backend
+        roles = backend.chat_roles if backend is not None else None
         return trace_program(self.func, self._with_bound(call), _run_defaults(defaults), roles)
 
     def cache(self, backend=None) -> str:

@@ -48,9 +48,11 @@ def prompt_token_logprobs(backend, ids: list[int], start: int) -> list[tuple[flo
 class ChunkMeta:
     """A streamed gen's meta for each text chunk, in SGLang's streaming shape:
     completion_tokens so far and, with return_logprob, output_token_logprobs of the tokens
-    since the last chunk (output_token_logprobs_length: all so far). `next()` runs on the
-    engine's thread, where a request's tokens and its text agree; `handle` is set once the
-    request is submitted (a server's requests have no tokens here: no meta)."""
+    since the chunk before (output_token_logprobs_length: all so far). `next()` runs on the
+    executor's thread as each chunk is delivered, after `handle` is set (so no chunk goes
+    without), and counts the tokens decoded by then: a chunk may count a token whose text
+    comes with the next one, and that one then counts none. A server's requests carry no
+    tokens here: no meta."""
 
     def __init__(self, with_text: bool | None, backend):
         self.handle = None
@@ -60,15 +62,16 @@ class ChunkMeta:
     def next(self) -> dict | None:
         req = getattr(self.handle, "req", None)
         if req is None:
-            return None  # a chunk before submit() returned counts in the next one's meta
-        ids = list(req.output_ids)
-        meta: dict = {"completion_tokens": len(ids)}
+            return None
+        # Copies: the engine's thread appends a token id, then its logprob.
+        ids, logprobs = list(req.output_ids), list(req.logprobs)
+        n = min(len(ids), len(logprobs)) if req.params.logprobs else len(ids)
+        meta: dict = {"completion_tokens": n}
         if req.params.logprobs:
-            logprobs = list(req.logprobs)
             tok = self.backend.tokenizer
             meta["output_token_logprobs"] = [
                 (logprobs[i], ids[i], tok.decode([ids[i]]) if self.with_text else None)
-                for i in range(self.seen, min(len(ids), len(logprobs)))]
-            meta["output_token_logprobs_length"] = len(ids)
-        self.seen = len(ids)
+                for i in range(self.seen, n)]
+            meta["output_token_logprobs_length"] = n
+        self.seen = max(self.seen, n)
         return meta
