@@ -12,6 +12,8 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_nb.server import tool_calls
 from sgl_nb.server.tool_parsers import (
@@ -161,6 +163,28 @@ def test_forced_outputs_stream_their_arguments_as_they_come():
     assert len(pieces) > 20  # the arguments go out a character at a time, not at the end
     named = same_in_any_pieces(lambda: NamedReader("add"), '{"a": 5, "b": 6}')
     assert named["tool_calls"] == calls(("add", {"a": 5, "b": 6}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[",
+                     '{"name": "add", "arguments": {"a": 1, "b": 2}}', "\n", " ", ";",
+                     '{"name": "add", "parameters": {"a": 1}}', "<tool_", '"}]'])), max_size=8),
+       step=st.integers(1, 5), fmt=st.sampled_from(list(ToolCallFormat)))
+def test_any_text_reads_the_same_in_pieces_and_loses_nothing(parts, step, fmt):
+    """Whatever the model writes: no exception, the stream says what the answer says, and
+    an answer without calls is its text exactly."""
+    from sgl_nb.server.tool_parsers import auto_reader
+
+    text = "".join(parts)
+    reader_of = lambda: auto_reader(fmt, NAMES, parallel=True)  # noqa: E731
+    whole = read(reader_of, text)
+    assert read(reader_of, text, step) == whole
+    if "tool_calls" not in whole:
+        assert whole["content"] == text
+    for call in whole.get("tool_calls", []):
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
 
 
 def test_the_format_is_read_off_the_template():
