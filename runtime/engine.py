@@ -259,6 +259,10 @@ class Engine:
         if params.top_logprobs > self.config.vocab_size:
             raise ValueError(f"top_logprobs must be at most the vocabulary size "
                              f"({self.config.vocab_size}), got {params.top_logprobs}")
+        outside = sorted(t for t in params.logit_bias if t >= self.config.vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the model's "
+                             f"vocabulary [0, {self.config.vocab_size})")
         max_new = min(params.max_tokens, self.context_len - n)
         if n + max_new > self.pool.capacity:
             raise ValueError(

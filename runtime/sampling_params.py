@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # Below this a temperature is greedy decoding (SGLang's rule): dividing logits by it would
 # overflow fp32 and leave nothing to sample.
 GREEDY_BELOW = 1e-6
+# OpenAI's documented range of a logit bias: -100 bans a token, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -29,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this x how often a token is in the output so far
     presence_penalty: float = 0.0  # minus this once a token is in the output
     repetition_penalty: float = 1.0  # a token of prompt or output: logit / this if > 0, else x
+    # {token id: bias} added to those logits before the penalties, the grammar mask and
+    # sampling (greedy too); -100 bans a token, +100 forces it unless the grammar rules it out.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Text a regex / json_schema forces is computed in one step, not one step a token
     # (the output is the same either way); None: the engine's setting (on by default).
     jump_forward: bool | None = None
@@ -38,6 +43,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     @property
@@ -46,9 +52,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or min_tokens changes the logits before sampling."""
+        """Whether a penalty, a logit bias or min_tokens changes the logits before sampling."""
         return bool(self.min_tokens or self.frequency_penalty or self.presence_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -85,3 +91,16 @@ class SamplingParams:
             bad(f"jump_forward must be True, False or None, got {self.jump_forward!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        """Ids and numbers here; that the ids are in the model's vocabulary is checked by
+        the engine (Engine.make_request), which knows it."""
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                 f"{token!r}")
+            if (not isinstance(bias, int | float) or isinstance(bias, bool)
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias[{token}] must be a number from "
+                                 f"{-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {bias!r}")

@@ -5,11 +5,12 @@ sets k; 0 records none). Plain data: it travels on the Request, the GenerateOutp
 token events and (at tracing level "token") the trace files.
 
 Both `TokenChoice.logprob` and every `Alternative.logprob` are on one distribution: the
-log-softmax of the model's logits after the request's repetition / frequency / presence
-penalties (and min_tokens' held-back stop tokens), before temperature and before the
-grammar mask. The token event's own "logprob" (and GenerateOutput.logprobs) is taken
-after the grammar mask, so under a regex it is the higher of the two: the mask moves the
-probability of the tokens it rules out onto those it leaves. Without a grammar they agree.
+log-softmax of the model's logits after the request's logit bias and repetition /
+frequency / presence penalties (and min_tokens' held-back stop tokens), before temperature
+and before the grammar mask: a token the bias forced or banned shows as such. The token
+event's own "logprob" (and GenerateOutput.logprobs) is taken after the grammar mask, so
+under a regex it is the higher of the two: the mask moves the probability of the tokens it
+rules out onto those it leaves. Without a grammar they agree.
 """
 
 from __future__ import annotations

@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve a non-loopback --host without an API key")
     v.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     v.add_argument("--model", default=None, help="checkpoint folder or .gguf (default model)")
+    v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may give, the first one reported "
+                   "(default: the model folder's path and its base name)")
     v.add_argument("--kv-pool-tokens", type=int, default=32768)
     v.add_argument("--quiet", action="store_true", help="no line per request")
     v.set_defaults(func=cmd_serve)

@@ -11,11 +11,15 @@ from starlette.responses import Response
 from sgl_nb.server import openai_routes, sglang_routes
 from sgl_nb.server.auth import ApiKeyMiddleware
 from sgl_nb.server.body_limit import BodyLimitMiddleware
-from sgl_nb.server.errors import Json, install_error_handlers
+from sgl_nb.server.errors import Json, error_response, install_error_handlers
 from sgl_nb.server.metrics import exposition, metrics_registry
 from sgl_nb.server.replies import Served, Stream
 from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest
-from sgl_nb.server.requests_sglang import FlushCacheRequest, GenerateRequest
+from sgl_nb.server.requests_sglang import (
+    ConcateAndAppendRequest,
+    FlushCacheRequest,
+    GenerateRequest,
+)
 from sgl_nb.server.streaming import EventStream, answer, in_thread, submitted
 
 MAX_BODY_BYTES = 32 * 2**20  # a context of token ids is well under 1 MiB
@@ -24,8 +28,11 @@ MAX_BODY_BYTES = 32 * 2**20  # a context of token ids is well under 1 MiB
 WORKER_THREADS = 256
 
 
-def build_app(runtime, api_key: str | None = None) -> FastAPI:
-    served = Served(runtime)
+def build_app(runtime, api_key: str | None = None,
+              model_names: list[str] | None = None) -> FastAPI:
+    """model_names: the names the OpenAI routes answer to, the first reported (default:
+    the model folder's path and its base name)."""
+    served = Served(runtime, model_names)
     app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
@@ -66,17 +73,39 @@ def build_app(runtime, api_key: str | None = None) -> FastAPI:
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await reply(request, sglang_routes.generate, body)
 
+    # SGLang 0.5.23 names these /model_info and /server_info, and keeps the /get_ names.
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> Json:
         return Json(sglang_routes.model_info(served))
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> Json:
-        return Json(await in_thread(runtime.get_server_info, limiter=limiter))
+        return Json(await in_thread(sglang_routes.server_info, served, limiter=limiter))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(body: FlushCacheRequest | None = None) -> Json:
         out = sglang_routes.flush_cache(served)  # the body, if any, was checked: no fields
         return Json(await in_thread(out.build, limiter=limiter))
+
+    @app.get("/health_generate")
+    async def health_generate() -> Json:
+        if await in_thread(sglang_routes.health_generate, served, limiter=limiter):
+            return Json({})
+        return error_response(503, "the engine did not generate a token")
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append(body: ConcateAndAppendRequest) -> Json:
+        return Json(sglang_routes.concate_and_append(body))
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def profile() -> Json:
+        raise sglang_routes.profiling_refused()
+
+    @app.api_route("/encode", methods=["POST", "PUT"])
+    async def encode() -> Json:
+        raise sglang_routes.encode_refused(served)
 
     return app

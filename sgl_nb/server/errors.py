@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}`, for everything the
-server refuses: bad input is a 400 naming the field or the problem, never a 500."""
+server refuses: bad input is a 400 naming the field or the problem, never a 500; a model
+this server does not serve is a 404 in vLLM's words."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class BadRequest(ValueError):
     """The request is malformed or asks for something this server does not offer."""
 
 
+class ModelNotFound(LookupError):
+    """The request names a model this server does not serve."""
+
+
 class Json(Response):
     """JSON as the stdlib writes it: ASCII escapes (a lone surrogate cannot break the
     encoding) and -Infinity for a logprob of a token that cannot come."""
@@ -30,17 +35,21 @@ class Json(Response):
         return json.dumps(content).encode()
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> Json:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+def error_response(status: int, message: str, headers: dict | None = None,
+                   kind: str | None = None, param: str | None = None) -> Json:
+    kind = kind or {401: "authentication_error", 404: "not_found_error"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
-    return Json({"error": {"message": message, "type": kind, "code": status}}, status,
-                headers=headers)
+    error = {"message": message, "type": kind, "code": status}
+    if param is not None:
+        error["param"] = param
+    return Json({"error": error}, status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(ValueError, _bad_value)  # BadRequest, and the engine's checks
+    app.add_exception_handler(ModelNotFound, _no_such_model)
     # The engine failed (EngineError, shut down): a 500 that keeps the connection. A
     # handler for Exception itself sends its answer and then re-raises, and uvicorn
     # closes the connection under the client; it is left for what nothing else catches.
@@ -63,6 +72,11 @@ async def _http(request: Request, exc: HTTPException) -> Json:
 
 async def _bad_value(request: Request, exc: ValueError) -> Json:
     return error_response(400, str(exc) or type(exc).__name__)
+
+
+async def _no_such_model(request: Request, exc: ModelNotFound) -> Json:
+    # vLLM's shape: {"error": {"message", "type": "NotFoundError", "param": "model", "code"}}
+    return error_response(404, str(exc), kind="NotFoundError", param="model")
 
 
 async def _failed(request: Request, exc: Exception) -> Json:

@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Iterator
 
 from sgl_nb.language.logprob_meta import prompt_token_logprobs
+from sgl_nb.runtime.grammar import JSON_OBJECT_SCHEMA
 from sgl_nb.server import tool_calls
+from sgl_nb.server.choices import Samples, best_by_logprob
 from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
@@ -27,11 +29,13 @@ from sgl_nb.server.tool_parsers import PlainReader, Reader
 
 
 def models(served: Served) -> dict:
-    rt = served.runtime
+    """Every name the model answers to, the one answers report first (vLLM lists its
+    --served-model-name the same way)."""
+    rt, created = served.runtime, int(time.time())
     return {"object": "list", "data": [{
-        "id": served.model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "sgl-nb", "root": str(rt.model_path),
-        "max_model_len": rt.engine.context_len}]}
+        "id": name, "object": "model", "created": created, "owned_by": "sgl-nb",
+        "root": str(rt.model_path), "max_model_len": rt.engine.context_len}
+        for name in served.model_names]}
 
 
 def sampling(body: Sampling, max_tokens: int | None, default_max: int) -> dict:
@@ -45,7 +49,7 @@ def sampling(body: Sampling, max_tokens: int | None, default_max: int) -> dict:
               "frequency_penalty": _or(body.frequency_penalty, 0.0),
               "presence_penalty": _or(body.presence_penalty, 0.0),
               "repetition_penalty": _or(body.repetition_penalty, 1.0),
-              "min_tokens": _or(body.min_tokens, 0)}
+              "min_tokens": _or(body.min_tokens, 0), "logit_bias": body.logit_bias or {}}
     params.update(_structured(body))
     return params
 
@@ -59,7 +63,7 @@ def _structured(body: Sampling) -> dict:
     regex = so.regex if so and so.regex is not None else body.guided_regex
     schema = so.json_ if so and so.json_ is not None else body.guided_json
     if so and so.json_object:
-        schema = {"type": "object"}
+        schema = JSON_OBJECT_SCHEMA
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -67,7 +71,7 @@ def _structured(body: Sampling) -> dict:
                              "json_schema")
         schema = fmt.json_schema.schema_
     elif fmt is not None and fmt.type == "json_object":
-        schema = {"type": "object"}
+        schema = JSON_OBJECT_SCHEMA
     out = {}
     if regex is not None:
         out["regex"] = regex
@@ -83,9 +87,13 @@ def _include_usage(body: Sampling) -> bool:
 # ---- /v1/completions ---------------------------------------------------------------------
 
 def completion(served: Served, body: CompletionRequest) -> Answer | Stream:
+    served.check_model(body.model)
     params = sampling(body, body.max_tokens, 16)
     if body.logprobs is not None:
         params["logprobs"], params["top_logprobs"] = True, body.logprobs
+    best_of = _best_of(body)
+    if best_of > body.n:
+        params["logprobs"] = True  # the candidates are ranked by them
     prompts = body.prompt
     if body.stream and len(prompts) > 1:
         raise BadRequest("stream=True takes one prompt in sgl-nb serve")
@@ -93,48 +101,70 @@ def completion(served: Served, body: CompletionRequest) -> Answer | Stream:
     special = True if body.add_special_tokens is None else body.add_special_tokens
     ids = [p if isinstance(p, list) else rt.tokenizer.encode(p, add_special_tokens=special)
            for p in prompts]
-    handles = served.submit_all(ids, [params] * len(ids), stream=body.stream)
+    groups = served.sample(ids, params, best_of, stream=body.stream)
     head = {"id": f"cmpl-{body.request_id or uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": served.model_name}
     if body.stream:
-        return Stream(_stream_completion(head, handles[0], body.return_token_ids,
-                                         _include_usage(body)), handles)
-    return Answer(lambda: _completion_answer(rt, head, handles, ids, body), handles)
+        return Stream(_stream_completion(head, groups[0], body.return_token_ids,
+                                         _include_usage(body)), groups)
+    return Answer(lambda: _completion_answer(rt, head, groups, body), groups)
 
 
-def _completion_answer(rt, head: dict, handles: list, ids: list[list[int]],
-                       body: CompletionRequest) -> dict:
+def _best_of(body: CompletionRequest) -> int:
+    """How many candidates each prompt gets (best_of, OpenAI's default n)."""
+    best_of = body.n if body.best_of is None else body.best_of
+    if best_of < body.n:
+        raise BadRequest(f"best_of ({best_of}) must be at least n ({body.n})")
+    if body.stream and best_of > body.n:
+        raise BadRequest("best_of > n cannot be streamed (the best are known at the end)")
+    return best_of
+
+
+def _completion_answer(rt, head: dict, groups: list[Samples], body: CompletionRequest
+                       ) -> dict:
+    """vLLM's order: prompt i's samples are choices i * n to i * n + n - 1."""
     choices, usage = [], _Usage()
-    for i, (h, prompt_ids) in enumerate(zip(handles, ids)):
-        out = h.result()
-        usage.add(out.meta)
-        choice = {"index": i, "text": out.text, "finish_reason": out.meta["finish_reason"],
-                  "stop_reason": _stop_reason(out.meta), "logprobs": _logprobs(rt, out)}
-        if body.return_token_ids:
-            choice["token_ids"] = out.token_ids
-            choice["prompt_token_ids"] = prompt_ids
-        if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs(rt, prompt_ids)
-        choices.append(choice)
+    for i, group in enumerate(groups):
+        outs = group.outputs()
+        usage.add_samples(group, outs)
+        if len(outs) > body.n:
+            outs = best_by_logprob(outs, body.n)
+        for j, out in enumerate(outs):
+            choice = {"index": i * body.n + j, "text": out.text,
+                      "finish_reason": out.meta["finish_reason"],
+                      "stop_reason": _stop_reason(out.meta),
+                      "logprobs": _logprobs(rt, out) if body.logprobs is not None else None}
+            if body.return_token_ids:
+                choice["token_ids"] = out.token_ids
+                choice["prompt_token_ids"] = group.prompt
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(rt, group.prompt)
+            choices.append(choice)
     return {**head, "choices": choices, "usage": usage.as_dict()}
 
 
-def _stream_completion(head: dict, handle, want_ids: bool, include_usage: bool
+def _stream_completion(head: dict, samples: Samples, want_ids: bool, include_usage: bool
                        ) -> Iterator[dict]:
-    def event(text: str, finish=None, stop=None, ids=None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+    """The n choices' text interleaved, each under its index; each ends with its own
+    finish_reason."""
+    def event(index: int, text: str, finish=None, stop=None, ids=None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
                   "stop_reason": stop}
         if ids is not None:
             choice["token_ids"] = ids
         return {**head, "choices": [choice]}
 
-    for chunk in handle.chunks():
-        yield event(chunk)
-    out = handle.result()
-    yield event("", out.meta["finish_reason"], _stop_reason(out.meta),
-                out.token_ids if want_ids else None)
+    outs = []
+    for d in samples.deltas():
+        if not d.end:
+            yield event(d.index, d.text)
+            continue
+        out = samples.output(d.index)  # raises its own error: before any event, a 400
+        outs.append(out)
+        yield event(d.index, "", out.meta["finish_reason"], _stop_reason(out.meta),
+                    out.token_ids if want_ids else None)
     if include_usage:
-        yield {**head, "choices": [], "usage": _Usage().add(out.meta).as_dict()}
+        yield {**head, "choices": [], "usage": _Usage().add_samples(samples, outs).as_dict()}
 
 
 def prompt_logprobs(rt, ids: list[int]) -> list:
@@ -160,10 +190,12 @@ class _Usage:
     def __init__(self):
         self.prompt = self.completion = self.cached = 0
 
-    def add(self, meta: dict) -> _Usage:
-        self.prompt += meta["prompt_tokens"]
-        self.completion += meta["completion_tokens"]
-        self.cached += meta.get("cached_tokens") or 0
+    def add_samples(self, samples: Samples, outputs: list) -> _Usage:
+        """One prompt, counted once (it was computed once), and every sample's output."""
+        prompt, cached = samples.prompt_usage()
+        self.prompt += prompt
+        self.cached += cached
+        self.completion += sum(out.meta["completion_tokens"] for out in outputs)
         return self
 
     def as_dict(self) -> dict:
@@ -175,6 +207,7 @@ class _Usage:
 # ---- /v1/chat/completions ------------------------------------------------------------------
 
 def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Stream:
+    served.check_model(body.model)
     # A chat answer gets room to finish (OpenAI's own default is the context's end).
     params = sampling(body, body.max_completion_tokens or body.max_tokens, 512)
     if body.logprobs:
@@ -190,15 +223,14 @@ def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Str
         params["json_schema"] = tools.schema()
     prompt = _chat_prompt(rt, body, template, tools)
     special = True if body.add_special_tokens is None else body.add_special_tokens
-    handle = served.submit(rt.tokenizer.encode(prompt, add_special_tokens=special), params,
-                           stream=body.stream)
+    samples = served.sample([rt.tokenizer.encode(prompt, add_special_tokens=special)], params,
+                            body.n, stream=body.stream)[0]
     head = {"id": f"chatcmpl-{body.request_id or uuid.uuid4().hex}",
             "created": int(time.time()), "model": served.model_name}
+    readers = [tool_calls.reader_for(tools, template) for _ in range(body.n)]  # one a choice
     if body.stream:
-        return Stream(_stream_chat(head, handle, _include_usage(body),
-                                   tool_calls.reader_for(tools, template)), [handle])
-    return Answer(lambda: _chat_answer(rt, head, handle, tool_calls.reader_for(tools, template)),
-                  [handle])
+        return Stream(_stream_chat(head, samples, _include_usage(body), readers), [samples])
+    return Answer(lambda: _chat_answer(rt, head, samples, readers), [samples])
 
 
 def _chat_prompt(rt, body: ChatCompletionRequest, template: ChatTemplate,
@@ -214,15 +246,20 @@ def _chat_prompt(rt, body: ChatCompletionRequest, template: ChatTemplate,
         raise BadRequest(f"messages: the model's chat template refused them: {e}") from e
 
 
-def _chat_answer(rt, head: dict, handle, reader: Reader) -> dict:
-    out = handle.result()
+def _chat_answer(rt, head: dict, samples: Samples, readers: list[Reader]) -> dict:
+    outs = samples.outputs()
+    return {**head, "object": "chat.completion",
+            "choices": [_chat_choice(rt, i, out, reader)
+                        for i, (out, reader) in enumerate(zip(outs, readers))],
+            "usage": _Usage().add_samples(samples, outs).as_dict()}
+
+
+def _chat_choice(rt, index: int, out, reader: Reader) -> dict:
     msg = tool_calls.message(tool_calls.read_all(reader, out.text))
-    return {**head, "object": "chat.completion", "choices": [{
-        "index": 0, "message": msg,
-        "finish_reason": tool_calls.finish_reason(out.meta["finish_reason"],
-                                                  "tool_calls" in msg),
-        "logprobs": _chat_logprobs(rt, out)}],
-        "usage": _Usage().add(out.meta).as_dict()}
+    return {"index": index, "message": msg,
+            "finish_reason": tool_calls.finish_reason(out.meta["finish_reason"],
+                                                      "tool_calls" in msg),
+            "logprobs": _chat_logprobs(rt, out)}
 
 
 def _chat_logprobs(rt, out) -> dict | None:
@@ -239,26 +276,38 @@ def _chat_logprobs(rt, out) -> dict | None:
                         for t, lp, alts in zip(out.token_ids, out.logprobs, tops)]}
 
 
-def _stream_chat(head: dict, handle, include_usage: bool, reader: Reader) -> Iterator[dict]:
+def _stream_chat(head: dict, samples: Samples, include_usage: bool, readers: list[Reader]
+                 ) -> Iterator[dict]:
+    """The n choices interleaved, each under its index: its role first, then its pieces,
+    then its finish_reason."""
     head = {**head, "object": "chat.completion.chunk"}
 
-    def event(delta: dict, finish=None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+    def event(index: int, delta: dict, finish=None) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
                                      "finish_reason": finish}]}
 
-    chunks = handle.chunks()
-    # The role goes with the first text, not before it: a request its own input fails
+    deltas = samples.deltas()
+    # The roles go with the first text, not before it: a request its own input fails
     # fails before any event, so the server answers a 400, not a 200 stream.
-    first = next(chunks, None)
-    # With tools the answer may be calls alone: its content stays null until text comes.
-    yield event({"role": "assistant",
-                 "content": "" if isinstance(reader, PlainReader) else None})
-    for chunk in itertools.chain([] if first is None else [first], chunks):
-        for piece in reader.feed(chunk):
-            yield event(tool_calls.delta(piece))
-    for piece in reader.finish():
-        yield event(tool_calls.delta(piece))
-    out = handle.result()
-    yield event({}, tool_calls.finish_reason(out.meta["finish_reason"], reader.calls > 0))
+    first = next(deltas)
+    if first.end:
+        samples.output(first.index)  # raises its error, if it failed
+    for i, reader in enumerate(readers):
+        # With tools the answer may be calls alone: its content stays null until text comes.
+        yield event(i, {"role": "assistant",
+                        "content": "" if isinstance(reader, PlainReader) else None})
+    outs = []
+    for d in itertools.chain([first], deltas):
+        reader = readers[d.index]
+        if not d.end:
+            for piece in reader.feed(d.text):
+                yield event(d.index, tool_calls.delta(piece))
+            continue
+        for piece in reader.finish():
+            yield event(d.index, tool_calls.delta(piece))
+        out = samples.output(d.index)
+        outs.append(out)
+        yield event(d.index, {}, tool_calls.finish_reason(out.meta["finish_reason"],
+                                                          reader.calls > 0))
     if include_usage:
-        yield {**head, "choices": [], "usage": _Usage().add(out.meta).as_dict()}
+        yield {**head, "choices": [], "usage": _Usage().add_samples(samples, outs).as_dict()}

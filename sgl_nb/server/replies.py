@@ -11,35 +11,68 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sgl_nb.runtime.engine import RequestHandle
+from sgl_nb.server.choices import Samples, begin_all
+from sgl_nb.server.errors import ModelNotFound
 from sgl_nb.server.metrics import RequestLog
+
+
+class Cancellable(Protocol):
+    """An engine request (RequestHandle), or several samples of one prompt (Samples)."""
+
+    def cancel(self) -> object: ...
 
 
 @dataclass
 class Answer:
     build: Callable[[], dict | list]
-    handles: list[RequestHandle] = field(default_factory=list)
+    handles: list[Cancellable] = field(default_factory=list)
 
 
 @dataclass
 class Stream:
     events: Iterator[dict]
-    handles: list[RequestHandle] = field(default_factory=list)
+    handles: list[Cancellable] = field(default_factory=list)
 
 
-def cancel_all(handles: list[RequestHandle]) -> None:
+def cancel_all(handles: list[Cancellable]) -> None:
     for h in handles:
         h.cancel()
 
 
-class Served:
-    """The runtime behind the routes, and the log of the requests they submit."""
+def default_model_names(runtime) -> list[str]:
+    """The model folder's path (what /v1/models reported before names could be chosen, and
+    what a client reading it finds the tokenizer by), and its base name (what people type,
+    and what traces call the model)."""
+    path = runtime.model_path
+    return list(dict.fromkeys([str(path), path.name]))
 
-    def __init__(self, runtime):
+
+class Served:
+    """The runtime behind the routes, the model names it answers to, and the log of the
+    requests they submit."""
+
+    def __init__(self, runtime, model_names: list[str] | None = None):
         self.runtime = runtime
-        self.model_name = str(runtime.model_path)
+        self.model_names = list(model_names or default_model_names(runtime))
+        self.model_name = self.model_names[0]  # what answers report
         self.log = RequestLog()
+
+    def check_model(self, model: str | None) -> None:
+        """No model (or an empty name) is this one, as in vLLM; another name is a 404."""
+        if model and model not in self.model_names:
+            raise ModelNotFound(f"The model `{model}` does not exist.")
+
+    def sample(self, prompts: list[list[int]], params: dict | list[dict], n: int,
+               stream: bool = False) -> list[Samples]:
+        """n samples of each prompt (params: for all, or one each), each prompt computed
+        once; all checked before any is submitted."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        groups = [Samples(self.runtime, self.log, ids, p, n, stream)
+                  for ids, p in zip(prompts, each, strict=True)]
+        return begin_all(groups)
 
     def submit_all(self, prompts: list[list[int]], params: list[dict],
                    stream: bool = False) -> list[RequestHandle]:

@@ -78,6 +78,21 @@ Stop = str | list[str]
 JsonSchema = dict[str, Any] | str
 
 
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings (JSON keys are strings)."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > INT32:
+            raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+        out[int(key)] = value
+    return out
+
+
+# {"token id": bias}: -100 bans the token, +100 forces it (OpenAI's documented range).
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                      AfterValidator(_token_id_keys)]
+
+
 def refuse_unsupported(checks: dict[str, bool]) -> None:
     """{what: asked}: the first feature asked for that this server does not offer."""
     from sgl_nb.server.errors import BadRequest

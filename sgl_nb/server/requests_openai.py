@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from sgl_nb.server.requests_common import (
     Count,
     JsonSchema,
+    LogitBias,
     MinP,
     Penalty,
     PositiveCount,
@@ -78,7 +79,7 @@ class Sampling(TopLevel):
     stream_options: StreamOptions | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions
@@ -111,7 +112,6 @@ class Sampling(TopLevel):
     def unsupported(self) -> dict[str, bool]:
         so = self.structured_outputs or StructuredOutputs()
         return {
-            "n > 1": self.n != 1, "logit_bias": bool(self.logit_bias),
             "use_beam_search": self.use_beam_search,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens=false": not self.skip_special_tokens,
@@ -150,8 +150,7 @@ class CompletionRequest(Sampling):
                          "list of those")
 
     def unsupported(self) -> dict[str, bool]:
-        return {"echo": self.echo, "best_of > 1": (self.best_of or 1) != 1,
-                "suffix": bool(self.suffix), **super().unsupported()}
+        return {"echo": self.echo, "suffix": bool(self.suffix), **super().unsupported()}
 
 
 def _is_text_or_ids(p: Any) -> bool:

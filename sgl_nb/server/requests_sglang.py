@@ -4,13 +4,14 @@ does not do (images, LoRA, sessions, disaggregation) are known and refused by na
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
 from sgl_nb.server.requests_common import (
     Count,
     JsonSchema,
+    LogitBias,
     MinP,
     Penalty,
     PositiveCount,
@@ -51,7 +52,7 @@ class SGLangSamplingParams(Strict):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     stream_interval: PositiveCount | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     custom_params: dict[str, Any] | None = None
 
     def engine_params(self) -> dict:
@@ -61,18 +62,16 @@ class SGLangSamplingParams(Strict):
                    "min_new_tokens": "min_tokens"}
         same = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                 "ignore_eos", "regex", "json_schema", "frequency_penalty", "presence_penalty",
-                "repetition_penalty")
+                "repetition_penalty", "logit_bias")
         for key, value in self.model_dump(exclude_none=True).items():
             if key in renamed or key in same:
                 out[renamed.get(key, key)] = value
         return out
 
     def unsupported(self) -> dict[str, bool]:
-        return {"sampling_params.n > 1": (self.n or 1) != 1,
-                "sampling_params.stop_regex": bool(self.stop_regex),
+        return {"sampling_params.stop_regex": bool(self.stop_regex),
                 "sampling_params.ebnf": self.ebnf is not None,
                 "sampling_params.structural_tag": self.structural_tag is not None,
-                "sampling_params.logit_bias": bool(self.logit_bias),
                 "sampling_params.custom_params": bool(self.custom_params),
                 "sampling_params.skip_special_tokens=false": self.skip_special_tokens is False,
                 "sampling_params.no_stop_trim": bool(self.no_stop_trim)}
@@ -83,7 +82,8 @@ class GenerateRequest(TopLevel):
     input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool = False
+    session_id: str | None = None  # sgl.Runtime.generate sends it (None)
+    return_logprob: bool | None = None
     logprob_start_len: int | None = Field(None, ge=-1, le=2**31 - 1)
     top_logprobs_num: TopLogprobs | None = None
     token_ids_logprob: list[TokenId] | None = None
@@ -137,6 +137,7 @@ class GenerateRequest(TopLevel):
                 "modalities": bool(self.modalities),
                 "lora_path": _given(self.lora_path), "lora_id": _given(self.lora_id),
                 "session_params": self.session_params is not None,
+                "session_id": self.session_id is not None,
                 "custom_logit_processor": _given(self.custom_logit_processor),
                 "token_ids_logprob": self.token_ids_logprob is not None,
                 "return_hidden_states": self.return_hidden_states,
@@ -150,3 +151,25 @@ def _given(value: Any) -> bool:
 
 class FlushCacheRequest(TopLevel):
     """SGLang's /flush_cache takes no parameters."""
+
+
+RequestId = Annotated[str, Field(min_length=1)]
+
+
+class ConcateAndAppendRequest(TopLevel):
+    """What SGLang's frontend sends for `forks.join("concate_and_append")`: the ids of the
+    fork branches (src_rids, in order) and of the program they join (dst_rid). They are ids
+    of the frontend's own program states, never sent with a /generate, so a server can check
+    their shape but not look them up."""
+
+    src_rids: list[RequestId] = Field(min_length=1)
+    dst_rid: RequestId
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ConcateAndAppendRequest:
+        if self.dst_rid in self.src_rids:
+            raise ValueError("dst_rid is also one of src_rids (a state cannot be appended to "
+                             "itself)")
+        if len(set(self.src_rids)) != len(self.src_rids):
+            raise ValueError("src_rids names a branch twice")
+        return self

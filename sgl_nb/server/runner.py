@@ -35,9 +35,10 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def make_server(runtime, quiet: bool, api_key: str | None, thread: bool) -> uvicorn.Server:
+def make_server(runtime, quiet: bool, api_key: str | None, thread: bool,
+                model_names: list[str] | None = None) -> uvicorn.Server:
     config = uvicorn.Config(
-        build_app(runtime, api_key), lifespan="off", access_log=not quiet,
+        build_app(runtime, api_key, model_names), lifespan="off", access_log=not quiet,
         log_level="warning" if quiet else "info", timeout_graceful_shutdown=GRACE_SECONDS,
         # From a thread, leave the host program's logging as it was configured.
         **({"log_config": None} if thread else {}))
@@ -47,11 +48,13 @@ def make_server(runtime, quiet: bool, api_key: str | None, thread: bool) -> uvic
 class ServerThread:
     """uvicorn serving `runtime` from a daemon thread; `.shutdown()` stops it."""
 
-    def __init__(self, runtime, host: str, port: int, quiet: bool, api_key: str | None):
+    def __init__(self, runtime, host: str, port: int, quiet: bool, api_key: str | None,
+                 model_names: list[str] | None = None):
         self.socket = bind(host, port)
         self.url = url_of(self.socket)
         self.socket.listen(2048)
-        self._server = make_server(runtime, quiet, api_key, thread=True)
+        self._server = make_server(runtime, quiet, api_key, thread=True,
+                                   model_names=model_names)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self.socket]},
                                         name="sgl-serve", daemon=True)
@@ -76,7 +79,9 @@ class ServerThread:
         self.socket.close()
 
 
-def serve_forever(runtime, sock: socket.socket, quiet: bool, api_key: str | None) -> None:
+def serve_forever(runtime, sock: socket.socket, quiet: bool, api_key: str | None,
+                  model_names: list[str] | None = None) -> None:
     """In the foreground until SIGINT or SIGTERM (uvicorn handles both, then re-raises)."""
     sock.listen(2048)
-    make_server(runtime, quiet, api_key, thread=False).run(sockets=[sock])
+    make_server(runtime, quiet, api_key, thread=False,
+                model_names=model_names).run(sockets=[sock])

@@ -21,12 +21,13 @@ EXIT_USAGE = 2  # argparse's code for a command line that cannot run
 
 
 def start_in_thread(runtime, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
-                    api_key: str | None = None):
+                    api_key: str | None = None, served_model_names: list[str] | None = None):
     """Serve `runtime` from a background thread (port 0: a free one). The result has
-    `.url` and `.shutdown()`."""
+    `.url` and `.shutdown()`. served_model_names: the names the OpenAI routes accept, the
+    first reported (default: the model folder's path and its base name)."""
     from sgl_nb.server.runner import ServerThread
 
-    return ServerThread(runtime, host, port, quiet, api_key)
+    return ServerThread(runtime, host, port, quiet, api_key, served_model_names)
 
 
 def is_loopback(host: str) -> bool:
@@ -57,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key (--allow-unauthenticated)",
               file=sys.stderr)
     from sgl_nb import Runtime
+    from sgl_nb.server.replies import default_model_names
     from sgl_nb.server.runner import bind, serve_forever, url_of
 
     sock = bind(args.host, args.port)  # a busy port fails before the model loads
@@ -64,13 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rt = Runtime(args.model, kv_pool_tokens=args.kv_pool_tokens)
     url = url_of(sock)
     print(f"loaded {rt.model_path} in {time.monotonic() - t0:.1f} s", flush=True)
+    names = args.served_model_name or default_model_names(rt)
+    print(f"model names: {', '.join(names)}", flush=True)
     print(f"serving on {url} (OpenAI: {url}/v1, SGLang: {url}/generate, metrics: "
           f"{url}/metrics{', API key required' if api_key else ''})", flush=True)
     # uvicorn re-raises SIGTERM after its own shutdown: make it an exit that still runs
     # the finally below (the engine thread stopped and joined).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        serve_forever(rt, sock, args.quiet, api_key)
+        serve_forever(rt, sock, args.quiet, api_key, names)
     except KeyboardInterrupt:
         pass
     finally:
