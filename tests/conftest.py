@@ -1,13 +1,48 @@
-"""Shared fixtures: the real default model, loaded once per session."""
+"""Shared fixtures: the real default model, loaded once per session.
+
+Waiting in a test (the suite runs on machines 3x slower than the 2-core one it is written
+on, with the CPU shared, and must pass there unchanged):
+- Wait for a STATE, never for a time: a kernel idle, a cell's prompt, a server answering,
+  a request finished or producing its k-th token, a file written, an event received. No
+  `sleep(0.3)  # a few steps in`: poll the state it stands for (support.waits.until, an
+  event queue, a handle's result, playwright's expect, a Textual pilot polling).
+- A limit on a wait only catches a hang: `support.waits.WAIT` (minutes) for anything that
+  takes seconds here, `limit(N)` for longer things (a server or a model starting), both
+  scaled by $SGL_NB_TEST_TIMEOUT_SCALE, as is pytest-timeout's per-test limit
+  (pyproject.toml; see pytest_configure below). Nested limits grow outwards: nbclient's
+  per-cell timeout above the waits inside the cell, the test's above them all.
+- No assertion that something happens within N seconds; speed is measured by
+  `sgl-nb bench ...` only. A negative check ("nothing decoded while held", "the body
+  stopped") first waits for a positive signal that the system has acted (the handle
+  finished, the thread joined, the count settled), then checks.
+- Where only a timer can start something (a signal sent while a call blocks), send it once
+  the state it needs holds (the request decoding, the main thread inside the call), not
+  after a fixed delay.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
 import torch
+from support.waits import limit
 
 from sgl_nb.runtime.model.model_loader import resolve_model_path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """pytest-timeout's per-test limit from pyproject.toml grows with
+    $SGL_NB_TEST_TIMEOUT_SCALE like every wait in the tests (unless --timeout or
+    PYTEST_TIMEOUT sets it); tryfirst: before pytest-timeout reads it."""
+    try:
+        given, ini = config.getoption("timeout"), config.getini("timeout")
+    except ValueError:  # pytest-timeout is not installed
+        return
+    if given is None and not os.environ.get("PYTEST_TIMEOUT") and ini:
+        config.option.timeout = limit(float(ini))
 
 
 @pytest.fixture
