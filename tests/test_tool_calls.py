@@ -297,7 +297,7 @@ def chunk(data: dict):
 def server(runtime):
     from sgl_nb.server.serve import start_in_thread
 
-    srv = start_in_thread(runtime)
+    srv = start_in_thread(runtime, served_model_names=["m"])  # the name these tests send
     yield srv
     srv.shutdown()
 
@@ -585,7 +585,7 @@ def family(request, tmp_path_factory, model_path):
     tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
     rt = Runtime(folder, kv_pool_tokens=4096)
-    srv = start_in_thread(rt)
+    srv = start_in_thread(rt, served_model_names=["m"])
     yield request.param, rt, srv, regex, content
     srv.shutdown()
     rt.shutdown()
