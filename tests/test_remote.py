@@ -315,7 +315,7 @@ def test_an_interrupt_while_waiting_cancels_the_remote_request(server, runtime, 
 
 
 def test_cancel_before_the_request_is_sent(server, runtime):
-    ep = sgl.RuntimeEndpoint(server.url, model="m")
+    ep = sgl.RuntimeEndpoint(server.url, model=runtime.model_path.name)
     h = ep.submit("Once upon a time", stream=True, **LONG)
     h.cancel()
     assert h.result(timeout=30).meta["finish_reason"] == "abort"
