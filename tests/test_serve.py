@@ -29,6 +29,12 @@ def server(runtime):
 
 
 @pytest.fixture(scope="module")
+def model(runtime) -> str:
+    """A name the server answers to (by default, the model folder's base name)."""
+    return runtime.model_path.name
+
+
+@pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
 
@@ -43,12 +49,13 @@ def post(url: str, body: dict):
 
 
 def test_models_lists_the_model(client, runtime):
+    """By default the model folder's path (reported) and its base name."""
     ids = [m.id for m in client.models.list().data]
-    assert ids == [str(runtime.model_path)]
+    assert ids == [str(runtime.model_path), runtime.model_path.name]
 
 
-def test_completion_equals_the_engine(client, runtime):
-    out = client.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=0)
+def test_completion_equals_the_engine(client, runtime, model):
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     want = runtime.generate(PROMPT, max_tokens=12)
     assert out.choices[0].text == want.text
     assert out.choices[0].finish_reason == "length"
@@ -56,8 +63,8 @@ def test_completion_equals_the_engine(client, runtime):
     assert out.usage.completion_tokens == 12
 
 
-def test_completion_stream_joins_to_the_same_text(client, runtime):
-    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=12,
+def test_completion_stream_joins_to_the_same_text(client, runtime, model):
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -66,37 +73,40 @@ def test_completion_stream_joins_to_the_same_text(client, runtime):
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_chat_uses_the_chat_template(client, runtime):
+def test_chat_uses_the_chat_template(client, runtime, model):
     messages = [{"role": "user", "content": "Name one fruit."}]
-    out = client.chat.completions.create(model="any", messages=messages, max_tokens=10,
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
                                          temperature=0)
     want = runtime.generate(runtime.apply_chat_template(messages), max_tokens=10)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == want.text
-    stream = client.chat.completions.create(model="any", messages=messages, max_tokens=10,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
                                             temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == want.text
 
 
-def test_stop_and_regex(client):
-    out = client.completions.create(model="any", prompt="Count: 1, 2, 3,", max_tokens=20,
+def test_stop_and_regex(client, model):
+    out = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=20,
                                     temperature=0, stop=[","])
     assert "," not in out.choices[0].text and out.choices[0].finish_reason == "stop"
-    out = client.completions.create(model="any", prompt="A year: ", max_tokens=8,
+    out = client.completions.create(model=model, prompt="A year: ", max_tokens=8,
                                     temperature=0,
                                     extra_body={"structured_outputs": {"regex": "[12][0-9]{3}"}})
     assert re.fullmatch("[12][0-9]{3}", out.choices[0].text)
 
 
-def test_bad_requests_are_400_naming_the_problem(client):
+def test_bad_requests_are_400_naming_the_problem(client, model):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model="any", prompt="x", max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model="any", prompt="x", max_tokens=4, n=2)
+        client.completions.create(model=model, prompt="x", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match=r"best_of \(1\) must be at least n"):
+        client.completions.create(model=model, prompt="x", max_tokens=4, n=2,
+                                  best_of=1)
+    with pytest.raises(openai.NotFoundError, match="The model `any` does not exist"):
+        client.completions.create(model="any", prompt="x", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="messages"):
-        client.chat.completions.create(model="any", messages=[], max_tokens=4)
+        client.chat.completions.create(model=model, messages=[], max_tokens=4)
 
 
 def test_sglang_generate_shapes(server, runtime):

@@ -64,6 +64,8 @@ ascii_junk = st.recursive(  # for grammars (see regexes)
 sizes = st.one_of(st.integers(1, 3), st.integers(max_value=0), st.integers(min_value=2**31),
                   st.floats(allow_nan=True), st.booleans(), texts, st.lists(scalars, max_size=2))
 token_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
+# OpenAI's logit_bias: token ids as strings (some outside the vocabulary), -100 to 100.
+biases = st.dictionaries(st.integers(0, VOCAB + 10).map(str), st.floats(-100, 100), max_size=3)
 # Random regexes, any character: one no token sequence can spell (U+526CB with this
 # vocabulary) fails its request alone (see the test at the end).
 regexes = st.one_of(st.sampled_from(["[0-9]{1,2}", "(yes|no)", "a+", "[", "(", "\\", ".*",
@@ -112,7 +114,8 @@ def sampling(v, extra) -> dict:
         "repetition_penalty": v(st.floats(0.5, 2)), "min_tokens": v(st.integers(0, 1)),
         "stream": v(st.booleans()),
         "stream_options": v(st.fixed_dictionaries({"include_usage": st.booleans()})),
-        "n": v(st.integers(1, 2), st.just(1)), "user": v(texts), "logit_bias": v(st.just({})),
+        "n": v(st.integers(1, 2), st.just(1)), "user": v(texts), "logit_bias": v(biases),
+        "model": v(texts, st.none()),
         "response_format": v(st.one_of(
             st.just({"type": "text"}), st.just({"type": "json_object"}),
             schemas.map(lambda s: {"type": "json_schema",
@@ -128,7 +131,7 @@ def completion(v, extra) -> st.SearchStrategy:
     prompt = st.one_of(texts, token_ids, st.lists(st.one_of(texts, token_ids), max_size=3))
     return body({"prompt": v(prompt), "max_tokens": v(sizes, small)},
                 {**sampling(v, extra), "logprobs": v(st.integers(0, 3)),
-                 "prompt_logprobs": v(st.integers(0, 2)),
+                 "prompt_logprobs": v(st.integers(0, 2)), "best_of": v(st.integers(1, 3)),
                  "echo": v(st.booleans(), st.just(False)), "suffix": v(texts, st.none())})
 
 
@@ -153,6 +156,7 @@ def generate(v, extra) -> st.SearchStrategy:
         "top_k": v(st.integers(-1, 50)), "stop": v(st.lists(texts, max_size=2)),
         "ignore_eos": v(st.booleans()), "regex": v(regexes),
         "json_schema": v(schemas.map(json.dumps)), "n": v(st.integers(1, 2), st.just(1)),
+        "logit_bias": v(biases),
         "min_new_tokens": v(st.integers(0, 1)), "sampling_seed": v(st.integers()),
         "_extra": extra})
     logprobs = {"return_logprob": v(st.booleans()), "logprob_start_len": v(st.integers(-1, 6)),

@@ -88,18 +88,29 @@ def test_malformed_bodies_are_named(http, path, raw, needle):
      ["unknown field 'sampling_params.max_tokens'"]),
     ("/generate", {"prompt": "x"}, ["unknown field 'prompt'"]),
     # known, but not offered here: named as before
-    ("/v1/completions", {"n": 2}, ["n > 1 is not supported"]),
     ("/v1/completions", {"echo": True}, ["echo is not supported"]),
-    ("/v1/completions", {"best_of": 3}, ["best_of > 1"]),
     ("/v1/completions", {"suffix": "end"}, ["suffix is not supported"]),
-    ("/v1/completions", {"logit_bias": {"42": 5}}, ["logit_bias is not supported"]),
+    # n, best_of and logit_bias are served (tests/test_openai_clients.py); their bad values
+    ("/v1/completions", {"n": 3, "best_of": 2}, ["best_of (2) must be at least n (3)"]),
+    ("/v1/completions", {"best_of": 3, "stream": True}, ["best_of > n cannot be streamed"]),
+    ("/v1/completions", {"n": 0}, ["n: Input should be greater than or equal to 1"]),
+    ("/v1/completions", {"logit_bias": {"a42": 5}}, ["logit_bias: keys must be token ids"]),
+    ("/v1/completions", {"logit_bias": {"-1": 5}}, ["logit_bias: keys must be token ids"]),
+    ("/v1/completions", {"logit_bias": {"42": 101}}, ["logit_bias[42]: Input should be less"]),
+    ("/v1/chat/completions", {"logit_bias": {"42": -100.5}},
+     ["logit_bias[42]: Input should be greater"]),
+    ("/v1/completions", {"logit_bias": {"49152": 1}},
+     ["logit_bias: token ids [49152] are outside the model's vocabulary [0, 49152)"]),
+    ("/generate", {"sampling_params": {"logit_bias": {"49152": 1}}},
+     ["logit_bias: token ids [49152] are outside"]),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]},
+     ["sampling_params.n must be the same for every prompt"]),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]},
      ["functions (the legacy API; use tools) is not supported"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      ["only text message parts"]),
     ("/generate", {"image_data": "http://x/y.png"}, ["image_data is not supported"]),
-    ("/generate", {"sampling_params": {"n": 3}}, ["sampling_params.n > 1"]),
     ("/generate", {"stream": True, "text": ["a", "b"]}, ["stream=True takes one prompt"]),
     # the engine's own checks
     ("/v1/completions", {"prompt": [10**6]}, ["prompt token ids must be integers in"]),
@@ -151,8 +162,9 @@ def test_what_the_official_openai_client_sends_is_accepted(server, runtime):
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     want = runtime.generate("Hello", max_tokens=3).text
+    model = runtime.model_path.name
     out = client.completions.create(
-        model="m", prompt="Hello", max_tokens=3, temperature=0, top_p=1, n=1, stream=False,
+        model=model, prompt="Hello", max_tokens=3, temperature=0, top_p=1, n=1, stream=False,
         logprobs=None, echo=False, stop=None, presence_penalty=0, frequency_penalty=0,
         best_of=1, logit_bias={}, user="someone", seed=7, suffix=None,
         extra_body={"top_k": -1, "min_p": 0.0, "ignore_eos": False, "min_tokens": 0,
@@ -164,7 +176,7 @@ def test_what_the_official_openai_client_sends_is_accepted(server, runtime):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"}]
     chat = client.chat.completions.create(
-        model="m", messages=messages, max_completion_tokens=3, temperature=0, top_p=1, n=1,
+        model=model, messages=messages, max_completion_tokens=3, temperature=0, top_p=1, n=1,
         presence_penalty=0, frequency_penalty=0, logit_bias={}, logprobs=True, top_logprobs=2,
         user="someone", seed=1, stop=["\n\n"], response_format={"type": "text"},
         tool_choice="none", parallel_tool_calls=False, metadata={"k": "v"}, store=False,
@@ -176,7 +188,7 @@ def test_what_the_official_openai_client_sends_is_accepted(server, runtime):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
-    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=3,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -78,19 +85,21 @@ Stop = str | list[str]
 JsonSchema = dict[str, Any] | str
 
 
-def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+def _token_id_keys(bias: Any) -> Any:
     """OpenAI's logit_bias keys are token ids written as strings (JSON keys are strings)."""
+    if not isinstance(bias, dict):
+        return bias  # the type check below names it
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or int(key) > INT32:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or int(key) > INT32:
             raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
         out[int(key)] = value
     return out
 
 
 # {"token id": bias}: -100 bans the token, +100 forces it (OpenAI's documented range).
-LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
-                      AfterValidator(_token_id_keys)]
+LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                      BeforeValidator(_token_id_keys)]
 
 
 def refuse_unsupported(checks: dict[str, bool]) -> None:
