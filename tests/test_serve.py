@@ -149,7 +149,8 @@ def test_model_info(server, runtime):
 def test_the_serve_command_starts_and_stops(model_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "sgl_nb.cli", "serve", "--port", "0", "--quiet",
-         "--model", str(model_path), "--kv-pool-tokens", "2048"],
+         "--model", str(model_path), "--kv-pool-tokens", "2048",
+         "--served-model-name", "smol", "smol-alias"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -160,8 +161,11 @@ def test_the_serve_command_starts_and_stops(model_path):
                 break
         assert url, "sgl-nb serve did not report its address"
         res = json.loads(post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4,
-                                                         "temperature": 0}))
-        assert res["usage"]["completion_tokens"] == 4
+                                                         "temperature": 0,
+                                                         "model": "smol-alias"}))
+        assert res["usage"]["completion_tokens"] == 4 and res["model"] == "smol"
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["smol", "smol-alias"]
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
