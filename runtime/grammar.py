@@ -34,7 +34,9 @@ _NAMES = {"propertyNames": {"maxLength": MAX_KEY_CHARS},
 # What a json_object mode asks for (OpenAI's response_format, vLLM's structured_outputs):
 # any JSON object, nested as deep as it likes, its property names bounded as above. A
 # schema a user gives is compiled as it is: its own maxLength / maxItems / maxProperties
-# are what bound its strings and lists.
+# are what bound its strings and lists. A regex is compiled as written, so what it leaves
+# unbounded (`.*`, `[ \n]*`, `[0-9]+`) may run to max_tokens: bound it in the regex
+# (`[ ]{0,4}`).
 JSON_OBJECT_SCHEMA = {"type": "object", **_NAMES, "$defs": {"value": _any_value(_NAMES)}}
 
 

@@ -129,6 +129,8 @@ def _completion_answer(rt, head: dict, groups: list[Samples], body: CompletionRe
         usage.add_samples(group, outs)
         if len(outs) > body.n:
             outs = best_by_logprob(outs, body.n)
+        prompt_lps = (None if body.prompt_logprobs is None
+                      else prompt_logprobs(rt, group.prompt))  # one prompt: the same for all
         for j, out in enumerate(outs):
             choice = {"index": i * body.n + j, "text": out.text,
                       "finish_reason": out.meta["finish_reason"],
@@ -137,8 +139,8 @@ def _completion_answer(rt, head: dict, groups: list[Samples], body: CompletionRe
             if body.return_token_ids:
                 choice["token_ids"] = out.token_ids
                 choice["prompt_token_ids"] = group.prompt
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs(rt, group.prompt)
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_lps
             choices.append(choice)
     return {**head, "choices": choices, "usage": usage.as_dict()}
 
