@@ -12,6 +12,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -85,6 +86,16 @@ def test_the_surface_is_sglang_0_5_23s_as_its_sources_define_it():
     if version.is_file():
         assert "'0.5.23'" in version.read_text(encoding="utf-8"), "not SGLang 0.5.23"
     assert sglang_surface(pkg) == SGLANG_0_5_23
+
+
+def test_dtype_patterns_are_sglangs():
+    import ast
+
+    ir = ast.parse((require_sglang() / "lang" / "ir.py").read_text(encoding="utf-8"))
+    theirs = {t.id: ast.literal_eval(n.value) for n in ir.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and t.id.startswith("REGEX_")}
+    assert theirs == {name: getattr(sgl, name) for name in theirs}
+    assert set(theirs) == {"REGEX_INT", "REGEX_FLOAT", "REGEX_BOOL", "REGEX_STR"}
 
 
 def test_sgl_nb_exports_that_sglang_has_are_in_the_table():
@@ -484,6 +495,16 @@ def test_gen_dtype_by_name_and_the_default_choices_method(default_backend):
     assert st.error() is None and isinstance(st["days"], int) and st["wet"] in ("yes", "no")
     assert "normalized_prompt_logprobs" in st.get_meta_info("wet")
 
+    @sgl.function
+    def counted(s):  # a number ends at a newline, as SGLang's runtime stops it
+        s += "Count: 1\n2\n3\n" + sgl.gen_int("next", max_tokens=8)
+        s += "\nPrices: 2.5\n3.5\n" + sgl.gen("price", dtype=float, max_tokens=8)
+
+    st = counted.run()
+    assert (st["next"], st["price"]) == (4, 4.5)
+    assert st.get_meta_info("next")["matched_stop"] == "\n"
+    assert st.text().endswith("3\n4\nPrices: 2.5\n3.5\n4.5")
+
 
 @slow
 def test_global_config_switches(default_backend, capsys):
@@ -534,7 +555,8 @@ def test_token_info_tells_a_branchs_own_variables_from_inherited_ones(default_ba
         forks.join()
 
     st = prog.run()
-    assert st.token_info("animal", 0).var == "animal"  # the parent's own, not a branch's
+    (own,) = [n.id for n in st.nodes if n.program == st.id and n.name == "animal"]
+    assert st.token_info("animal", 0).node == own  # the parent's own, not a branch's
     assert st.token_info("sound", 0, branch=1).branch == 1
     with pytest.raises(KeyError, match="animal"):  # branches inherited it; none bound it
         st.token_info("animal", 0, branch=0)
@@ -566,9 +588,8 @@ def test_rerun_and_diff_of_branches_that_read_inherited_variables(default_backen
 
 # ---- SGLang's own test programs, in-kernel ------------------------------------------------
 
-# SGLang's test/test_programs.py, each run as SGLang's backend tests call it. A test whose
-# assert a 135M model cannot meet is listed with why: it must end in that AssertionError
-# (anything else, an error of sgl-nb's surface, fails), and passing makes the list stale.
+# SGLang's test/test_programs.py, each run as SGLang's backend tests call it
+# (test_select with check_answer=False). test_image_qa is left out: sgl.image is refused.
 SGLANG_PROGRAMS = {
     "test_few_shot_qa": {}, "test_mt_bench": {}, "test_select": {"check_answer": False},
     "test_decode_int": {}, "test_decode_json_regex": {}, "test_decode_json": {},
@@ -578,9 +599,17 @@ SGLANG_PROGRAMS = {
     "test_completion_speculative": {}, "test_chat_completion_speculative": {},
     "test_gen_min_new_tokens": {},
 }
+# Asserts written for big models that SmolLM2-135M does not meet (some sample at
+# temperature 0.1, so they may pass by chance): such a test may end in that assert (its
+# line holds the text given here) and in no other error.
 CONTENT_FAILURES = {
-    # in-kernel, num_api_spec_tokens is a no-op (the radix cache serves the prefix), so
-    # the prompt tokens with and without it are equal, not fewer
+    "test_few_shot_qa": '"washington" in',  # it answers " New York"
+    "test_decode_int": "== 24",  # after "24" it picks more digits over the newline
+    "test_expert_answer": '"paris" in',  # "... would answer that 1000 is the capital"
+    "test_react": '"finland" in',  # its Finish [...] names neither country
+    "test_parallel_encoding": '"Noah" in',  # the father it names is not Noah
+    # In-kernel, num_api_spec_tokens is a no-op (the radix cache serves the prefix): the
+    # prompt tokens with and without it are equal, not fewer.
     "test_completion_speculative": "usage_with_spec < usage_with_no_spec",
 }
 
@@ -629,8 +658,10 @@ def sglang_test_programs(default_backend):
 @pytest.mark.parametrize("name", sorted(SGLANG_PROGRAMS))
 def test_sglang_test_program_runs_in_kernel(sglang_test_programs, name):
     test = getattr(sglang_test_programs, name)
-    if name in CONTENT_FAILURES:
-        with pytest.raises(AssertionError):
-            test(**SGLANG_PROGRAMS[name])
-        return
-    test(**SGLANG_PROGRAMS[name])
+    try:
+        test(**SGLANG_PROGRAMS[name])
+    except AssertionError as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        if name not in CONTENT_FAILURES or not where.filename.endswith("test_programs.py") \
+                or CONTENT_FAILURES[name] not in (where.line or ""):
+            raise

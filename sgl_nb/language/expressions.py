@@ -8,12 +8,17 @@ from dataclasses import dataclass, field, replace
 
 from sgl_nb.language.reasoning import check_model_type
 
-REGEX_INT = r"-?\d+"
-REGEX_FLOAT = r"-?\d+(\.\d+)?([eE][-+]?\d+)?"
+# SGLang's frontend's patterns. A number may end in spaces or newlines: with the stop
+# strings below, the first one ends it (a pattern without them leaves the model no way out
+# but more digits).
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
-REGEX_STR = r"\"[\w\d\s]*\""  # a quoted string, as SGLang's frontend defines it
+REGEX_STR = r"\"[\w\d\s]*\""  # a quoted string
 
 DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
+# A dtype=int / float gen also stops at a space or a newline (as SGLang's runtime adds).
+DTYPE_STOPS = {int: [" ", "\n"], float: [" ", "\n"]}
 
 # select's scoring methods; `choices_method=sgl.greedy_token_selection` names one, as in SGLang.
 token_length_normalized = "token_length_normalized"
@@ -114,6 +119,10 @@ class Gen(Concatenable):
         regex = self.regex if self.regex is not None else DTYPE_REGEX.get(self.dtype)
         if regex is not None:
             out["regex"] = regex
+        if self.dtype in DTYPE_STOPS:
+            stop = out.get("stop") or []
+            stop = [stop] if isinstance(stop, str) else list(stop)
+            out["stop"] = stop + [x for x in DTYPE_STOPS[self.dtype] if x not in stop]
         elif self.json_schema is not None:
             out["json_schema"] = self.json_schema
         return out
