@@ -562,17 +562,25 @@ def test_token_info_tells_a_branchs_own_variables_from_inherited_ones(default_ba
         st.token_info("animal", 0, branch=0)
 
 
-@slow
-def test_rerun_and_diff_of_branches_that_read_inherited_variables(default_backend):
-    @sgl.function
-    def plan(s):
-        s += "Topic:" + sgl.gen("topic", max_tokens=4, stop="\n")
-        forks = s.fork(2)
-        for i, f in enumerate(forks):
-            f += f"\nIdea {i} about{f['topic']}:" + sgl.gen("idea", max_tokens=4, stop="\n")
-        forks.join()
+@sgl.function
+def plan(s):  # at module level: a re-run from its trace imports it
+    s += "Topic:" + sgl.gen("topic", max_tokens=4, stop="\n")
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f"\nIdea {i} about{f['topic']}:" + sgl.gen("idea", max_tokens=4, stop="\n")
+    forks.join()
 
-    a = plan.run()
+
+@slow
+def test_rerun_and_diff_of_branches_that_read_inherited_variables(default_backend, tmp_path):
+    from sgl_nb import tracing
+
+    path = tmp_path / "plan.jsonl"
+    sgl.enable_tracing(file=path)
+    try:
+        a = plan.run()
+    finally:
+        sgl.disable_tracing()
     assert a.error() is None and len(a["idea"]) == 2
     b = a.rerun(at="topic", value=" cats")
     assert b.error() is None and b["topic"] == " cats" and len(b["idea"]) == 2
@@ -584,6 +592,8 @@ def test_rerun_and_diff_of_branches_that_read_inherited_variables(default_backen
     c = a.rerun(at=ideas[1], value=" X")
     assert c["idea"] == [a["idea"][0], " X"] and c["topic"] == a["topic"]
     assert c.rerun_report.replayed >= 2 and sgl.diff(a, c).first.branch == ((0, 1),)
+    from_trace = tracing.load(path).rerun(at="topic", value=" cats")
+    assert from_trace.text() == b.text() and from_trace["idea"] == b["idea"]
 
 
 # ---- SGLang's own test programs, in-kernel ------------------------------------------------
