@@ -288,7 +288,11 @@ def _pause_a_long_run(page, cell, expect) -> None:
     while _generated(cell) < 20:
         assert time.monotonic() < deadline, "the long program never streamed"
         page.wait_for_timeout(200)
-    cell.get_by_role("button", name="Pause").click()
+    # The click event itself, not a mouse click at the button's place: the text streaming
+    # above it moves the button down a line now and then, and a mouse click whose press
+    # and release straddle such a move clicks nothing (seen on a busy machine: the program
+    # ran to its end unpaused).
+    cell.get_by_role("button", name="Pause").dispatch_event("click")
     expect(cell.get_by_text(re.compile("held at a (decode|node)")).first).to_be_visible(
         timeout=TIMEOUT_MS)
     held = _settled(page, cell)

@@ -6,26 +6,20 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import threading
-import time
 
 import pytest
+from support.waits import WAIT, until
 
 import sgl_nb as sgl
+from sgl_nb.language.state import ProgramState
+from sgl_nb.runtime.engine import RequestHandle
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend", "python_sigint")]
 
 PROMPT = "Once upon a time, in a faraway land,"
 LONG = 2000  # tokens a cancelled request would otherwise run for
-
-
-def until(cond, what: str, timeout: float = 60.0) -> None:
-    """A guard against hanging, not a speed check."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never saw: {what}")
-        time.sleep(0.01)
 
 
 def idle(rt) -> bool:
@@ -37,12 +31,33 @@ def locked_tokens(rt) -> int:
     return rt.cache_stats()["protected_tokens"]
 
 
-def interrupt_main_after(seconds: float) -> threading.Timer:
-    """A real SIGINT to the main thread, as Ctrl-C or a Jupyter interrupt delivers it."""
-    main = threading.main_thread().ident
-    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
-    return timer
+def decoding(runtime):
+    """A condition: the engine has generated a token since this call."""
+    before = runtime.metrics()["generated_tokens"]
+    return lambda: runtime.metrics()["generated_tokens"] > before
+
+
+def interrupt_main_inside(call, ready) -> threading.Event:
+    """A real SIGINT to the main thread, as Ctrl-C or a Jupyter interrupt delivers it, once
+    the main thread blocks in `call` and ready() holds: on any machine it lands in the
+    call, mid-decode (not after a delay in which a slow machine may not have reached the
+    call or the first token). Set the returned Event to call it off."""
+    main, code = threading.main_thread().ident, getattr(call, "__func__", call).__code__
+    off = threading.Event()
+
+    def inside() -> bool:
+        f = sys._current_frames().get(main)
+        while f is not None and f.f_code is not code:
+            f = f.f_back
+        return f is not None
+
+    def send() -> None:
+        until(lambda: off.is_set() or (ready() and inside()), "decoding in the call")
+        if not off.is_set():
+            signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=send, daemon=True).start()
+    return off
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -57,14 +72,14 @@ def test_handle_cancel_keeps_the_tokens_and_frees_the_kv(runtime):
     next(chunks)
     until(lambda: len(h.req.output_ids) >= 8, "a few tokens")
     assert h.cancel()
-    out = h.result(timeout=30)
+    out = h.result(timeout=WAIT)
     assert out.meta["finish_reason"] == "abort"
     n = len(out.token_ids)
     assert 8 <= n < LONG
     # What it produced is kept: the greedy tokens so far and their exact text.
     assert out.token_ids[:24] == want.token_ids[: min(n, 24)]
     assert out.text == runtime.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    until(lambda: idle(runtime), "the request leaving the engine", 5)
+    until(lambda: idle(runtime), "the request leaving the engine")
     assert locked_tokens(runtime) == 0
     assert runtime.metrics()["aborted"] == aborted + 1
     assert not h.cancel()  # already finished
@@ -79,8 +94,8 @@ def test_abort_by_request_id_leaves_other_requests_alone(runtime):
     other = runtime.submit("The capital of France is", max_tokens=32, ignore_eos=True)
     until(lambda: len(victim.req.output_ids) >= 4, "the victim decoding")
     assert runtime.abort(victim.req.rid)
-    assert victim.result(timeout=30).meta["finish_reason"] == "abort"
-    out = other.result(timeout=120)
+    assert victim.result(timeout=WAIT).meta["finish_reason"] == "abort"
+    out = other.result(timeout=WAIT)
     assert out.token_ids == other_alone.token_ids and out.meta["finish_reason"] == "length"
 
 
@@ -90,7 +105,7 @@ def test_breaking_out_of_a_stream_aborts_it(runtime):
         if i == 3:
             break
     stream.close()  # what a for loop's end does when the generator is collected
-    until(lambda: idle(runtime), "the request leaving the engine", 5)
+    until(lambda: idle(runtime), "the request leaving the engine")
 
 
 def test_dropping_a_stream_aborts_it(runtime):
@@ -98,34 +113,35 @@ def test_dropping_a_stream_aborts_it(runtime):
     next(stream)
     del stream
     gc.collect()
-    until(lambda: idle(runtime), "the request leaving the engine", 5)
+    until(lambda: idle(runtime), "the request leaving the engine")
     assert locked_tokens(runtime) == 0
 
 
 def test_interrupt_while_generate_waits_aborts_and_reraises(runtime):
     until(lambda: idle(runtime), "an idle engine")
-    timer = interrupt_main_after(1.0)
+    off = interrupt_main_inside(runtime.generate, decoding(runtime))
     try:
         with pytest.raises(KeyboardInterrupt):
             runtime.generate(PROMPT, max_tokens=LONG, ignore_eos=True)
     finally:
-        timer.cancel()
-    until(lambda: idle(runtime), "the request leaving the engine", 5)
+        off.set()
+    until(lambda: idle(runtime), "the request leaving the engine")
     assert locked_tokens(runtime) == 0
 
 
 def test_interrupt_while_streaming_aborts(runtime):
-    timer = interrupt_main_after(1.0)
     got = []
+    # Inside the stream's next(), once a chunk has come out of it.
+    off = interrupt_main_inside(RequestHandle.chunks, lambda: len(got) > 0)
     try:
         with pytest.raises(KeyboardInterrupt):
             for chunk in runtime.generate(PROMPT, max_tokens=LONG, ignore_eos=True,
                                           stream=True):
                 got.append(chunk)
     finally:
-        timer.cancel()
+        off.set()
     assert got
-    until(lambda: idle(runtime), "the request leaving the engine", 5)
+    until(lambda: idle(runtime), "the request leaving the engine")
 
 
 # ---- programs ---------------------------------------------------------------------------
@@ -164,7 +180,7 @@ def test_state_cancel_keeps_text_and_variables(runtime):
     other = short.run_async()
     until(lambda: len(state._text) > 60, "the tale generating")
     assert state.cancel()
-    assert state.wait(timeout=30) is state
+    assert state.wait(timeout=WAIT) is state
     err = state.error()
     assert isinstance(err, sgl.ProgramCancelled)
     kinds = [(n.kind, n.name, n.status) for n in state.nodes]
@@ -178,7 +194,7 @@ def test_state_cancel_keeps_text_and_variables(runtime):
         state["moral"]
     assert not state.cancel()  # already ended
     assert other.result().text() == alone  # the program beside it gave what it gives alone
-    until(lambda: idle(runtime), "nothing left running", 5)
+    until(lambda: idle(runtime), "nothing left running")
     assert locked_tokens(runtime) == 0
 
 
@@ -188,7 +204,7 @@ def test_future_cancel_and_events_say_cancelled(runtime):
         fut = story.run_async(topic="a fox")
         until(lambda: len(fut.state._text) > 40, "the tale generating")
         assert fut.cancel() and fut.cancelled()
-        state = fut.result(timeout=30)
+        state = fut.result(timeout=WAIT)
         pid = state.id
         events = []
         until(lambda: events.extend(_drain(q)) or any(
@@ -217,38 +233,44 @@ def test_cancel_reaches_fork_branches(runtime):
     until(lambda: len(state._children) == 2 and all(
         len(c._text) > len(state._text) + 12 for c in state._children), "both branches")
     state.cancel()
-    state.wait(timeout=30)
+    state.wait(timeout=WAIT)
     assert all(isinstance(c.error(), sgl.ProgramCancelled) for c in state._children)
     ideas = state["idea"]  # both branches' partial ideas, gathered
     assert len(ideas) == 2 and all(ideas)
     join = next(n for n in state.nodes if n.kind == "Join")
     assert join.status == "cancelled"
     assert not any(n.name == "best" and n.status == "done" for n in state.nodes)
-    until(lambda: idle(runtime), "nothing left running", 5)
+    until(lambda: idle(runtime), "nothing left running")
 
 
 def test_the_programs_python_stops_at_its_next_line(runtime):
-    reached = []
+    reached, ended = [], threading.Event()
 
     @sgl.function
     def loop(s):
-        for i in range(1000):
-            s += f"\nStep {i}:" + sgl.gen(f"s{i}", max_tokens=4, ignore_eos=True)
-            s[f"s{i}"]  # reads wait for the value: the Python follows the model
-            reached.append(i)
+        try:
+            for i in range(1000):
+                s += f"\nStep {i}:" + sgl.gen(f"s{i}", max_tokens=4, ignore_eos=True)
+                s[f"s{i}"]  # reads wait for the value: the Python follows the model
+                reached.append(i)
+        finally:
+            ended.set()
 
     state = loop.run(stream=True)
     until(lambda: len(reached) >= 2, "a few steps")
+    before = len(reached)
     state.cancel()
-    state.wait(timeout=30)
-    n = len(reached)
-    time.sleep(0.3)
-    assert len(reached) == n < 1000  # the body raised ProgramCancelled and ended
+    state.wait(timeout=WAIT)
+    assert ended.wait(WAIT), "the body never ended"
+    # It raised ProgramCancelled at its next read (one read may have returned just before).
+    assert before <= len(reached) <= before + 1
 
 
 @pytest.mark.parametrize("how", ["wait", "getitem", "text_iter", "run"])
 def test_interrupt_while_waiting_cancels_the_program(runtime, how):
-    timer = interrupt_main_after(1.0)
+    call = {"run": story.run, "wait": ProgramState.wait, "getitem": ProgramState.__getitem__,
+            "text_iter": ProgramState.text_iter}[how]
+    off = interrupt_main_inside(call, decoding(runtime))
     state = None
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -264,9 +286,9 @@ def test_interrupt_while_waiting_cancels_the_program(runtime, how):
                     for _ in state.text_iter():
                         pass
     finally:
-        timer.cancel()
-    until(lambda: idle(runtime), "the program's requests leaving the engine", 5)
+        off.set()
+    until(lambda: idle(runtime), "the program's requests leaving the engine")
     if state is not None:
-        state.wait(timeout=30)
+        state.wait(timeout=WAIT)
         assert isinstance(state.error(), sgl.ProgramCancelled)
         assert state["tale"]  # what it produced before the interrupt is kept
