@@ -5,11 +5,10 @@ blocking read, fork branches), and that nothing produced is lost and nothing els
 from __future__ import annotations
 
 import gc
-import signal
-import sys
 import threading
 
 import pytest
+from support.interrupts import interrupt_main_inside
 from support.waits import WAIT, until
 
 import sgl_nb as sgl
@@ -35,29 +34,6 @@ def decoding(runtime):
     """A condition: the engine has generated a token since this call."""
     before = runtime.metrics()["generated_tokens"]
     return lambda: runtime.metrics()["generated_tokens"] > before
-
-
-def interrupt_main_inside(call, ready) -> threading.Event:
-    """A real SIGINT to the main thread, as Ctrl-C or a Jupyter interrupt delivers it, once
-    the main thread blocks in `call` and ready() holds: on any machine it lands in the
-    call, mid-decode (not after a delay in which a slow machine may not have reached the
-    call or the first token). Set the returned Event to call it off."""
-    main, code = threading.main_thread().ident, getattr(call, "__func__", call).__code__
-    off = threading.Event()
-
-    def inside() -> bool:
-        f = sys._current_frames().get(main)
-        while f is not None and f.f_code is not code:
-            f = f.f_back
-        return f is not None
-
-    def send() -> None:
-        until(lambda: off.is_set() or (ready() and inside()), "decoding in the call")
-        if not off.is_set():
-            signal.pthread_kill(main, signal.SIGINT)
-
-    threading.Thread(target=send, daemon=True).start()
-    return off
 
 
 # ---- requests ---------------------------------------------------------------------------

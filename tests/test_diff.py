@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.language.diff import Change
@@ -179,7 +180,7 @@ def traces(tmp_path_factory, default_backend):
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sgl_nb.cli", "diff", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=WAIT)
 
 
 def test_sgl_nb_diff_on_trace_files(traces):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support.waits import WAIT
 
 from sgl_nb import Runtime
 from sgl_nb.runtime.model.model_loader import ModelNotFoundError
@@ -43,10 +44,10 @@ def test_requests_join_and_leave_the_running_batch(runtime):
     solo_short = runtime.generate(p_short, max_tokens=5, ignore_eos=True).token_ids
     long_h = runtime.submit(p_long, max_tokens=60, ignore_eos=True)
     short_h = runtime.submit(p_short, max_tokens=5, ignore_eos=True)
-    short = short_h.result(timeout=120)
+    short = short_h.result(timeout=WAIT)
     assert not long_h.done()  # the short one joined, ran beside it, and left first
     assert short.token_ids == solo_short
-    assert long_h.result(timeout=120).token_ids == solo_long
+    assert long_h.result(timeout=WAIT).token_ids == solo_long
 
 
 def test_chunked_prefill_matches_one_chunk(model_path, runtime):
@@ -150,7 +151,7 @@ def test_generate_from_many_threads(runtime):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=WAIT)
     assert [got[i] for i in range(6)] == want
 
 
@@ -175,7 +176,7 @@ def test_bad_input_is_named_and_others_keep_running(model_path):
         with pytest.raises(ValueError, match="token ids"):
             rt.generate([1, -4, 2])
         assert not running.done() or running.result().token_ids == want
-        assert running.result(timeout=300).token_ids == want
+        assert running.result(timeout=WAIT).token_ids == want
         assert rt.engine.pool.used() <= rt.cache_stats()["cached_tokens"]  # nothing leaked
 
 
@@ -256,8 +257,8 @@ def test_a_grammar_no_token_continues_fails_its_request_alone(runtime):
         bad = runtime.submit("Hello", regex="\U000526cb", max_tokens=2, temperature=temperature)
         good = runtime.submit("The capital of France is", max_tokens=12, ignore_eos=True)
         with pytest.raises(ValueError, match="allows no next token"):
-            bad.result(timeout=60)
-        assert good.result(timeout=60).token_ids == alone.token_ids
+            bad.result(timeout=WAIT)
+        assert good.result(timeout=WAIT).token_ids == alone.token_ids
     assert runtime.cache_stats()["protected_tokens"] == 0
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.notebook.cell_program import parse_args
@@ -249,5 +250,5 @@ def test_sgl_option_lines(shell, default_backend, words):
 @pytest.mark.slow
 def test_the_kernel_and_engine_serve_after_the_fuzzing(shell, default_backend):
     shell.run_cell_magic("sgl", "after --no-widget --max-tokens 3", "s += 'Hi' + gen('x')\n")
-    assert shell.user_ns["after"].wait(60).error() is None
+    assert shell.user_ns["after"].wait(WAIT).error() is None
     print("fuzz inputs tried:", TRIED)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from support.waits import until
 
 import sgl_nb as sgl
 from sgl_nb.runtime.compiler.instructions import Decode, Extend, Fork, Join, Op, Return, Score
@@ -128,5 +129,4 @@ def test_run_batch_stays_within_its_pool(runtime):
         sampler.join()
     assert all(st.error() is None and st["x"] is not None for st in states)
     assert 1 <= peak[0] <= 8
-    time.sleep(0.2)
-    assert threading.active_count() <= before + 1  # the batch's threads have ended
+    until(lambda: threading.active_count() <= before + 1, "the batch's threads ending")

@@ -9,6 +9,7 @@ import json
 from collections import defaultdict
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb import Runtime
@@ -308,7 +309,7 @@ def test_chunks_retraction_and_the_engine_setting(model_path, default_backend):
     def submit_all(engine, **jf):
         hs = [engine.submit(p, max_tokens=60, json_schema=ORDER, **jf) for p in prompts]
         hs += [engine.submit(p, max_tokens=60, ignore_eos=True, **jf) for p in plain]
-        return [h.result(timeout=600) for h in hs]
+        return [h.result(timeout=WAIT) for h in hs]
 
     expected = submit_all(rt, jump_forward=False)
     need = sum(len(rt.tokenizer.encode(p)) + 60 for p in prompts + plain)

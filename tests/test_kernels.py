@@ -14,6 +14,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from support.waits import WAIT  # noqa: E402
 
 import sgl_nb.kernels as kernels  # noqa: E402
 from sgl_nb.kernels import decode_attention_triton as decode_tt  # noqa: E402
@@ -345,7 +346,7 @@ def test_package_works_without_triton():
         "assert o.shape == (1, 9, 64) and not o.isnan().any()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SGL_NB_ATTENTION"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=WAIT)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
+from support.waits import WAIT
 
 from sgl_nb.language.function import SglFunction
 from sgl_nb.language.state import ProgramCancelled, ProgramState
@@ -73,7 +74,7 @@ def test_exception_points_at_the_cell_line(shell):
     st = shell.user_ns["oops"].wait()
     assert isinstance(st.error(), ZeroDivisionError)
     assert st.error_line == 3
-    assert st.widget.wait(60)
+    assert st.widget.wait(WAIT)
     assert "ZeroDivisionError" in st.widget.error
     assert "cell line 3: value = 1 / 0" in st.widget.error
 
@@ -100,7 +101,7 @@ def test_step_starts_paused(shell):
     shell.run_cell_magic("sgl", "stepped --step --no-widget",
                          "s += 'One,'\ns += ' two'\ns += gen('n', max_tokens=2)\n")
     st = shell.user_ns["stepped"]
-    assert st.debug.wait_until_held(120)
+    assert st.debug.wait_until_held(WAIT)
     assert st.debug.current.kind == "Text" and st.nodes[1].status == "pending"
     assert st.nodes[0].kind == "Init" and st.nodes[0].status == "done"
     st.debug.continue_()
@@ -178,8 +179,8 @@ def test_rerunning_a_cell_cancels_its_previous_run(shell, capsys):
     short = "s += 'A short tale:' + gen('t', ignore_eos=True)\n"  # --max-tokens applies
     shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", short)
     assert f"cancelled the previous run (program {first.id})" in capsys.readouterr().out
-    assert isinstance(first.wait(60).error(), ProgramCancelled) and first["t"]
+    assert isinstance(first.wait(WAIT).error(), ProgramCancelled) and first["t"]
     second = shell.user_ns["tale"]
-    assert second is not first and second.wait(60).error() is None
+    assert second is not first and second.wait(WAIT).error() is None
     shell.run_cell_magic("sgl", "tale --no-widget --max-tokens 3", short)
     assert "cancelled" not in capsys.readouterr().out  # the previous run had ended

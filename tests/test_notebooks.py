@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.waits import WAIT
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,9 @@ def execute(name: str, workdir: Path):
     # The kernel (this venv's python: jupyter_client starts a "python" kernelspec with
     # sys.executable) must find the converted model: the same cache folder as this process.
     env = {**os.environ, "SGL_NB_CACHE": str(cache_dir())}
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+    # Per cell (the first %%sgl cell loads the model in the kernel), and the kernel's start.
+    client = NotebookClient(nb, timeout=int(WAIT), startup_timeout=int(WAIT),
+                            kernel_name="python3",
                             resources={"metadata": {"path": str(workdir)}})
     client.execute(env=env)
     return nb

@@ -6,6 +6,7 @@ that send only what changed (the stepper's Node list, the cache tree)."""
 from __future__ import annotations
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.notebook.widgets import CacheTreeView, ProgramWidget
@@ -53,7 +54,7 @@ def test_variables_call_stack_and_timing_of_a_nested_call(default_backend):
     w, st = watch(default_backend, outer, step=True, passes=())
     st.debug.breakpoint(name="word")
     st.debug.continue_()
-    assert st.debug.wait_until_held(120), "the program never reached gen word"
+    assert st.debug.wait_until_held(WAIT), "the program never reached gen word"
     w.sync()
 
     # Held at gen "word", inside inner: the stack is outer > inner, inner is current.
@@ -76,7 +77,7 @@ def test_variables_call_stack_and_timing_of_a_nested_call(default_backend):
         w.variables.get("word")
 
     st.debug.continue_()
-    assert w.wait(120), "the widget never made its final render"
+    assert w.wait(WAIT), "the widget never made its final render"
     assert st.error() is None
     assert [v.name for v in w.variables.variables] == ["pick", "word", "word_len"]
     word = w.variables.get("word")
@@ -107,7 +108,7 @@ def test_variables_call_stack_and_timing_of_a_nested_call(default_backend):
 @slow
 def test_a_token_click_selects_its_node_and_line(default_backend):
     w, st = watch(default_backend, outer)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     gen = next(n for n in st.nodes if n.name == "word")
     assert w.stream.has_trait("clicked_node"), "the stream view has no clicked_node trait"
     w.stream.clicked_node = gen.id  # what a click on one of its tokens sets
@@ -136,7 +137,7 @@ def test_a_token_click_selects_its_node_and_line(default_backend):
 @slow
 def test_the_stepper_sends_only_the_nodes_that_changed(default_backend):
     w, st = watch(default_backend, outer, step=True, passes=())
-    assert st.debug.wait_until_held(120)
+    assert st.debug.wait_until_held(WAIT)
     w.sync()
     graph = w.stepper.graph
     keys = [it.key for it in graph.items if not it.parent]  # a row per Node
@@ -146,12 +147,12 @@ def test_the_stepper_sends_only_the_nodes_that_changed(default_backend):
     assert len(graph.sent) == mark, "an unchanged render sent something"
     first, second = keys[0], keys[1]
     w.stepper.step_node.click()
-    assert st.debug.wait_until_held(120)
+    assert st.debug.wait_until_held(WAIT)
     w.sync()
     changed = {k.split(".")[0] for k in sent_keys(graph, mark)}  # rows of these Nodes
     assert changed and changed <= {first, second}, changed  # the rest was not re-sent
     st.debug.continue_()
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert graph.snapshot and {row["k"] for row in graph.snapshot} == {
         it.key for it in graph.items}  # the final list is in the saved widget state
 

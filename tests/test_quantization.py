@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support.waits import limit
 
 from sgl_nb.runtime.model.forward_batch import build_batch
 from sgl_nb.runtime.model.kernel_rules import aligned
@@ -240,7 +241,8 @@ def _run_odd_load(folder: Path, quantization: str, mode: str, tmp_path: Path,
     env = {**os.environ, "SGL_NB_PROBE_FAULT": fault}
     proc = subprocess.run(
         [sys.executable, __file__, str(folder), quantization, mode, str(tmp_path / "cache"),
-         str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True, timeout=900)
+         str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True,
+        timeout=limit(900))
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stderr
 

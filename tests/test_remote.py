@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import threading
 import time
 
 import pytest
+from support.interrupts import interrupt_main_inside
+from support.waits import WAIT
 
 import sgl_nb as sgl
+from sgl_nb.backends.remote.handle import RemoteHandle
 from sgl_nb.server.serve import start_in_thread
 
 pytestmark = pytest.mark.slow
@@ -185,13 +186,13 @@ def two_gens(s):
 def test_node_stepping_works_remotely(ep, runtime):
     assert ep.instruction_stepping is False  # the views say tokens step on the server
     st = two_gens.run(backend=ep, step=True, passes=())
-    assert st.debug.wait_until_held(timeout=60) and st.debug.current.kind == "Text"
+    assert st.debug.wait_until_held(timeout=WAIT) and st.debug.current.kind == "Text"
     st.debug.step()
-    assert st.debug.wait_until_held(timeout=60)
+    assert st.debug.wait_until_held(timeout=WAIT)
     gen = st.debug.current
     assert gen.kind == "Gen" and "a" not in st._vars  # held before the request is sent
     st.debug.step_instruction()  # remotely a whole Node: the server owns the tokens
-    assert st.debug.wait_until_held(timeout=120)
+    assert st.debug.wait_until_held(timeout=WAIT)
     assert gen.status == "done" and st.debug.current.detail["text"] == " Then"
     other = two_gens.run(backend=ep)  # another program runs while this one is held
     assert other.error() is None and "b" not in st._vars
@@ -228,7 +229,7 @@ def test_remote_calls_are_spans_with_genai_attributes(ep):
 
 # ---- cancelling a remote request, and the base URL's forms ----------------------------
 
-def _engine_idle_after_abort(rt, before: int, timeout: float = 10.0) -> None:
+def _engine_idle_after_abort(rt, before: int, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while True:
         m = rt.metrics()
@@ -249,7 +250,7 @@ def test_cancel_a_long_remote_gen_mid_stream(server, runtime, api):
     chunks = h.chunks()
     pieces = [next(chunks) for _ in range(3)]
     assert h.cancel() and not h.cancel()  # once
-    out = h.result(timeout=30)
+    out = h.result(timeout=WAIT)
     assert out.meta["finish_reason"] == "abort"
     assert out.text.startswith("".join(pieces)) and len(out.text) < 4000
     assert "".join(pieces + list(chunks)) == out.text  # the rest of what had arrived
@@ -268,7 +269,7 @@ def test_cancel_a_program_on_an_endpoint(server, runtime):
     state = tale.run(stream=True, backend=ep)
     next(state.text_iter("t"))
     assert state.cancel()
-    state.wait(timeout=30)
+    state.wait(timeout=WAIT)
     assert isinstance(state.error(), sgl.ProgramCancelled) and state["t"]
     assert [n.status for n in state.nodes if n.kind == "Gen"] == ["cancelled", "cancelled"]
     _engine_idle_after_abort(runtime, before)
@@ -279,12 +280,12 @@ def test_cancel_a_long_remote_gen_waiting_for_its_answer(server, runtime, api):
     ep = sgl.RuntimeEndpoint(server.url, api=api)
     before = runtime.metrics()["aborted"]
     h = ep.submit("Once upon a time", **LONG)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT
     while runtime.metrics()["running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     h.cancel()
-    out = h.result(timeout=30)
+    out = h.result(timeout=WAIT)
     assert out.meta["finish_reason"] == "abort" and out.text == ""  # nothing had arrived
     _engine_idle_after_abort(runtime, before)
 
@@ -296,7 +297,7 @@ def test_leaving_chunks_early_cancels(server, runtime):
     for i, _ in enumerate(h.chunks()):
         if i == 2:
             break
-    assert h.result(timeout=30).meta["finish_reason"] == "abort"
+    assert h.result(timeout=WAIT).meta["finish_reason"] == "abort"
     _engine_idle_after_abort(runtime, before)
 
 
@@ -305,12 +306,14 @@ def test_an_interrupt_while_waiting_cancels_the_remote_request(server, runtime, 
     ep = sgl.RuntimeEndpoint(server.url)
     before = runtime.metrics()["aborted"]
     h = ep.submit("Once upon a time", **LONG)
-    timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident,
-                                                       signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        h.result(timeout=60)
-    assert h.result(timeout=30).meta["finish_reason"] == "abort"
+    # Once the server's engine runs it and this thread waits for its answer.
+    off = interrupt_main_inside(RemoteHandle.result, lambda: runtime.metrics()["running"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            h.result(timeout=WAIT)
+    finally:
+        off.set()
+    assert h.result(timeout=WAIT).meta["finish_reason"] == "abort"
     _engine_idle_after_abort(runtime, before)
 
 
@@ -318,8 +321,8 @@ def test_cancel_before_the_request_is_sent(server, runtime):
     ep = sgl.RuntimeEndpoint(server.url, model=runtime.model_path.name)
     h = ep.submit("Once upon a time", stream=True, **LONG)
     h.cancel()
-    assert h.result(timeout=30).meta["finish_reason"] == "abort"
-    deadline = time.monotonic() + 10  # if it reached the server, the server aborted it
+    assert h.result(timeout=WAIT).meta["finish_reason"] == "abort"
+    deadline = time.monotonic() + WAIT  # if it reached the server, the server aborted it
     while runtime.metrics()["running"] or runtime.metrics()["waiting"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)

@@ -13,6 +13,7 @@ import socketserver
 import threading
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.backends.remote.http import RemoteError, RemoteFeatureError
@@ -208,9 +209,9 @@ def test_other_programs_are_unaffected(bad_server, runtime):
         fine = [ask.run_async(backend=ep_good) for _ in range(3)]
         local = ask.run(backend=runtime)
         for f in fine:
-            st = f.result(120)
+            st = f.result(WAIT)
             assert st.error() is None and st.text() == local.text()
-        assert isinstance(bad.result(60).error(), RemoteError)
+        assert isinstance(bad.result(WAIT).error(), RemoteError)
         # The same endpoint keeps working after a failed request on it.
         bad_ep = sgl.RuntimeEndpoint(good.url + "/nothing-here")
         assert isinstance(ask.run(backend=bad_ep).error(), RemoteError)

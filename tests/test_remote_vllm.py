@@ -36,7 +36,7 @@ def vllm(model_path):
         pytest.skip(why)
     server = VllmServer(python, model_path)
     try:
-        server.wait_ready(timeout=600)
+        server.wait_ready()
     except (RuntimeError, TimeoutError) as e:
         server.stop()
         pytest.fail(f"vLLM did not start: {e}")

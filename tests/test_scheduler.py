@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support.waits import WAIT, until
 
 import sgl_nb as sgl
 from sgl_nb import Runtime
@@ -30,13 +31,8 @@ def _start_batch_jobs(rt: Runtime, max_tokens: int) -> list:
 
 def _wait_running(rt: Runtime, n: int) -> None:
     """Until n requests decode (so the interactive one arrives into a full batch)."""
-    import time
-
-    for _ in range(2000):
-        if rt.metrics()["running"] >= n and rt.metrics()["steps"]["decode"] >= 6:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"never {n} running: {rt.metrics()}")
+    until(lambda: rt.metrics()["running"] >= n and rt.metrics()["steps"]["decode"] >= 6,
+          f"{n} requests decoding")
 
 
 def _interactive_under_load(model_path, preemption: bool):
@@ -48,8 +44,8 @@ def _interactive_under_load(model_path, preemption: bool):
         steps_at_submit = rt.metrics()["steps"]
         handle = rt.submit("Quick: what is 2 + 2?", max_tokens=8, ignore_eos=True,
                            priority="interactive")
-        out = handle.result(timeout=600)
-        batch_outs = [h.result(timeout=600) for h in batch]
+        out = handle.result(timeout=WAIT)
+        batch_outs = [h.result(timeout=WAIT) for h in batch]
         return out, batch_outs, _drain(q), steps_at_submit, rt.metrics(), handle.req.rid
 
 
@@ -160,7 +156,7 @@ def test_batch_job_progresses_under_constant_interactive_work(model_path):
         try:
             batch = rt.submit("Count slowly:", max_tokens=24, ignore_eos=True,
                               priority="batch")
-            out = batch.result(timeout=900)
+            out = batch.result(timeout=WAIT)
         finally:
             stop.set()
             for t in threads:
@@ -235,22 +231,22 @@ def test_stepping_and_events_under_preemption(model_path):
         reference = story.run(backend=rt)["story"]
         q = rt.events.subscribe()
         st = story.run(backend=rt, step=True, priority="batch", passes=())
-        assert st.debug.wait_until_held(timeout=120)
+        assert st.debug.wait_until_held(timeout=WAIT)
         st.debug.continue_()
         for _ in range(3):  # interactive work arrives while the story decodes
             rt.generate("Say hi.", max_tokens=6, ignore_eos=True, priority="interactive")
         st.debug.pause()
-        assert st.debug.wait_until_held(timeout=120) and st.debug.waiting_at == "decode"
+        assert st.debug.wait_until_held(timeout=WAIT) and st.debug.waiting_at == "decode"
         log = _drain(q)
         st.debug.step_instruction()
-        assert st.debug.wait_until_held(timeout=120)
+        assert st.debug.wait_until_held(timeout=WAIT)
         step = _drain(q)
         assert len([e for e in step if e.kind == "token" and e.program == st.id]) == 1
         st.debug.continue_()
         assert st["story"] == reference
         log += step
         while not any(e.kind == "program_finished" and e.program == st.id for e in log):
-            log.append(q.get(timeout=60))  # the program's last event follows its result
+            log.append(q.get(timeout=WAIT))  # the program's last event follows its result
     mine = [e for e in log if e.program == st.id]
     preempted = [e for e in mine if e.kind == "preempted"]
     assert preempted and "interactive" in preempted[0].data["reason"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -36,13 +35,12 @@ def test_loopback_hosts():
 
 def test_a_public_host_without_a_key_refuses_before_loading_the_model(tmp_path):
     missing = tmp_path / "no-model-here"  # loading it would fail otherwise, and differently
-    t0 = time.monotonic()
     proc = serve_cmd("--host", "0.0.0.0", "--model", str(missing))
     assert proc.returncode == 2, proc.stderr
     assert "refusing to serve on 0.0.0.0 without an API key" in proc.stderr
     assert "--api-key" in proc.stderr and "--allow-unauthenticated" in proc.stderr
     assert API_KEY_ENV in proc.stderr
-    assert "loaded" not in proc.stdout and time.monotonic() - t0 < 60
+    assert "loaded" not in proc.stdout
 
 
 @pytest.mark.parametrize("how", ["env", "flag", "allow"])

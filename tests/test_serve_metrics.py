@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.waits import WAIT
 
 from sgl_nb.server.serve import start_in_thread
 
@@ -85,7 +86,7 @@ def test_a_request_moves_the_counters(server, runtime):
 def test_an_abort_is_counted_and_the_running_gauge_shows_work(server, runtime):
     before = scrape(server.url)
     host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
+    sock = socket.create_connection((host, int(port)), timeout=WAIT)
     body = (b'{"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true, '
             b'"stream": true}')
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -95,7 +96,7 @@ def test_an_abort_is_counted_and_the_running_gauge_shows_work(server, runtime):
     during = scrape(server.url)
     assert value(during, "sgl_nb_num_requests_running") == 1
     sock.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT
     while runtime.metrics()["running"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)

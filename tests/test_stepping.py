@@ -4,6 +4,7 @@ breakpoint by name, continue; only the stepped program waits."""
 from __future__ import annotations
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 
@@ -20,7 +21,7 @@ def story(s):
 
 
 def held(st):
-    assert st.debug.wait_until_held(timeout=120), "the program never paused"
+    assert st.debug.wait_until_held(timeout=WAIT), "the program never paused"
     return st.debug.current
 
 

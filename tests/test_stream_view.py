@@ -12,10 +12,10 @@ from __future__ import annotations
 import html
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
+from support.waits import WAIT, until
 
 import sgl_nb as sgl
 from sgl_nb.cli import main
@@ -117,7 +117,7 @@ def slogans(s):
 @slow
 def test_the_deltas_add_up_to_the_text_and_the_traits_sync_once(default_backend):
     w, st, wire = watch(default_backend, qa, q="Tell me about bread.", n=48)
-    assert w.wait(120), "the widget never made its final render"
+    assert w.wait(WAIT), "the widget never made its final render"
     view, sent = w.stream, wire.custom()
     assert len(sent) >= 2 and all("t" not in m for m in sent)  # deltas, no "full" one
     front = Front(sent)
@@ -158,9 +158,9 @@ def test_the_deltas_add_up_to_the_text_and_the_traits_sync_once(default_backend)
 def test_origins_of_the_pieces(default_backend):
     q = "Name a colour of the rainbow, then say why."
     first, st1, _ = watch(default_backend, qa, q=q, n=8)
-    assert first.wait(120)
+    assert first.wait(WAIT)
     w, st, wire = watch(default_backend, qa, q=q, n=8)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     front = Front(wire.custom())
     pieces = front.pieces(st.id)
     origins = [it[1] for it in pieces]
@@ -188,7 +188,7 @@ def test_origins_of_the_pieces(default_backend):
 @slow
 def test_each_fork_branch_has_its_lane(default_backend):
     w, st, wire = watch(default_backend, slogans)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     front = Front(wire.custom())
     root = front.lanes[st.id]
     fork = next(it for it in root if isinstance(it, dict) and it["k"] == "fork")
@@ -216,23 +216,21 @@ def test_a_held_program_shows_every_token_it_has(default_backend):
     held by the stepper renders no more)."""
     w, st, wire = watch(default_backend, stepped, step=True, passes=())
     debug = st.debug
-    assert debug.wait_until_held(120)
+    assert debug.wait_until_held(WAIT)
     debug.breakpoint(name="n")
     debug.continue_()
-    assert debug.wait_until_held(120)
+    assert debug.wait_until_held(WAIT)
     for _ in range(2):  # the prefill (the first token), then one decode step
         debug.step_instruction()
-        assert debug.wait_until_held(120)
+        assert debug.wait_until_held(WAIT)
     w.sync()
     assert w.stream.generated_tokens == 2
-    deadline = time.monotonic() + 5
-    while Front(wire.custom()).text(st.id) != w.stream.text and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: Front(wire.custom()).text(st.id) == w.stream.text, "the held-back delta")
     front = Front(wire.custom())
     assert front.text(st.id) == w.stream.text and front.text(st.id).startswith("Count:")
     assert front.stats["g"] == 2
     debug.continue_()
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert Front(wire.custom()).text(st.id) == st.text()
 
 
@@ -241,8 +239,10 @@ def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
     """Renders faster than the view's rate, then none (a held program, a pause in the
     tokens): what the last render changed goes out on its own, within an interval or so."""
     w, st, _ = watch(default_backend, long, n=20)
-    assert w.wait(120)
-    view = StreamView()
+    assert w.wait(WAIT)
+    # One delta a second (three for a token or two): far slower than the renders below
+    # come, however slow or busy the machine.
+    view = StreamView(rate=1.0)
     wire = Wire(view)
     tl = Timeline()
     for e in w.timeline.events:  # the real run's events, folded again, a render a token
@@ -250,11 +250,9 @@ def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
         if e.kind == "token":
             model = StreamModel(tl, st.id, w._node_text, w._prefix_chars, w.forks)
             view.update(model, "running")
-    assert len(wire.custom()) < 20  # renders came faster than 10 a second: merged
-    deadline = time.monotonic() + 2
-    while Front(wire.custom()).text(st.id) != model.text() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert Front(wire.custom()).text(st.id) == model.text() and view.generated_tokens == 20
+    assert len(wire.custom()) < 20  # renders came faster than the rate: merged
+    until(lambda: Front(wire.custom()).text(st.id) == model.text(), "the held-back delta")
+    assert view.generated_tokens == 20
     assert wire.updates() == []  # still running: no trait went out
 
 
@@ -267,7 +265,7 @@ def fails(s):
 @slow
 def test_an_error_shows_once_under_the_header_and_in_the_text(default_backend):
     w, st, wire = watch(default_backend, fails)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert isinstance(st.error(), ValueError)
     front = Front(wire.custom())
     assert front.stats["status"] == "error"
@@ -284,7 +282,7 @@ def test_the_bytes_grow_linearly_with_the_tokens(default_backend):
     sizes = {}
     for n in (100, 200):
         w, st, wire = watch(default_backend, long, n=n)
-        assert w.wait(240) and w.stream.generated_tokens == n
+        assert w.wait(WAIT) and w.stream.generated_tokens == n
         sizes[n] = wire.bytes
         p = w.timeline.programs[st.id]
         seconds = (p.end_ns - p.start_ns) / 1e9
@@ -335,14 +333,16 @@ PIECES = """(i) => [...(i === null ? document.querySelector(".sgl-stream")
 @slow
 def test_the_front_end_draws_the_deltas(default_backend):
     w, st, wire = watch(default_backend, slogans)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     view = w.stream
     sent, snapshot = wire.custom(), view.snapshot
     src = STREAM_JS.read_text()
     with _browser() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
+                                    args=["--no-sandbox", "--disable-gpu"],
+                                    timeout=WAIT * 1000)
         page = browser.new_page()
+        page.set_default_timeout(WAIT * 1000)
         # A view opened while the program runs asks for everything, then takes deltas.
         page.evaluate(PAGE, [src, {"snapshot": {}, "clicked_node": None}])
         assert page.evaluate("window.sent") == [{"type": "hello"}]

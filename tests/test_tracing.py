@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.runtime.compiler.lowering import lower
@@ -320,10 +321,10 @@ def test_traceparent_of_a_live_node(default_backend):
         st = qa.run(q="Is water wet?", step=True)
         st.debug.breakpoint(name="a")
         st.debug.continue_()
-        assert st.debug.wait_until_held(timeout=120)
+        assert st.debug.wait_until_held(timeout=WAIT)
         gen = st.debug.current
         st.debug.step_instruction()  # into the Gen: its span is open now
-        assert st.debug.wait_until_held(timeout=120)
+        assert st.debug.wait_until_held(timeout=WAIT)
         tp = traceparent_for(gen.id)
         st.debug.continue_()
         assert st["v"]
@@ -411,7 +412,7 @@ def test_a_cancelled_program_is_traced_and_replayed_as_cancelled(default_backend
         st = tale.run(stream=True)
         next(st.text_iter("t"))
         st.cancel()
-        st.wait(60)
+        st.wait(WAIT)
     finally:
         sgl.disable_tracing()
     spans = mem.get_finished_spans()

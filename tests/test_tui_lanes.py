@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.waits import WAIT
 from textual.geometry import Region
 
 import sgl_nb as sgl
@@ -317,7 +318,7 @@ def program_file(tmp_path_factory) -> Path:
     return path
 
 
-async def until(pilot, cond, what: str, timeout: float = 120.0) -> None:
+async def until(pilot, cond, what: str, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

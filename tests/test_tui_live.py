@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.tui.app import DebuggerApp
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 PROGRAM = Path(__file__).parent / "data" / "tui_program.py"
 
 
-async def until(pilot, cond, what: str, timeout: float = 120.0) -> None:
+async def until(pilot, cond, what: str, timeout: float = WAIT) -> None:
     """Let the app run until cond() holds (a guard against hanging, not a speed check)."""
     deadline = time.monotonic() + timeout
     while not cond():
@@ -30,6 +31,11 @@ async def until(pilot, cond, what: str, timeout: float = 120.0) -> None:
 
 def shown(pilot, text: str):
     return lambda: text in pilot.app.status_text
+
+
+def held_in_timeline(session) -> bool:
+    p = session.timeline.programs.get(session.state.id)
+    return p is not None and p.status == "suspended" and (p.reason or "").startswith("held")
 
 
 def pane(app, name: str) -> str:
@@ -123,6 +129,9 @@ def test_pause(runtime):
         await until(pilot, lambda: tokens() > 0, "the first token")
         await pilot.press("p")
         await until(pilot, shown(pilot, "of #2 Gen tale"), "the pause inside the Gen")
+        # The hold shows at once (the controller says so); the tokens decoded before it
+        # reach the timeline with the events, the pause's own event after them.
+        await until(pilot, lambda: held_in_timeline(session), "the pause's event")
         held = tokens()
         assert held < 64 and not session.position().finished
         await pilot.press("s")  # paused: one step is exactly one more token

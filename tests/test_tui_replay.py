@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.tracing import load
@@ -43,7 +44,7 @@ def traces(runtime, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _wait_idle(runtime, timeout: float = 120.0) -> None:
+def _wait_idle(runtime, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while runtime.engine.scheduler.has_work():  # another test's program still running
         assert time.monotonic() < deadline, "the engine never became idle"
@@ -153,8 +154,9 @@ def test_replay_in_a_real_terminal(traces, tmp_path):
     tmux = [_tmux_or_skip(), "-L", f"sgl-nb-test-{os.getpid()}"]  # a server of our own
     cli = Path(sys.executable).with_name("sgl-nb")
     # COLUMNS/LINES, when a shell exported them, would override the pane's real size.
+    # The pane stays after the exit (until kill-server below) so its last line can be read.
     command = (f"env -u COLUMNS -u LINES {cli} replay {traces['story']} --no-timings; "
-               "echo sgl-nb exited $?; sleep 30")
+               "echo sgl-nb exited $?; sleep infinity")
     subprocess.run([*tmux, "new-session", "-d", "-s", "dbg", "-x", str(SIZE[0]),
                     "-y", str(SIZE[1]), command], check=True)
     try:
@@ -180,7 +182,7 @@ def keys(tmux: list[str], *k: str) -> None:
     subprocess.run([*tmux, "send-keys", "-t", "dbg", *k], check=True)
 
 
-def wait_for(tmux: list[str], text: str, timeout: float = 60.0) -> str:
+def wait_for(tmux: list[str], text: str, timeout: float = WAIT) -> str:
     """The pane's text once it shows `text` (a guard against hanging, not a speed check)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -14,6 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from ipywidgets.widgets.widget import _instances
+from support.waits import WAIT
 
 from sgl_nb.notebook.magics import SglMagics
 from sgl_nb.notebook.widgets import ProgramWidget
@@ -60,7 +61,7 @@ def cell(shell, line: str, body: str = GEN5):
     with capture_output() as cap:
         shell.run_cell_magic("sgl", line, body)
     name = line.split()[0]
-    return shell.user_ns[name].wait(120), shown(cap), cap
+    return shell.user_ns[name].wait(WAIT), shown(cap), cap
 
 
 def plain(markup: str) -> str:
@@ -95,7 +96,7 @@ def test_compact_shows_one_line_per_program(shell):
     st, widgets, cap = cell(shell, "lvl_compact")
     assert len(widgets) == 1 and isinstance(widgets[0], CompactView)
     view = st.widget
-    assert view is widgets[0] and view.wait(60)
+    assert view is widgets[0] and view.wait(WAIT)
     elapsed = time.monotonic() - start
     generated = st.get_meta_info("x")["completion_tokens"]
     assert generated == 5
@@ -120,7 +121,7 @@ def test_compact_shows_one_line_per_program(shell):
 def test_compact_shows_an_error(shell):
     set_level(shell, "compact")
     st, widgets, _ = cell(shell, "lvl_oops", "s += 'x'\nvalue = 1 / 0\n")
-    assert st.widget.wait(60)
+    assert st.widget.wait(WAIT)
     assert st.widget.status == "error" and "ZeroDivisionError" in st.widget.error
     assert "ZeroDivisionError" in plain(st.widget.value)
 
@@ -208,7 +209,7 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     assert len(states) == 100
     assert widgets == [view] and isinstance(view, BatchSummary)  # one summary, not 100
     assert not [w for w in created if isinstance(w, (ProgramWidget, CompactView))]
-    assert view.wait(60)
+    assert view.wait(WAIT)
     assert view.counts() == {"total": 100, "done": 100, "running": 0, "failed": 0,
                              "cancelled": 0}
     assert view.progress.value == 100 and view.progress.bar_style == "success"
@@ -239,14 +240,14 @@ def test_run_batch_shows_one_summary_that_updates(shell):
     view.full_button.click()
     full = view.full[42]
     assert isinstance(full, ProgramWidget) and view.item.children[-1] is full
-    assert full.wait(60) and full.status == "done" and full.program_id == states[42].id
+    assert full.wait(WAIT) and full.status == "done" and full.program_id == states[42].id
     assert full.stream.text == states[42].text()
     assert view.open_full(42) is full and list(view.full) == [42]
 
 
 def test_run_batch_counts_failed_items(shell):
     view, widgets, _, _, _ = _batch(shell, "[0, -1, 2]")
-    assert widgets == [view] and view.wait(60)
+    assert widgets == [view] and view.wait(WAIT)
     assert view.counts() == {"total": 3, "done": 2, "running": 0, "failed": 1, "cancelled": 0}
     assert view.progress.bar_style == "danger"
     view.open_item(1)
@@ -261,7 +262,7 @@ def test_run_batch_counts_cancelled_items(shell):
     view, widgets, _, _, _ = _batch(shell, "range(20)", ", num_threads=2",
                                     during=cancel_the_last_five)
     states = shell.user_ns["states"]
-    assert widgets == [view] and view.wait(60)
+    assert widgets == [view] and view.wait(WAIT)
     assert [s.cancelled for s in states] == [False] * 15 + [True] * 5
     assert view.counts() == {"total": 20, "done": 15, "running": 0, "failed": 0,
                              "cancelled": 5}
@@ -276,7 +277,7 @@ def test_run_batch_whose_item_fails_to_start(shell):
     assert isinstance(result.error_in_exec, TypeError)
     view = fn.last_batch_view
     assert shown(cap) == [view]
-    assert view.wait(60) and not view.pump.running  # it ended (and unsubscribed) all the same
+    assert view.wait(WAIT) and not view.pump.running  # it ended (and unsubscribed) all the same
     assert view.counts() == {"total": 1, "done": 1, "running": 0, "failed": 0, "cancelled": 0}
     view.items.value = 1  # listed, never started
     assert view.item.children == ()
@@ -327,8 +328,9 @@ KERNEL_CELLS = [
     '%config SglMagics.widget = "compact"',
     "%%sgl quiet\ns += 'The sea is'\ns += gen('x', max_tokens=4, ignore_eos=True)",
     TINY,
+    # No limit in the cell: the preprocessor's per-cell timeout is the guard against a hang.
     "states = tiny.run_batch([{'i': i} for i in range(20)], num_threads=5)\n"
-    "assert tiny.last_batch_view.wait(60) and quiet.widget.wait(60)",
+    "assert tiny.last_batch_view.wait() and quiet.widget.wait()",
     "print(quiet.widget.text)\nprint(tiny.last_batch_view.text)",
 ]
 
@@ -346,7 +348,8 @@ def test_saved_notebook_shows_the_final_lines(tmp_path):
     mp = pytest.MonkeyPatch()
     mp.setenv("SGL_NB_CACHE", str(cache_dir()))  # the kernel finds the converted model
     try:
-        ExecutePreprocessor(timeout=300, kernel_name="python3").preprocess(
+        ExecutePreprocessor(timeout=int(WAIT), startup_timeout=int(WAIT),
+                            kernel_name="python3").preprocess(
             nb, {"metadata": {"path": str(tmp_path)}})
     finally:
         mp.undo()

@@ -10,6 +10,7 @@ import math
 import time
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.language.replay import MISSING
@@ -33,7 +34,7 @@ def watch(runtime, fn, **kwargs):
     w = ProgramWidget(runtime, title=fn.__name__)
     st = fn.run(stream=True, debug=True, **kwargs)
     w.attach(st)
-    assert w.wait(120), "the widget never made its final render"
+    assert w.wait(WAIT), "the widget never made its final render"
     assert st.error() is None, st.error()
     return w, st
 
@@ -109,7 +110,7 @@ def test_rerun_from_a_token_click_with_an_edited_value(runtime):
     new = panel.runs_started[0]
     shown, diff = panel.runs.children[0].children
     assert isinstance(shown, ProgramWidget) and "re-run of capital from #" in shown.title.value
-    assert shown.wait(120), "the re-run's widget never made its final render"
+    assert shown.wait(WAIT), "the re-run's widget never made its final render"
     assert new.error() is None and new["city"] == " Lyon"
     assert new.text().startswith("The capital of France is Lyon. Is that right?")
     assert shown.stream.text == new.text()  # its widget saw every event from the start
@@ -128,7 +129,7 @@ def test_rerun_a_gen_with_new_sampling_args(runtime):
     panel.button.click()
     new = panel.runs_started[0]
     shown = panel.runs.children[0].children[0]
-    assert shown.wait(120) and new.error() is None
+    assert shown.wait(WAIT) and new.error() is None
     assert len(new._tokens[node(new, "city").id]) == 2  # generated again, with its new args
     assert new.text().startswith("The capital of France is")
 
@@ -172,7 +173,7 @@ def test_rerun_from_a_text_node(runtime):
     panel.value.value = ". Is that wrong? Answer: "
     panel.button.click()
     new = panel.runs_started[0]
-    assert panel.runs.children[0].children[0].wait(120) and new.error() is None
+    assert panel.runs.children[0].children[0].wait(WAIT) and new.error() is None
     assert new["city"] == st["city"]  # replayed from the record
     assert f"{st['city']}. Is that wrong? Answer: " in new.text()
 
@@ -190,7 +191,7 @@ def test_a_running_program_is_not_rerun(runtime):
     st = long_story.run(stream=True, debug=True)
     w.attach(st)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT
         while not any(n.kind == "Gen" for n in st.nodes) or not w.select_node(
                 next(n for n in st.nodes if n.kind == "Gen").id):
             assert time.monotonic() < deadline, "the gen never showed in the stepper"
@@ -201,4 +202,4 @@ def test_a_running_program_is_not_rerun(runtime):
         assert w.rerun_panel.runs_started == []
     finally:
         st.cancel()
-        assert w.wait(60)
+        assert w.wait(WAIT)

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.notebook.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
@@ -68,7 +69,7 @@ def watch(runtime, fn, **kwargs):
 @slow
 def test_stream_view_after_a_program(default_backend):
     w, st = watch(default_backend, qa, q="Name a fruit.")
-    assert w.wait(120), "the widget never made its final render"
+    assert w.wait(WAIT), "the widget never made its final render"
     view = w.stream
     assert view.text == st.text() and st.text().endswith(st["answer"] + "<|im_end|>\n")
     assert w.status == view.status == "done"
@@ -93,7 +94,7 @@ def fruits(s):
 @slow
 def test_stop_string_is_cut_and_the_path_found(default_backend, runtime):
     w, st = watch(default_backend, fruits)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert w.stream.text == st.text()  # the tokens of a matched stop string are not shown
     assert "\n" not in st["first"] and "\n" not in st["second"]
     # The cache path follows the engine's own tokens down to the second gen's leaf.
@@ -114,7 +115,7 @@ def test_token_probability_on_hover(default_backend):
     """Token events carry each token's logprob (runtime/events.py): its probability shows
     as the token's HTML title."""
     w, st = watch(default_backend, qa, q="Name a tree.")
-    assert w.wait(120)
+    assert w.wait(WAIT)
     titles = re.findall(r'<span class="sgl-generated" style="background:#dcfce7" '
                         r'title="p=([0-9.]+) token \d+" '
                         r'data-node="(\d+)">', w.stream.static_html())
@@ -126,9 +127,9 @@ def test_token_probability_on_hover(default_backend):
 @slow
 def test_cached_prompt_is_marked(default_backend):
     first, st1 = watch(default_backend, qa, q="Name a colour of the rainbow.")
-    assert first.wait(120)
+    assert first.wait(WAIT)
     second, st2 = watch(default_backend, qa, q="Name a colour of the rainbow.")
-    assert second.wait(120)
+    assert second.wait(WAIT)
     assert second.stream.cached_tokens > 0
     assert 'class="sgl-cached"' in second.stream.static_html()
     assert st2.text() == st1.text()
@@ -137,7 +138,7 @@ def test_cached_prompt_is_marked(default_backend):
 @slow
 def test_grammar_forced_tokens(default_backend):
     w, st = watch(default_backend, verdict)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert st["json"] in ('{"answer": "yes"}', '{"answer": "no"}')
     assert w.stream.forced_tokens > 0
     assert 'class="sgl-forced"' in w.stream.static_html()
@@ -147,7 +148,7 @@ def test_grammar_forced_tokens(default_backend):
 @slow
 def test_select_and_fork_in_the_stream(default_backend):
     w, st = watch(default_backend, pick_and_fork)
-    assert w.wait(120)
+    assert w.wait(WAIT)
     markup = w.stream.static_html()
     assert st["colour"] in ("red", "blue") and 'data-var="colour"' in markup
     assert "branch 0" in markup and "branch 1" in markup
@@ -166,7 +167,7 @@ def test_stepper_buttons(default_backend):
     stepper, debug = w.stepper, st.debug
 
     def settle():
-        assert debug.wait_until_held(120), "the program never paused"
+        assert debug.wait_until_held(WAIT), "the program never paused"
         w.sync()
 
     settle()
@@ -208,7 +209,7 @@ def test_stepper_buttons(default_backend):
     stepper.pause_button.click()
     assert debug.paused
     stepper.continue_button.click()
-    assert w.wait(120)
+    assert w.wait(WAIT)
     assert st.error() is None and w.status == "done"
     assert stepper.controls.display == "none"  # a finished program has nothing to step
 
@@ -224,7 +225,7 @@ def test_parse_breakpoint():
 @slow
 def test_cache_tree_view(default_backend, runtime):
     w, st = watch(default_backend, qa, q="What is a radix tree?")
-    assert w.wait(120)
+    assert w.wait(WAIT)
     view = w.cache
     assert view.nodes > 0 and view.cached_tokens > 0 and len(view.path) > 0
     tree = view.tree.html()
@@ -242,15 +243,15 @@ def test_cache_tree_shows_locked_nodes_while_a_request_runs(default_backend):
     w, st = watch(default_backend, story, step=True, passes=())
     st.debug.breakpoint(name="a")
     st.debug.continue_()
-    assert st.debug.wait_until_held(120)
+    assert st.debug.wait_until_held(WAIT)
     st.debug.step_instruction()  # prefill the Gen: its request now holds its prefix
-    assert st.debug.wait_until_held(120)
+    assert st.debug.wait_until_held(WAIT)
     other = qa.run(q="Another program, run while this one is held.")
     w.sync()
     assert w.cache.locked_tokens > 0 and "locked×" in w.cache.tree.html()
     assert other.id not in w.timeline.programs  # the widget folds its own program's events
     st.debug.continue_()
-    assert w.wait(120)
+    assert w.wait(WAIT)
 
 
 def test_throttle_limits_the_rate():
@@ -275,7 +276,7 @@ def test_pump_coalesces_events_and_renders_the_final_state():
     for i in range(2000):
         bus.emit("token", program=1, node=1, data={"token": i, "text": "x"})
     bus.publish(Event("program_finished", program=1))
-    assert pump.join(60)
+    assert pump.join(WAIT)
     assert len(seen) == 2001 and renders[-1] == 2001  # lossless, and the last render saw all
     assert len(renders) < 2001  # many events per render
 
@@ -291,13 +292,13 @@ def test_stepper_on_a_remote_backend_steps_by_node_only(runtime):
         w = ProgramWidget(ep, title="remote story")
         st = story.run(stream=True, step=True, backend=ep, passes=())
         w.attach(st)
-        assert st.debug.wait_until_held(120)
+        assert st.debug.wait_until_held(WAIT)
         w.sync()
         assert w.stepper.step_instruction.disabled and not w.stepper.step_node.disabled
         assert "Node only" in w.stepper.message
         before = st.debug.current
         w.stepper.step_node.click()
-        assert st.debug.wait_until_held(120) and st.debug.current is not before
+        assert st.debug.wait_until_held(WAIT) and st.debug.current is not before
         st.debug.continue_()
         assert st.text().startswith("Once") and st.error() is None
     finally:
@@ -315,8 +316,8 @@ def test_stop_button_cancels_the_program(default_backend):
     assert w.stop_button.layout.display is None and not w.stop_button.disabled  # shown
     next(st.text_iter("t"))
     w.stop_button.click()  # what the browser's click does on the kernel side
-    st.wait(60)
-    assert w.wait(60)
+    st.wait(WAIT)
+    assert w.wait(WAIT)
     assert isinstance(st.error(), sgl.ProgramCancelled) and st["t"]
     assert w.status == "cancelled" and w.stop_button.layout.display == "none"
     assert w.stream.text.endswith(st["t"])  # what it produced stays in the view
@@ -363,7 +364,7 @@ def test_the_final_state_goes_again_after_a_cell_only_if_another_request_carried
                 return _publish(msg_type, data=data, metadata=metadata, buffers=buffers,
                                 **keys)
             m.comm.publish_msg = record
-        assert w.wait(120) and w.status == "done"
+        assert w.wait(WAIT) and w.status == "done"
         # The buttons never send: the row (and Stop) is shown and hidden by its layout.
         assert not any(isinstance(m, W.Button) for m, _ in sent)
         assert w.stepper.controls.display == "none"

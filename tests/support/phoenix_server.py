@@ -14,6 +14,7 @@ from pathlib import Path
 
 from support import REPO
 from support.ports import free_port
+from support.waits import WAIT, limit
 
 DEFAULT_VENV = REPO / ".venv-phoenix"
 
@@ -58,7 +59,10 @@ class PhoenixServer:
     def traces_url(self) -> str:
         return f"{self.url}/v1/traces"
 
-    def start(self, timeout: float = 180.0) -> PhoenixServer:
+    def start(self, timeout: float | None = None) -> PhoenixServer:
+        """Start it and wait until /healthz answers (`timeout`: default generous for a
+        slow, busy machine)."""
+        timeout = limit(300) if timeout is None else timeout
         if not self.available:
             raise FileNotFoundError(f"no Phoenix at {self.exe}: run `make phoenix`")
         self._dir = tempfile.TemporaryDirectory(prefix="sgl-nb-phoenix-")
@@ -107,7 +111,7 @@ class PhoenixServer:
             self._dir.cleanup()
             self._dir = None
 
-    def spans(self, project: str, expect: int = 1, timeout: float = 120.0) -> list[dict]:
+    def spans(self, project: str, expect: int = 1, timeout: float = WAIT) -> list[dict]:
         """The spans Phoenix stored for `project`, read with the Phoenix client (it lives
         in Phoenix's venv, so it runs there), polling until `expect` of them are in
         (Phoenix ingests in the background) or `timeout` passes."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from support import REPO
 from support.ports import free_port
+from support.waits import limit
 
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
@@ -48,9 +49,11 @@ class VllmServer:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout: float = 600.0) -> float:
+    def wait_ready(self, timeout: float | None = None) -> float:
         """Seconds it took until /v1/models answered; raises with the log's tail if the
-        server exits or does not answer in time."""
+        server exits or does not answer in time (default: generous for a slow, busy
+        machine; ~1.5 min here, alone)."""
+        timeout = limit(600) if timeout is None else timeout
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
