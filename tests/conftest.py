@@ -16,8 +16,10 @@ on, with the CPU shared, and must pass there unchanged):
   stopped") first waits for a positive signal that the system has acted (the handle
   finished, the thread joined, the count settled), then checks.
 - Where only a timer can start something (a signal sent while a call blocks), send it once
-  the state it needs holds (the request decoding, the main thread inside the call), not
-  after a fixed delay.
+  the state it needs holds (the request decoding, the main thread inside the call:
+  support.interrupts.interrupt_main_inside), not after a fixed delay.
+- A click in a browser on something that moves while text streams above it goes through
+  the element's click event (playwright's dispatch_event), not the mouse.
 """
 
 from __future__ import annotations
