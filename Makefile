@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
 .PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing vllm \
-	tmux phoenix browser
+	sglang tmux phoenix browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,26 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# SGLang's own frontend package (`import sglang`: sgl.function, RuntimeEndpoint) in its own
+# venv, the client of the tests that run SGLang's programs against `sgl-nb serve`. Its
+# server's dependencies (CUDA kernels, several GB) are not installed: sglang goes in with
+# --no-deps, last, after what `import sglang` and sglang.test.test_programs import. Its
+# __init__ imports sglang.srt.utils, which imports torch and triton, so both come too (the
+# CPU torch from the local wheel folder, the triton .venv has).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP):
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-compile torch==2.13.0 triton==3.9.0 numpy tqdm \
+		aiohttp msgspec requests pybase64 ipython pydantic orjson psutil packaging pillow \
+		starlette pyzmq
+	$(SGLANG_VENV)/bin/pip install -q --no-compile --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -c "import sglang, sglang.test.test_programs"
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+
 # Arize Phoenix in its own venv: the real OTLP receiver of the tracing tests and of
 # `make bench-tracing`, kept apart from ours (it brings a large dependency set of its own).
 PHOENIX_VENV ?= .venv-phoenix
@@ -85,8 +105,9 @@ browser: tmux  # after tmux: two apt-gets at once (make -j) would fight over dpk
 	@test -x /usr/bin/chromium || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-# SGL_NB_CI=1: a test whose service (vLLM, Phoenix, a browser) is missing fails, not skips.
-test: model vllm tmux phoenix browser
+# SGL_NB_CI=1: a test whose service (vLLM, SGLang's frontend, Phoenix, a browser) is missing
+# fails, not skips.
+test: model vllm sglang tmux phoenix browser
 	SGL_NB_CI=1 $(PY) -m pytest -q -ra
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).

@@ -6,10 +6,12 @@ sampling_params, meta_info; a stream's events carry the text so far)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 from sgl_nb.runtime.engine import EngineError
 from sgl_nb.server.choices import Samples
@@ -29,14 +31,21 @@ HEALTH_TIMEOUT_SECONDS = 20.0
 
 
 def model_info(served: Served) -> dict:
-    path = str(served.runtime.model_path)
-    config = served.runtime.engine.config
-    return {"model_path": path, "tokenizer_path": path, "served_model_name": served.model_name,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": getattr(config, "model_type", None),
-            "architectures": getattr(config, "architectures", None)}
+    path = served.runtime.model_path
+    config = _config_json(str(path))
+    return {"model_path": str(path), "tokenizer_path": str(path),
+            "served_model_name": served.model_name, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": config.get("model_type"), "architectures": config.get("architectures")}
+
+
+@functools.lru_cache(maxsize=4)
+def _config_json(folder: str) -> dict:
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def server_info(served: Served) -> dict:
