@@ -447,6 +447,8 @@ def test_bind_fixes_arguments(default_backend):
     with pytest.raises(TypeError, match="bound by .bind"):
         bound.run(q="again")
     assert bound.bind_arguments == {"q": "What is the capital of Italy?"}
+    again = st.rerun(at="a", value=" Turin")  # a re-run repeats the bound arguments
+    assert again.ret_value == {"q": "What is the capital of Italy?", "a": " Turin"}
 
 
 @slow

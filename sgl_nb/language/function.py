@@ -145,7 +145,7 @@ class SglFunction:
 
     def bind(self, **kwargs) -> SglFunction:
         """The same program with some arguments fixed (SGLang's bind); binding again adds
-        to them. Passing a bound argument to a run is a TypeError."""
+        to them. Passing a bound argument to a run with another value is a TypeError."""
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise TypeError(f"{self.func.__name__}() has no arguments {unknown} to bind; it "
@@ -154,10 +154,13 @@ class SglFunction:
                            {**self.bind_arguments, **kwargs})
 
     def _with_bound(self, args: dict) -> dict:
-        twice = sorted(set(args) & set(self.bind_arguments))
+        # The same value again is what a re-run passes (its record holds every argument).
+        twice = sorted(k for k in set(args) & set(self.bind_arguments)
+                       if args[k] is not self.bind_arguments[k]
+                       and args[k] != self.bind_arguments[k])
         if twice:
             raise TypeError(f"{self.func.__name__}(): {twice} are bound by .bind(); a run "
-                            "cannot pass them again")
+                            "cannot pass other values for them")
         return {**args, **self.bind_arguments}
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
