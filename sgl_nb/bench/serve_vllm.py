@@ -33,6 +33,8 @@ FIGURES = (("request_throughput", "requests/s"), ("output_throughput", "output t
            ("mean_ttft_ms", "TTFT mean (ms)"), ("median_ttft_ms", "TTFT median (ms)"),
            ("p99_ttft_ms", "TTFT p99 (ms)"), ("mean_itl_ms", "ITL mean (ms)"),
            ("median_itl_ms", "ITL median (ms)"), ("p99_itl_ms", "ITL p99 (ms)"))
+RATIOS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median"),
+          ("median_itl_ms", "ITL median"))
 RUN_TIMEOUT_S = 3600.0  # one `vllm bench serve`; only a hung one reaches it
 
 
@@ -47,23 +49,26 @@ def served_root(url: str, flag: str) -> str:
     return model.get("root") or model["id"]
 
 
-def bench_arguments(args: argparse.Namespace, url: str, model: str, result: Path) -> list[str]:
+def bench_arguments(args: argparse.Namespace, url: str, model: str, seed: int, result: Path
+                    ) -> list[str]:
     return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
             "--model", model, "--tokenizer", model, "--dataset-name", "random",
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
-            "--temperature", "0", "--seed", str(args.seed), "--disable-tqdm",
+            "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name]
 
 
-def vllm_bench_serve(python: Path, args: argparse.Namespace, url: str, model: str) -> dict:
+def vllm_bench_serve(python: Path, args: argparse.Namespace, url: str, model: str,
+                     seed: int) -> dict:
     """One `vllm bench serve` run: its saved result (its figures, `failed`, `errors`)."""
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [str(python), "-c", VLLM_BENCH_SERVE, *bench_arguments(args, url, model, result)]
+        cmd = [str(python), "-c", VLLM_BENCH_SERVE,
+               *bench_arguments(args, url, model, seed, result)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if proc.returncode != 0 or not result.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -87,10 +92,13 @@ def run_comparison(args: argparse.Namespace) -> int:
         if args.vllm_server:
             sides.append(("vLLM-CPU", args.vllm_server.rstrip("/")))
         for turn in range(args.rounds):
+            # Prompts new to both servers each round: a repeated one would come from their
+            # prefix caches.
+            seed = args.seed + turn
             for name, url in sides:
                 print(f"round {turn + 1}: vllm bench serve against {name} ...", flush=True)
-                runs.append({"server": name, "round": turn + 1,
-                             **vllm_bench_serve(python, args, url, model)})
+                runs.append({"server": name, "round": turn + 1, "seed": seed,
+                             **vllm_bench_serve(python, args, url, model, seed)})
     print_comparison(args, runs)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2))
@@ -100,15 +108,25 @@ def run_comparison(args: argparse.Namespace) -> int:
 def print_comparison(args: argparse.Namespace, runs: list[dict]) -> None:
     print(f"\nvllm bench serve: random dataset, {args.input_len} prompt + {args.output_len} "
           f"new tokens (ignore_eos, greedy), {args.num_prompts} requests, "
-          f"{args.max_concurrency} in flight, /v1/completions streamed")
+          f"{args.max_concurrency} in flight, /v1/completions streamed; round k draws its "
+          f"prompts with seed {args.seed} + k - 1")
     heads = [f"{r['server']} {r['round']}" for r in runs]
     print(f"{'':<20}" + "".join(f"{h:>16}" for h in heads))
     for key, label in FIGURES:
         print(f"{label:<20}" + "".join(f"{r.get(key, float('nan')):>16.2f}" for r in runs))
     print(f"{'completed / failed':<20}" + "".join(
         f"{str(r['completed']) + ' / ' + str(r['failed']):>16}" for r in runs))
+    ours = [r for r in runs if r["server"] == "sgl-nb serve"]
+    theirs = [r for r in runs if r["server"] != "sgl-nb serve"]
+    for a, b in zip(ours, theirs):  # the same round: the machine's load alike
+        print(f"round {a['round']}, sgl-nb serve / vLLM-CPU: " + ", ".join(
+            f"{label} {_ratio(a, b, key):.2f}x" for key, label in RATIOS))
     for r in runs:
         errors = sorted({e for e in r.get("errors", []) if e})
         if errors:
             print(f"{r['server']} round {r['round']}: {len(errors)} distinct errors, first: "
                   f"{errors[0][:500]}")
+
+
+def _ratio(a: dict, b: dict, key: str) -> float:
+    return a[key] / b[key] if b.get(key) else float("nan")
