@@ -23,7 +23,7 @@ def long_prefix(rt, n: int) -> list[int]:
 
 
 def test_sixteen_requests_prefill_shared_prefix_once(runtime):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     prefix = long_prefix(runtime, 400)
     prompts = [prefix + runtime.tokenizer.encode(f" Question {i}: what did child {i} do?")
                for i in range(16)]

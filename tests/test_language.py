@@ -121,7 +121,7 @@ def test_fork_gather_and_concatenate(runtime):
 
 
 def test_fork_of_eight_holds_the_prefix_once(runtime):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     prefix = "The history of the lighthouse on the northern cape. " * 50
 
     @sgl.function
@@ -157,7 +157,7 @@ def test_streaming_and_async(runtime):
 
 
 def test_run_batch_shares_the_prefix(runtime):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     before = runtime.engine.scheduler.cached_prompt_tokens
     states = qa.run_batch([{"question": f"What is {i} plus {i}?"} for i in range(6)],
                           progress_bar=False)

@@ -40,7 +40,7 @@ def expected(prompts, hf_model) -> list[list[int]]:
 
 
 def test_greedy_matches_transformers_from_empty_cache(runtime, prompts, expected):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     outs = runtime.generate(prompts, max_tokens=NEW, ignore_eos=True)
     for p, out, want in zip(prompts, outs, expected):
         assert out.token_ids == want, runtime.tokenizer.decode(p)
@@ -50,7 +50,7 @@ def test_greedy_matches_transformers_from_empty_cache(runtime, prompts, expected
 
 
 def test_greedy_matches_transformers_with_prefix_cached(runtime, prompts, expected):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     for p, want in zip(prompts, expected):
         half = len(p) // 2
         runtime.generate(p[:half], max_tokens=1)
@@ -60,7 +60,7 @@ def test_greedy_matches_transformers_with_prefix_cached(runtime, prompts, expect
 
 
 def test_one_at_a_time_equals_batch(runtime, prompts, expected):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     for p, want in zip(prompts[:3], expected[:3]):
         assert runtime.generate(p, max_tokens=NEW, ignore_eos=True).token_ids == want
 

@@ -106,7 +106,7 @@ def review(s, item):
 
 def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
     items = [{"item": x} for x in ("kettle", "lamp", "chair")]
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     states, events = _events_of(runtime, lambda: review.run_batch(items))
     report = review.last_batch_report
     assert report.name == "shared_prefix" and report.changed == 3
@@ -128,7 +128,7 @@ def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
                and e.data["kind"] == "Decode"]
     assert len(decodes) == 3
     assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     off = review.run_batch(items, passes=())
     assert review.last_batch_report is None and off[0].nodes[0].instructions[1:] == []
     assert [s["r"] for s in states] == [s["r"] for s in off]
@@ -145,7 +145,7 @@ def three_ways(s, q):
 
 
 def test_a_forks_branches_wait_for_one_shared_extend(runtime):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     st, events = _events_of(runtime, lambda: three_ways.run(q="Why is the sky blue?"))
     assert st.error() is None and st.pass_counts["shared_prefix"] == 1
     fork = next(n for n in st.nodes if n.kind == "Fork")
@@ -161,7 +161,7 @@ def test_a_forks_branches_wait_for_one_shared_extend(runtime):
                and e.data["kind"] == "Decode"]
     assert len(decodes) == 3
     assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     off = three_ways.run(q="Why is the sky blue?", passes=())
     assert off.pass_counts == {} and off["a"] == st["a"]
     assert [i.kind for i in next(n for n in off.nodes if n.kind == "Fork").instructions] \
@@ -192,7 +192,7 @@ def test_programs_in_flight_compute_a_common_prefix_once(runtime):
         s += "You are a helpful assistant who answers in one short sentence. " * 6
         s += "Q: " + q + "\nA:" + sgl.gen("a", max_tokens=3)
 
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     qs = ("Why is grass green?", "What is rain?", "Where is Paris?")
     futs, events = _events_of(runtime, lambda: [
         f.result() and f for f in [helper.run_async(q=q) for q in qs]])
@@ -203,7 +203,7 @@ def test_programs_in_flight_compute_a_common_prefix_once(runtime):
     cached = sorted(e.data["cached_tokens"] for e in events if e.program in ours
                     and e.kind == "instruction_finished" and e.data["kind"] == "Decode")
     assert len(cached) == 3 and cached[1] >= prefix_tokens - 1  # all but the first
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     assert [s["a"] for s in states] == [helper.run(q=q)["a"] for q in qs]
 
 

@@ -322,7 +322,7 @@ def alone(mode_rt, prompts) -> list[list[int]]:
     """Each prompt's greedy tokens, run alone from an empty cache."""
     outs = []
     for p in prompts:
-        mode_rt.engine.cache.reset()
+        mode_rt.flush_cache()
         outs.append(mode_rt.generate(p, max_tokens=NEW, ignore_eos=True).token_ids)
     return outs
 
@@ -347,7 +347,7 @@ def test_accuracy_against_fp32(mode_rt, eval_ids, fp32_scores, capsys):
 def test_greedy_is_deterministic(mode_rt, prompts):
     runs = []
     for _ in range(2):
-        mode_rt.engine.cache.reset()
+        mode_rt.flush_cache()
         runs.append([o.token_ids for o in mode_rt.generate(prompts, max_tokens=NEW,
                                                            ignore_eos=True)])
     assert runs[0] == runs[1]
@@ -358,24 +358,24 @@ def test_batch_equals_one_at_a_time(mode_rt, eval_ids):
     """Bit for bit: the same tokens and the same logprobs (the CPU kernels compute each
     row and each token's attention on its own; kernels/cpu_decode.cpp)."""
     prompts = [eval_ids[i * 300: i * 300 + 24] for i in range(6)]
-    mode_rt.engine.cache.reset()
+    mode_rt.flush_cache()
     batch = mode_rt.generate(prompts, max_tokens=NEW, ignore_eos=True, logprobs=True)
     for p, b in zip(prompts, batch):
-        mode_rt.engine.cache.reset()
+        mode_rt.flush_cache()
         one = mode_rt.generate(p, max_tokens=NEW, ignore_eos=True, logprobs=True)
         assert one.token_ids == b.token_ids and one.logprobs == b.logprobs
 
 
 @pytest.mark.slow
 def test_batch_of_mixed_lengths_equals_one_at_a_time(mode_rt, prompts, alone):
-    mode_rt.engine.cache.reset()
+    mode_rt.flush_cache()
     outs = mode_rt.generate(prompts, max_tokens=NEW, ignore_eos=True)
     assert [o.token_ids for o in outs] == alone
 
 
 @pytest.mark.slow
 def test_cached_prefix_gives_the_same_tokens(mode_rt, prompts, alone):
-    mode_rt.engine.cache.reset()
+    mode_rt.flush_cache()
     for p, want in zip(prompts, alone):
         half = len(p) // 2
         mode_rt.generate(p[:half], max_tokens=1)

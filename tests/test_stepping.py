@@ -104,7 +104,7 @@ def test_events_follow_the_program(runtime):
 
 
 def test_cache_events(runtime):
-    runtime.engine.cache.reset()
+    runtime.flush_cache()
     events = runtime.events.subscribe()
     prompt = "A sentence about caching, repeated to be cached. " * 4
     runtime.generate(prompt, max_tokens=2)

@@ -34,7 +34,7 @@ def traces(runtime, tmp_path_factory) -> dict[str, Path]:
     for name in ("story", "broken", "chat"):
         program = load_program(f"{PROGRAM}:{name}")
         _wait_idle(runtime)  # alone in its batches: the same figures every run
-        runtime.engine.cache.reset()  # the trace's cache hits must not depend on other tests
+        runtime.flush_cache()  # the trace's cache hits must not depend on other tests
         out[name] = folder / f"{name}.jsonl"
         sgl.enable_tracing(file=out[name], runtime=runtime)
         try:
