@@ -135,6 +135,17 @@ def completion(v, extra) -> st.SearchStrategy:
                  "echo": v(st.booleans(), st.just(False)), "suffix": v(texts, st.none())})
 
 
+# A function tool: a name and, maybe, a schema of its arguments (junk when not exact).
+tools = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_time", "add"])},
+    optional={"parameters": schemas.filter(lambda s: s == {"type": "object"}) | st.just(
+        {"type": "object", "properties": {"a": {"type": "integer"}}})})})
+
+
+def tool_name(tool: dict) -> str:
+    return tool["function"]["name"]
+
+
 def chat(v, extra) -> st.SearchStrategy:
     part = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
                      st.fixed_dictionaries({"type": texts}))
@@ -147,7 +158,10 @@ def chat(v, extra) -> st.SearchStrategy:
                  "max_tokens": v(sizes, small)},
                 {**sampling(v, extra), "max_completion_tokens": v(sizes, small),
                  "logprobs": v(st.booleans()), "top_logprobs": v(st.integers(0, 3)),
-                 "tools": v(st.just([])), "tool_choice": v(st.sampled_from(["none", "auto"]))})
+                 "tools": v(st.lists(tools, max_size=2), st.lists(tools, min_size=1, max_size=2,
+                                                                 unique_by=tool_name)),
+                 # Alone, only "none" is valid (a choice needs tools).
+                 "tool_choice": v(st.sampled_from(["none", "auto", "required"]), st.just("none"))})
 
 
 def generate(v, extra) -> st.SearchStrategy:
