@@ -145,7 +145,10 @@ def run_min_tokens() -> dict:
 def run_cache_prefix() -> dict:
     backend = sgl.global_config.default_backend
     sgl.flush_cache()
+    # run() returns at once: the program runs on the frontend's executor thread, so the
+    # flush after it waits until it has finished (sync), or it would flush first.
     cold = after_prefix.run(question="Q1:")
+    cold.sync()
     sgl.flush_cache()
     backend.cache_prefix(LONG_PREFIX)
     warm = after_prefix.run(question="Q2:")
