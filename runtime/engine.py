@@ -23,7 +23,7 @@ from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarCompilerCache, GrammarError
-from sgl_nb.runtime.model.model import Model
+from sgl_nb.runtime.model.load import load_model
 from sgl_nb.runtime.model.model_loader import resolve_model_path
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
@@ -185,7 +185,7 @@ class Engine:
         self.device = s.torch_device
         self.model_path = off_main_thread(lambda: resolve_model_path(s.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.model = off_main_thread(lambda: Model.load(
+        self.model = off_main_thread(lambda: load_model(
             self.model_path, dtype=s.dtype, device=self.device, quantization=s.quantization
         ))
         self.config = self.model.config
