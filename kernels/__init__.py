@@ -9,6 +9,12 @@ step has its own copy of the same). SGL_NB_ATTENTION=torch|triton forces one imp
 (triton on CPU tensors needs TRITON_INTERPRET=1). Triton is imported only when a Triton path
 is taken, so this package imports without it.
 
+Per-layer variations, keyword arguments of both attention functions: `window` (sliding
+window: a query at position p sees key positions k with p - window < k <= p, positions
+being indices in the request's kv_indices list) and `softcap` (scores become
+softcap * tanh(scores / softcap) after the scale, before the mask and softmax, as Gemma 2's
+attn_logit_softcapping). The pool keeps every position's KV; the window only masks.
+
 The Triton modules are named *_triton: a submodule named like a function of this package
 (e.g. `decode_attention`) would replace that function as a package attribute on import.
 """
@@ -60,12 +66,16 @@ def plan_decode(
     num_kv_heads: int,
     num_q_heads: int,
     max_kv_len: int | None = None,
+    window: int | None = None,
 ) -> reference.DecodePlan | None:
     """Gather indices for the torch decode path, computed once per step and shared by all
-    layers; None on the Triton path (its kernels read kv_indices themselves)."""
+    layers of one `window` (layers of another window need their own plan); None on the
+    Triton path (its kernels read kv_indices themselves)."""
+    _check_variations(window, None)
     if _use_triton(kv_indices):
         return None
-    return reference.plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len)
+    return reference.plan_decode(
+        kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len, window)
 
 
 def decode_attention(
@@ -77,6 +87,9 @@ def decode_attention(
     scale: float,
     max_kv_len: int | None = None,
     plan: reference.DecodePlan | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request: q [B, Hq, D] -> [B, Hq, D].
 
@@ -84,13 +97,18 @@ def decode_attention(
     included, already stored). GQA: query head h uses KV head h // (Hq // Hkv).
     max_kv_len, the longest request's KV length if the caller knows it, saves a
     device-to-host read. Softmax and accumulation are fp32; the result has q's dtype.
+    `window` and `softcap`: see the module's docstring; a `plan` must be made for the
+    same window.
     """
-    if _use_triton(q):
+    _check_variations(window, softcap)
+    variations = window is not None or softcap is not None
+    if _use_triton(q) and not variations:
         from .decode_attention_triton import decode_attention as impl
 
         return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len)
     return reference.decode_attention(
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len, plan
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len, plan,
+        window=window, softcap=softcap,
     )
 
 
@@ -103,25 +121,41 @@ def extend_attention(
     kv_indices: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a cached prefix plus themselves: [T, Hq, D] -> same.
 
     Request b's queries are q[qo_indptr[b]:qo_indptr[b + 1]]; its KV slots (prefix, then the
     new tokens, all already stored) are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]. Query i
     of request b sits at position prefix_len_b + i (prefix_len_b = kv_len_b - qo_len_b)
-    and sees KV positions <= that. Softmax and accumulation are fp32; result in q's dtype.
+    and sees KV positions <= that (and > that - window). Softmax and accumulation are fp32;
+    result in q's dtype.
     """
-    if _use_triton(q):
+    _check_variations(window, softcap)
+    variations = window is not None or softcap is not None
+    if _use_triton(q) and not variations:
         from .extend_attention_triton import extend_attention as impl
-    elif _use_cpu_kernel(q, k_buffer):
+    elif _use_cpu_kernel(q, k_buffer) and not variations:
         # cpu_decode.cpp's attention: a token's result does not depend on how its prompt was
         # split into prefill chunks or batched (SDPA's does, in the last bits).
         out = cpu_decode.load().extend_attention(
             q.float() * scale, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
         return out.to(q.dtype)
     else:
-        impl = reference.extend_attention
+        return reference.extend_attention(
+            q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,
+            window=window, softcap=softcap)
     return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len)
+
+
+def _check_variations(window: int | None, softcap: float | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"attention window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention softcap must be a positive number or None, got {softcap!r}")
 
 
 def _use_cpu_kernel(q: torch.Tensor, k_buffer: torch.Tensor) -> bool:

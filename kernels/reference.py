@@ -7,6 +7,10 @@ computation for all decode requests.
 
 KV layout: one buffer per layer for K and one for V, [num_slots, num_kv_heads, head_dim].
 Only the slots a request lists are read, so slots never written may hold anything.
+
+Two per-layer variations (see kernels/__init__.py): a sliding `window` (a query at position
+p sees keys at p - window < k <= p) and a `softcap` (scores become
+softcap * tanh(scores / softcap) after the scale, before the mask and softmax).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ class DecodePlan:
     # batch shares): read once for all queries instead of once per request.
     prefix_rows: torch.Tensor | None = None  # [Hkv * P], head-major
     prefix_len: int = 0
+    # The sliding window the slots were cut to (None: all of each request's slots). A layer
+    # of another window needs a plan of its own.
+    window: int | None = None
 
 
 # Below this many shared slots the separate prefix pass costs more than it saves.
@@ -80,15 +87,34 @@ def _shared_prefix_len(slots: torch.Tensor, valid: torch.Tensor) -> int:
     return min(shared, int(valid.sum(1).min()) - 1)
 
 
+def window_slots(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's last `window` slots (all of them when it is shorter): what a decode
+    query at the request's last position sees through a sliding window."""
+    kv_indptr, kv_indices = kv_indptr.long(), kv_indices.long()
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).clamp(max=window)
+    starts = kv_indptr[1:] - lens
+    new_indptr = torch.zeros_like(kv_indptr)
+    torch.cumsum(lens, 0, out=new_indptr[1:])
+    offsets = torch.arange(int(new_indptr[-1]), device=kv_indptr.device)
+    offsets -= new_indptr[:-1].repeat_interleave(lens)
+    return new_indptr, kv_indices.take(starts.repeat_interleave(lens) + offsets)
+
+
 def plan_decode(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     num_kv_heads: int,
     num_q_heads: int,
     max_kv_len: int | None = None,
+    window: int | None = None,
 ) -> DecodePlan:
     batch = kv_indptr.numel() - 1
     kv_indptr, kv_indices = kv_indptr.long(), kv_indices.long()
+    if window is not None:
+        kv_indptr, kv_indices = window_slots(kv_indptr, kv_indices, window)
+        max_kv_len = None if max_kv_len is None else min(max_kv_len, window)
     prefix_len = 0
     if batch == 1:
         # One request: its slots are all valid, so no padding and no mask.
@@ -108,7 +134,8 @@ def plan_decode(
     rows = slots[:, None, :] * num_kv_heads + head_ids[:, None]  # [B, Hkv, L]
     group = num_q_heads // num_kv_heads
     bags = rows[:, :, None, :].expand(batch, num_kv_heads, group, seq_len)
-    plan = DecodePlan(rows.reshape(-1), bags.reshape(-1, seq_len), pad, batch, seq_len)
+    plan = DecodePlan(rows.reshape(-1), bags.reshape(-1, seq_len), pad, batch, seq_len,
+                      window=window)
     if batch > 1 and prefix_len >= SHARED_PREFIX_MIN:
         plan.prefix_rows = (head_ids[:, None] + prefix[None, :] * num_kv_heads).reshape(-1)
         plan.prefix_len = prefix_len
@@ -124,27 +151,34 @@ def decode_attention(
     scale: float,
     max_kv_len: int | None = None,
     plan: DecodePlan | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged KV. q: [B, Hq, D] -> [B, Hq, D].
 
     max_kv_len, if given, must be at least the longest request's KV length. `plan`
-    (from plan_decode) saves recomputing the gather indices in every layer.
+    (from plan_decode) saves recomputing the gather indices in every layer; it must have
+    been made for the same `window`.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if batch == 0:
         return torch.empty_like(q)
     if plan is None:
-        plan = plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len)
+        plan = plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads, max_kv_len, window)
+    elif plan.window != window:
+        raise ValueError(f"decode_attention: the plan was made for window {plan.window}, "
+                         f"the call asks for window {window} (one plan per window)")
     if plan.prefix_len:
-        return _decode_shared_prefix(q, k_buffer, v_buffer, scale, plan)
+        return _decode_shared_prefix(q, k_buffer, v_buffer, scale, plan, softcap)
     group, seq_len = num_q_heads // num_kv_heads, plan.seq_len
 
     # GQA as a view: the `group` query heads of one KV head are the rows of one small matmul.
     qf = (q.float() * scale).view(batch * num_kv_heads, group, head_dim)
     k = _rows(k_buffer).index_select(0, plan.rows)
     k = k.view(batch * num_kv_heads, seq_len, head_dim).float()
-    scores = torch.bmm(qf, k.transpose(1, 2))  # [B * Hkv, G, L]
+    scores = _soft_cap(torch.bmm(qf, k.transpose(1, 2)), softcap)  # [B * Hkv, G, L]
     if plan.pad is not None:
         scores.view(batch, num_q_heads, seq_len).masked_fill_(plan.pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -165,7 +199,15 @@ def decode_attention(
     return out.view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
-def _decode_shared_prefix(q, k_buffer, v_buffer, scale: float, plan: DecodePlan):
+def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap * tanh(scores / softcap), in place (Gemma 2's attention logit soft-capping)."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def _decode_shared_prefix(q, k_buffer, v_buffer, scale: float, plan: DecodePlan,
+                          softcap: float | None):
     """Decode attention split in two and merged by log-sum-exp: the shared prefix for all
     queries at once (its K/V read once), then each request's own tokens."""
     batch, num_q_heads, head_dim = q.shape
@@ -178,7 +220,7 @@ def _decode_shared_prefix(q, k_buffer, v_buffer, scale: float, plan: DecodePlan)
     qh = qh.reshape(num_kv_heads, batch * group, head_dim)
     kp = _rows(k_buffer).index_select(0, plan.prefix_rows).view(num_kv_heads, p_len, head_dim)
     vp = _rows(v_buffer).index_select(0, plan.prefix_rows).view(num_kv_heads, p_len, head_dim)
-    sp = torch.bmm(qh, kp.float().transpose(1, 2))  # [Hkv, B * G, P]
+    sp = _soft_cap(torch.bmm(qh, kp.float().transpose(1, 2)), softcap)  # [Hkv, B * G, P]
     mp = sp.amax(-1, keepdim=True)
     ep = (sp - mp).exp_()
     op = torch.bmm(ep, vp.float())  # [Hkv, B * G, D], not yet normalised
@@ -192,6 +234,7 @@ def _decode_shared_prefix(q, k_buffer, v_buffer, scale: float, plan: DecodePlan)
     # Each request's own tokens (at least its current one, so the max is finite).
     ks = _rows(k_buffer).index_select(0, plan.rows).view(batch * num_kv_heads, s_len, head_dim)
     ss = torch.bmm(qf.view(batch * num_kv_heads, group, head_dim), ks.float().transpose(1, 2))
+    ss = _soft_cap(ss, softcap)
     ss.view(batch, num_q_heads, s_len).masked_fill_(plan.pad, float("-inf"))
     ms = ss.amax(-1, keepdim=True)
     es = (ss - ms).exp_()
@@ -215,6 +258,9 @@ def extend_attention(
     kv_indices: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """New tokens of each request against its cached prefix plus themselves, causal.
 
@@ -239,28 +285,44 @@ def extend_attention(
         if q_len == 0:
             continue
         prefix_len = kv_len - q_len
-        slots = kv_indices[kv_start:kv_end]
+        # Keys before the first query's window are seen by no query: not even gathered.
+        first = 0 if window is None else max(0, prefix_len + 1 - window)
+        slots = kv_indices[kv_start + first : kv_end]
         # [Hkv, L, D] straight from the gather (see _rows).
         rows = (slots[None, :] * num_kv_heads + head_ids[:, None]).view(-1)
-        k = _rows(k_buffer).index_select(0, rows).view(num_kv_heads, kv_len, head_dim)
-        v = _rows(v_buffer).index_select(0, rows).view(num_kv_heads, kv_len, head_dim)
+        k = _rows(k_buffer).index_select(0, rows).view(num_kv_heads, -1, head_dim)
+        v = _rows(v_buffer).index_select(0, rows).view(num_kv_heads, -1, head_dim)
         # GQA as a view: query heads of one KV head stacked as [Hkv, G * q_len, D], so
         # SDPA sees plain multi-head attention (no enable_gqa, no repeated K/V).
         qb = q[q_start:q_end].view(q_len, num_kv_heads, group, head_dim)
         qb = qb.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-        mask = None
-        if q_len > 1:
-            # Query i sits at position prefix_len + i and sees positions <= that.
-            pos_q = torch.arange(prefix_len, kv_len, device=q.device)
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
+        mask = _extend_mask(prefix_len, first, kv_len, window, q.device)
+        if mask is not None:
             mask = mask.repeat(group, 1)
-        ob = F.scaled_dot_product_attention(
-            qb.to(compute_dtype),
-            k.to(compute_dtype),
-            v.to(compute_dtype),
-            attn_mask=mask,
-            scale=scale,
-        )
+        qb, k, v = qb.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+        if softcap is None:
+            ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        else:  # SDPA has no soft-cap: the scores are written out
+            scores = _soft_cap(torch.bmm(qb, k.transpose(1, 2)).mul_(scale), softcap)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            ob = torch.bmm(torch.softmax(scores, dim=-1), v)
         ob = ob.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[q_start:q_end] = ob.reshape(q_len, num_q_heads, head_dim)
     return out
+
+
+def _extend_mask(
+    prefix_len: int, first: int, kv_len: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[q_len, kv_len - first] True where query i (at position prefix_len + i) sees key
+    first + j; None when every query sees every key."""
+    q_len = kv_len - prefix_len
+    if q_len == 1 and (window is None or kv_len - first <= window):
+        return None
+    pos_q = torch.arange(prefix_len, kv_len, device=device)[:, None]
+    pos_k = torch.arange(first, kv_len, device=device)[None, :]
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return mask

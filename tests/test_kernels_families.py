@@ -1,0 +1,198 @@
+"""Attention with a sliding window and a logit soft-cap (Mistral, Gemma 2/3, ...): every
+implementation against a dense float64 computation written out here.
+
+The Triton kernels run on the CPU through Triton's interpreter, which must be switched on
+before any @triton.jit function is defined (see tests/test_kernels.py).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sgl_nb.kernels as kernels  # noqa: E402
+from sgl_nb.kernels import reference  # noqa: E402
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+WINDOW, SOFTCAP = 16, 2.0
+VARIATIONS = [(None, None), (WINDOW, None), (None, SOFTCAP), (WINDOW, SOFTCAP)]
+# (query heads, KV heads): GQA groups 1, 2, 4 and 8.
+GROUPS = [(4, 4), (4, 2), (8, 2), (8, 1)]
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def _paged_kv(kv_lens, num_kv_heads, head_dim, dtype, gen):
+    """K/V buffers holding the requests' tokens at scattered slots, NaN everywhere else: a
+    kernel that reads a slot no request owns fails instead of passing by luck."""
+    total = sum(kv_lens)
+    num_slots = total + 9
+    k_buf = torch.full((num_slots, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_buf = torch.full_like(k_buf, float("nan"))
+    slots = torch.randperm(num_slots - 1, generator=gen)[:total] + 1
+    k_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_buf, v_buf, _indptr(kv_lens), slots
+
+
+def dense_attention(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, scale, window, softcap):
+    """Per request in float64: scores, soft-cap, causal and window mask, softmax, weights."""
+    group = q.shape[1] // k_buf.shape[1]
+    outs, q_at, kv_at = [], 0, 0
+    for q_len, kv_len in zip(qo_lens, kv_lens, strict=True):
+        slots = kv_indices[kv_at : kv_at + kv_len]
+        k = k_buf[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_buf[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_at : q_at + q_len].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos_q = torch.arange(q_len)[:, None] + (kv_len - q_len)
+        pos_k = torch.arange(kv_len)[None, :]
+        hidden = pos_k > pos_q
+        if window is not None:
+            hidden |= pos_k <= pos_q - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        q_at, kv_at = q_at + q_len, kv_at + kv_len
+    return torch.cat(outs).float()
+
+
+def _decode_case(num_q_heads, num_kv_heads, head_dim, gen, kv_lens=(1, 9, 16, 17, 40)):
+    kv_lens = list(kv_lens)
+    k_buf, v_buf, kv_indptr, kv_indices = _paged_kv(kv_lens, num_kv_heads, head_dim,
+                                                    torch.float32, gen)
+    # Large enough scores (std ~3) that the soft-cap of 2 changes the result a lot.
+    q = 3 * torch.randn(len(kv_lens), num_q_heads, head_dim, generator=gen)
+    return q, k_buf, v_buf, kv_indptr, kv_indices, kv_lens
+
+
+def _extend_case(num_q_heads, num_kv_heads, head_dim, gen):
+    # New tokens of 1, 5 and 37 over prefixes of 0, 30 and 3: windows that start inside the
+    # prefix, inside the new tokens, and not at all.
+    qo_lens, prefix_lens = [1, 5, 37], [0, 30, 3]
+    kv_lens = [p + n for p, n in zip(prefix_lens, qo_lens, strict=True)]
+    k_buf, v_buf, kv_indptr, kv_indices = _paged_kv(kv_lens, num_kv_heads, head_dim,
+                                                    torch.float32, gen)
+    q = 3 * torch.randn(sum(qo_lens), num_q_heads, head_dim, generator=gen)
+    return q, k_buf, v_buf, _indptr(qo_lens), kv_indptr, kv_indices, qo_lens, kv_lens
+
+
+# --- the torch reference -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GROUPS)
+@pytest.mark.parametrize("window,softcap", VARIATIONS)
+def test_reference_decode_matches_dense(num_q_heads, num_kv_heads, window, softcap):
+    gen = torch.Generator().manual_seed(num_q_heads * 10 + num_kv_heads)
+    q, k_buf, v_buf, kv_indptr, kv_indices, kv_lens = _decode_case(num_q_heads, num_kv_heads,
+                                                                   64, gen)
+    want = dense_attention(q, k_buf, v_buf, [1] * len(kv_lens), kv_lens, kv_indices, 0.125,
+                           window, softcap)
+    got = reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125,
+                                     window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    # A plan made for the window, and the caller's max_kv_len, give the same bits.
+    plan = reference.plan_decode(kv_indptr, kv_indices, num_kv_heads, num_q_heads,
+                                 max(kv_lens), window)
+    again = reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125,
+                                       max(kv_lens), plan, window=window, softcap=softcap)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GROUPS)
+@pytest.mark.parametrize("window,softcap", VARIATIONS)
+def test_reference_extend_matches_dense(num_q_heads, num_kv_heads, window, softcap):
+    gen = torch.Generator().manual_seed(num_q_heads * 10 + num_kv_heads)
+    q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, qo_lens, kv_lens = _extend_case(
+        num_q_heads, num_kv_heads, 64, gen)
+    want = dense_attention(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, 0.125, window,
+                           softcap)
+    got = reference.extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, 0.125,
+                                     window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_the_variations_change_the_result():
+    """The cases above are ones where a kernel ignoring the window or the soft-cap fails."""
+    gen = torch.Generator().manual_seed(1)
+    q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, qo_lens, kv_lens = _extend_case(
+        8, 2, 64, gen)
+    outs = [dense_attention(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, 0.125, w, c)
+            for w, c in VARIATIONS]
+    for i in range(len(outs)):
+        for j in range(i):
+            assert (outs[i] - outs[j]).abs().max() > 0.1
+
+
+def test_reference_decode_shared_prefix_with_window_and_softcap():
+    """Requests sharing a radix prefix longer than the window still share the windowed
+    slots when they are equally long (the prefix-once path), and the result is right."""
+    gen = torch.Generator().manual_seed(3)
+    shared, window = reference.SHARED_PREFIX_MIN + 40, reference.SHARED_PREFIX_MIN + 8
+    k_buf, v_buf, _, slots = _paged_kv([shared + 4], 2, 64, torch.float32, gen)
+    prefix, own = slots[:shared], slots[shared:]
+    kv_indices = torch.cat([torch.cat([prefix, own[i : i + 1]]) for i in range(4)])
+    kv_lens = [shared + 1] * 4
+    kv_indptr = _indptr(kv_lens)
+    plan = reference.plan_decode(kv_indptr, kv_indices, 2, 8, window=window)
+    assert plan.prefix_len == window - 1
+    q = 3 * torch.randn(4, 8, 64, generator=gen)
+    got = reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, plan=plan,
+                                     window=window, softcap=SOFTCAP)
+    want = dense_attention(q, k_buf, v_buf, [1] * 4, kv_lens, kv_indices, 0.125, window,
+                           SOFTCAP)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_a_plan_of_another_window_is_refused():
+    gen = torch.Generator().manual_seed(4)
+    q, k_buf, v_buf, kv_indptr, kv_indices, _ = _decode_case(4, 2, 64, gen)
+    plan = reference.plan_decode(kv_indptr, kv_indices, 2, 4)
+    with pytest.raises(ValueError, match="window"):
+        reference.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, plan=plan,
+                                   window=WINDOW)
+
+
+@pytest.mark.parametrize("bad", [{"window": 0}, {"window": 2.5}, {"window": True},
+                                 {"softcap": 0.0}, {"softcap": -1.0},
+                                 {"softcap": float("nan")}])
+def test_bad_variations_are_errors(bad):
+    gen = torch.Generator().manual_seed(5)
+    q, k_buf, v_buf, kv_indptr, kv_indices, _ = _decode_case(4, 2, 64, gen)
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        kernels.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, **bad)
+    with pytest.raises(ValueError, match=name):
+        kernels.extend_attention(q, k_buf, v_buf, _indptr([1] * 5), kv_indptr, kv_indices,
+                                 0.125, **bad)
+
+
+# --- the package's dispatch (whichever implementation it picks) --------------------------
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("window,softcap", VARIATIONS)
+def test_package_functions_honour_the_variations(monkeypatch, attention, window, softcap):
+    """No path (C++ on the CPU where it is built, torch, Triton) ignores an argument."""
+    monkeypatch.setenv("SGL_NB_ATTENTION", attention)
+    gen = torch.Generator().manual_seed(6)
+    q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, qo_lens, kv_lens = _extend_case(
+        8, 2, 64, gen)
+    want = dense_attention(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, 0.125, window,
+                           softcap)
+    got = kernels.extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, 0.125,
+                                   window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+    q, k_buf, v_buf, kv_indptr, kv_indices, kv_lens = _decode_case(8, 2, 64, gen)
+    want = dense_attention(q, k_buf, v_buf, [1] * len(kv_lens), kv_lens, kv_indices, 0.125,
+                           window, softcap)
+    plan = kernels.plan_decode(kv_indptr, kv_indices, 2, 8, max(kv_lens), window)
+    got = kernels.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, max(kv_lens),
+                                   plan, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
