@@ -1,7 +1,12 @@
-"""Llama-family model runner (Llama 2/3, SmolLM2, TinyLlama, Qwen2) over our paged KV pool.
+"""The model runner of the native families over our paged KV pool: Llama's decoder layer,
+with what a family changes read from ModelConfig's fields (runtime/model/families.py sets
+them): norm offset and post-norms, q/k norms, attention scale and soft-cap, a window and a
+rope (or none) per layer, partial rotary, embedding / residual / logit multipliers, the
+activation, mixture-of-experts MLPs.
 
-The arithmetic mirrors transformers' LlamaForCausalLM op for op (fp32 RMSNorm, RoPE as
-q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly.
+The arithmetic mirrors transformers op for op (fp32 RMSNorm, RoPE as
+q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly. Llama-shaped
+configs (ModelConfig.fused_decode_ok) decode through kernels/cpu_decode.cpp's fused step.
 """
 
 from __future__ import annotations
@@ -9,14 +14,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from sgl_nb.kernels import cpu_decode, decode_attention, extend_attention, plan_decode, store_kv
 from sgl_nb.runtime.kv_pool import KVPool
+from sgl_nb.runtime.model.checkpoint import check_shapes, llama_shapes, read_weights
 from sgl_nb.runtime.model.forward_batch import ForwardBatch
 from sgl_nb.runtime.model.linear import (
     DenseLinear,
@@ -30,8 +36,9 @@ from sgl_nb.runtime.model.linear import (
     resolve_dtype,
     shape_error,
 )
-from sgl_nb.runtime.model.model_config import ModelConfig
+from sgl_nb.runtime.model.model_config import Activation, ModelConfig, QKNorm
 from sgl_nb.runtime.model.model_loader import load_quantized
+from sgl_nb.runtime.model.moe import MoE, expert_linear_weights, moe_from_weights
 from sgl_nb.runtime.model.quantize import quantize
 
 
@@ -60,14 +67,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+ACTIVATIONS = {Activation.SILU: F.silu, Activation.GELU_TANH: partial(F.gelu, approximate="tanh")}
+
+
 @dataclass
 class Layer:
-    input_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: absent (ModelConfig.weights names which exist)
     qkv: Linear  # q, k and v projections fused into one matmul
     o_proj: Linear
-    post_norm: torch.Tensor
-    gate_up: Linear  # gate and up projections fused
-    down: Linear
+    mlp_norm: torch.Tensor | None
+    gate_up: Linear | None  # gate and up projections fused; None in a MoE layer
+    down: Linear | None
+    attn_post_norm: torch.Tensor | None = None
+    mlp_post_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    moe: MoE | None = None
 
 
 def lm_head_quantization(quantization: str, shape: torch.Size) -> str:
@@ -103,32 +118,27 @@ def _warn_fallbacks(fallbacks: dict[str, str], quantization: str | None) -> None
         )
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
-
-
 def linear_weights(
     c: ModelConfig, weights: dict[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(name, weight, bias) of every decoder-layer linear as the runner computes it: q/k/v
-    and gate/up fused along the output dimension."""
+    and gate/up fused along the output dimension, a MoE layer's experts one by one."""
+    names = c.weights
     for i in range(c.num_layers):
-        att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layer = f"model.layers.{i}."
         qkv_b = None
         if c.attention_bias:
-            qkv_b = torch.cat([weights[att + f"{n}_proj.bias"] for n in "qkv"])
-        qkv_w = torch.cat([weights[att + f"{n}_proj.weight"] for n in "qkv"])
+            qkv_b = torch.cat([weights[layer + n + ".bias"] for n in names.qkv])
+        qkv_w = torch.cat([weights[layer + n + ".weight"] for n in names.qkv])
         yield f"layers.{i}.qkv", qkv_w, qkv_b
+        att = layer + "self_attn."
         yield f"layers.{i}.o_proj", weights[att + "o_proj.weight"], weights.get(att + "o_proj.bias")
-        gate_up = torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+        if c.layers[i].moe:
+            yield from expert_linear_weights(weights, layer + "mlp.", f"layers.{i}", c.num_experts)
+            continue
+        gate_up = torch.cat([weights[layer + n + ".weight"] for n in names.gate_up])
         yield f"layers.{i}.gate_up", gate_up, None
-        yield f"layers.{i}.down", weights[mlp + "down_proj.weight"], None
+        yield f"layers.{i}.down", weights[layer + "mlp.down_proj.weight"], None
 
 
 def lm_head_weight(c: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,6 +148,8 @@ def lm_head_weight(c: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Te
 
 
 class Model:
+    path = "native"  # which runner (load.py); TransformersModel's is "transformers"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -153,13 +165,21 @@ class Model:
         self.quantization = check_quantization(quantization)
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+        self.act = ACTIVATIONS[c.activation]
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
 
+        def norm(name: str) -> torch.Tensor | None:
+            # Gemma's (1 + w) added in fp32, as transformers does, then cast.
+            if not name:
+                return None
+            weight = weights[name].float()
+            return (weight + c.norm_offset if c.norm_offset else weight).to(self.device, dtype)
+
         self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         linears: dict[str, Linear] = {}
         self.fallbacks: dict[str, str] = {}  # layer name -> why it stayed dense
         if quantized:  # every layer's kernel and shape checked at once, in one probe process
@@ -167,6 +187,8 @@ class Model:
             check_kernels([(head_q if name == "lm_head" else quantization, t)
                            for name, t in quantized.items()], dtype, self.device)
         for name, weight, bias in linear_weights(c, weights):
+            if ".experts." in name:
+                continue  # built by moe_from_weights below
             q = None if quantized is None else quantized.get(name)
             linears[name], why = make_linear(weight, bias, dtype, self.device, quantization, q)
             if why is not None:
@@ -184,23 +206,38 @@ class Model:
             )
             if why is not None:
                 self.fallbacks["lm_head"] = why
+        self.layers = [self._layer(i, weights, linears, norm, quantized)
+                       for i in range(c.num_layers)]
         if self.fallbacks:
             _warn_fallbacks(self.fallbacks, quantization)
         self.lm_head = LogitsHead(head_linear, None if dtype == torch.float32 else head16)
-        self.layers = [
-            Layer(
-                input_norm=w(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=linears[f"layers.{i}.qkv"],
-                o_proj=linears[f"layers.{i}.o_proj"],
-                post_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=linears[f"layers.{i}.gate_up"],
-                down=linears[f"layers.{i}.down"],
-            )
-            for i in range(c.num_layers)
-        ]
+        self.inv_freqs = {spec.rope: spec.rope.inv_freq(c.rotary_dim).to(self.device)
+                          for spec in c.layers if spec.rope is not None}
         self.inv_freq = c.inv_freq().to(self.device)
         self._fused = None  # the fused CPU decode step, built on the first decode
 
+    def _layer(self, i: int, weights, linears: dict[str, Linear], norm, quantized) -> Layer:
+        c, names, prefix = self.config, self.config.weights, f"model.layers.{i}."
+        layer = Layer(
+            attn_norm=norm(names.attn_norm and prefix + names.attn_norm + ".weight"),
+            qkv=linears[f"layers.{i}.qkv"],
+            o_proj=linears[f"layers.{i}.o_proj"],
+            mlp_norm=norm(names.mlp_norm and prefix + names.mlp_norm + ".weight"),
+            gate_up=linears.get(f"layers.{i}.gate_up"),
+            down=linears.get(f"layers.{i}.down"),
+            attn_post_norm=norm(names.attn_post_norm and prefix + names.attn_post_norm + ".weight"),
+            mlp_post_norm=norm(names.mlp_post_norm and prefix + names.mlp_post_norm + ".weight"),
+        )
+        if c.qk_norm is not QKNorm.NONE:
+            layer.q_norm = norm(prefix + names.q_norm + ".weight")
+            layer.k_norm = norm(prefix + names.k_norm + ".weight")
+        if c.layers[i].moe:
+            layer.moe, why = moe_from_weights(
+                weights, prefix + "mlp.", f"layers.{i}", c.num_experts, c.top_k,
+                c.norm_topk_prob, self.dtype, self.device, self.quantization, quantized,
+                self.act)
+            self.fallbacks.update(why)
+        return layer
 
     @classmethod
     def load(
@@ -216,6 +253,7 @@ class Model:
         dtype = resolve_dtype(dtype, device, quantization)
         config = ModelConfig.from_folder(folder)
         weights = read_weights(folder)
+        check_shapes(llama_shapes(config, weights), weights, folder)
         quantized = None
         if quantization is not None:
             quantized = load_quantized(
@@ -239,28 +277,48 @@ class Model:
         # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
         # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
         # modes); rms_norm hands the matmuls their 16-bit input.
+        c = self.config
         h = self.embed[batch.input_ids].float()
-        cos, sin = rope_tables(batch.positions, self.inv_freq, self.dtype)
-        plan = None
-        if batch.is_decode:
-            c = self.config
-            plan = plan_decode(
-                batch.kv_indptr, batch.kv_indices, c.num_kv_heads, c.num_heads, batch.max_kv_len
-            )
-        eps = self.config.rms_norm_eps
+        if c.embed_scale != 1.0:
+            # Rounded to the weights' dtype first, as transformers' Gemma does.
+            h = h * torch.tensor(c.embed_scale, dtype=self.dtype).item()
+        ropes = {rope: rope_tables(batch.positions, inv, self.dtype)
+                 for rope, inv in self.inv_freqs.items()}
+        plans: dict[int | None, object] = {}
+        if batch.is_decode:  # one gather plan per window, shared by that window's layers
+            for window in {spec.window for spec in c.layers}:
+                extra = {} if window is None else {"window": window}
+                plans[window] = plan_decode(batch.kv_indptr, batch.kv_indices, c.num_kv_heads,
+                                            c.num_heads, batch.max_kv_len, **extra)
         for i, layer in enumerate(self.layers):
-            residual = h
-            h = rms_norm(h, layer.input_norm, eps)
-            h = self._attention(i, layer, h, cos, sin, batch, pool, plan)
-            h = residual + h
-            residual = h
-            h = rms_norm(h, layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            h = residual + layer.down(F.silu(gate) * up)
+            spec = c.layers[i]
+            rope = None if spec.rope is None else ropes[spec.rope]
+            x = self._norm(h, layer.attn_norm)
+            x = self._attention(i, layer, x, rope, batch, pool, plans.get(spec.window))
+            h = self._residual(h, self._post_norm(x, layer.attn_post_norm))
+            x = self._norm(h, layer.mlp_norm)
+            if layer.moe is not None:
+                x = layer.moe(x)
+            else:
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                x = layer.down(self.act(gate) * up)
+            h = self._residual(h, self._post_norm(x, layer.mlp_post_norm))
         last = self._logits(h[batch.logits_at])
         if batch.score_rows is None:
             return last
         return last, self._logits(h[batch.score_rows])
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:  # no norm here: the next matmul still takes the model's dtype
+            return x.to(self.dtype)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _post_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        scale = self.config.residual_scale
+        return h + (x if scale == 1.0 else x * scale)
 
     def fused_decode_ready(self) -> bool:
         """Whether decode steps take the fused CPU path (building it if needed)."""
@@ -268,40 +326,73 @@ class Model:
 
     def _fused_decode(self):
         """kernels/cpu_decode.cpp's decode step (token ids to logits) for this model, or
-        None where the torch path runs (CUDA, float16, head_dim not a multiple of 8,
-        SGL_NB_CPU_DECODE=0, no compiler)."""
+        None where the torch path runs (CUDA, float16, head_dim not a multiple of 8, a
+        config not Llama-shaped, SGL_NB_CPU_DECODE=0, no compiler)."""
         if self._fused is None:
             self._fused = False
             usable = (self.device.type == "cpu" and self.config.head_dim % 8 == 0
-                      and self.dtype in (torch.float32, torch.bfloat16))
+                      and self.dtype in (torch.float32, torch.bfloat16)
+                      and self.config.fused_decode_ok)
             if usable and cpu_decode.available():
                 self._fused = _fused_step(cpu_decode.load(), self)
         return self._fused or None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h)
-
-    def _attention(self, i, layer: Layer, h, cos, sin, batch: ForwardBatch, pool: KVPool, plan):
         c = self.config
-        T = h.shape[0]
+        logits = self.lm_head(rms_norm(h, self.norm, c.rms_norm_eps))
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        if c.final_softcap is not None:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
+
+    def _attention(self, i, layer: Layer, h, rope, batch: ForwardBatch, pool: KVPool, plan):
+        c, spec = self.config, self.config.layers[i]
+        T, hq, hkv, d = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = layer.qkv(h)
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm is QKNorm.NONE:
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, hq + hkv, d)
+        else:
+            qk = self._qk_norm(layer, qkv, T)
+        if rope is not None:
+            qk = self._rotate(qk, *rope)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, hkv, d)
         kb, vb = pool.k_buffers[i], pool.v_buffers[i]
         store_kv(kb, vb, batch.out_cache_loc, k, v)
+        # Passed only when set: the plain call is the one every kernel has taken so far.
+        extra = {k: v for k, v in (("window", spec.window), ("softcap", c.attn_softcap))
+                 if v is not None}
         if batch.is_decode:
             o = decode_attention(
-                q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len, plan
+                q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len, plan,
+                **extra,
             )
         else:
             o = extend_attention(
                 q, kb, vb, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.scale,
-                batch.max_kv_len,
+                batch.max_kv_len, **extra,
             )
         return layer.o_proj(o.reshape(T, self.q_size))
+
+    def _qk_norm(self, layer: Layer, qkv: torch.Tensor, T: int) -> torch.Tensor:
+        """q and k normed (per head, or over the whole projection), as [T, Hq + Hkv, D]."""
+        c, eps = self.config, self.config.rms_norm_eps
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        if c.qk_norm is QKNorm.WHOLE:
+            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        q = q.reshape(T, c.num_heads, c.head_dim)
+        k = k.reshape(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm is QKNorm.PER_HEAD:
+            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        return torch.cat([q, k], dim=1)
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        dim = self.config.rotary_dim
+        if dim == qk.shape[-1]:
+            return apply_rope(qk, cos, sin)
+        # Partial rotary (Phi-3/4): the first `dim` dims of each head turn, the rest pass.
+        return torch.cat([apply_rope(qk[..., :dim], cos, sin), qk[..., dim:]], dim=-1)
 
 
 def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
@@ -321,7 +412,7 @@ def _fused_step(module, model: Model):
     c, head = model.config, model.lm_head
     norms, specs = [], []
     for layer in model.layers:
-        norms += [layer.input_norm, layer.post_norm]
+        norms += [layer.attn_norm, layer.mlp_norm]
         specs += [_linear_spec(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     kinds, tensors = (list(x) for x in zip(*specs))
     head_kind, head_tensors = _linear_spec(head.linear)

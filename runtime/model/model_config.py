@@ -1,20 +1,82 @@
-"""The few numbers of a Llama-family checkpoint that the model runner needs."""
+"""The numbers and the differences from Llama of a decoder checkpoint, as data the model
+runner reads: each field defaults to Llama's behaviour, and runtime/model/families.py sets
+the ones a family changes (a norm offset, a soft-cap, a window per layer, ...)."""
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+from sgl_nb.runtime.model.checkpoint import read_config
+
+
+class QKNorm(Enum):
+    NONE = "none"
+    PER_HEAD = "per_head"  # RMSNorm over each head's head_dim (Qwen3, Gemma 3)
+    WHOLE = "whole"  # RMSNorm over the whole q / k projection, before the head split (OLMo 2)
+
+
+class Activation(Enum):
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"  # Gemma's gelu_pytorch_tanh
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its base and transformers' rope_parameters (type, factor...)."""
+
+    theta: float
+    scaling: tuple[tuple[str, object], ...] = ()  # frozen: layers share it and it keys a cache
+
+    @classmethod
+    def of(cls, theta: float, scaling: dict | None = None) -> Rope:
+        params = {k: tuple(v) if isinstance(v, list) else v for k, v in (scaling or {}).items()
+                  if k not in ("rope_theta", "partial_rotary_factor")}
+        return cls(float(theta), tuple(sorted(params.items())))
+
+    def inv_freq(self, dim: int) -> torch.Tensor:
+        """Inverse frequencies over `dim` rotary dims, the float32 values transformers has."""
+        p = dict(self.scaling)
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        kind = p.get("rope_type") or p.get("type") or "default"
+        if kind == "default":
+            return inv
+        if kind == "linear":
+            return inv / p["factor"]
+        if kind == "llama3":
+            return _llama3_inv_freq(inv, p)
+        raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, llama3)")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    window: int | None = None  # sliding window (a query sees the last `window` positions)
+    rope: Rope | None = None  # None: this layer has no rotary embedding (SmolLM3's NoPE)
+    moe: bool = False  # the MLP is a routed mixture of experts (runtime/model/moe.py)
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Per-layer checkpoint names (under model.layers.{i}.) of the runner's parts; a norm
+    named "" is absent. Lists of names are fused along the output dimension in order."""
+
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    attn_norm: str = "input_layernorm"  # before attention
+    attn_post_norm: str = ""  # on attention's output, before the residual add
+    mlp_norm: str = "post_attention_layernorm"  # before the MLP (Llama's confusing name)
+    mlp_post_norm: str = ""  # on the MLP's output, before the residual add
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # the family: "llama", "qwen2", "gemma2", ... (runtime/model/families.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,65 +92,83 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # What a family changes from Llama; every default is Llama's behaviour.
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma's 1 + w
+    qk_norm: QKNorm = QKNorm.NONE
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    embed_scale: float = 1.0  # embeddings times this (Gemma sqrt(hidden), Granite)
+    residual_scale: float = 1.0  # each block's output times this before the add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite's name and meaning)
+    activation: Activation = Activation.SILU
+    rotary_dim: int = 0  # dims of each head that rotate (Phi-3 partial rotary); 0: head_dim
+    layers: list[LayerSpec] = field(default_factory=list)  # empty: all LayerSpec(rope=global)
+    weights: WeightNames = field(default_factory=WeightNames)
+    num_experts: int = 0
+    top_k: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.rotary_dim = self.rotary_dim or self.head_dim
+        if not self.layers:
+            rope = Rope.of(self.rope_theta, self.rope_scaling)
+            self.layers = [LayerSpec(rope=rope) for _ in range(self.num_layers)]
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"{len(self.layers)} layer specs for {self.num_layers} layers")
+
+    @property
+    def fused_decode_ok(self) -> bool:
+        """Whether kernels/cpu_decode.cpp's fused DecodeStep computes this model: it knows
+        Llama's layer only (pre-norms, one rope over whole heads, silu, no window, no cap)."""
+        llama = {f.name: f.default for f in fields(self) if f.name in _LLAMA_FIELDS}
+        w, rope = self.weights, self.layers[0].rope
+        return (all(getattr(self, name) == value for name, value in llama.items())
+                and bool(w.attn_norm) and bool(w.mlp_norm)
+                and not w.attn_post_norm and not w.mlp_post_norm
+                and rope is not None and self.rotary_dim == self.head_dim
+                and all(spec == LayerSpec(rope=rope) for spec in self.layers))
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> ModelConfig:
-        arch = (d.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}: sgl-nb runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        from sgl_nb.runtime.model.families import family_overrides
+
+        family, overrides = family_overrides(d)
         # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        base = dict(
             architecture=family,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_layers=d["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads", heads),
+            num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama only when attention_bias says so.
-            attention_bias=family == "qwen2" or d.get("attention_bias", False),
+            attention_bias=d.get("attention_bias", False),
             rope_theta=float(theta),
             rope_scaling=rope,
             eos_token_ids=eos_ids,
             name=name,
         )
+        return cls(**{**base, **overrides})
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
-        folder = Path(folder)
-        d = json.loads((folder / "config.json").read_text())
-        gen = folder / "generation_config.json"
-        if gen.is_file():
-            # generation_config's eos list (e.g. Llama 3's several stop ids) wins.
-            g = json.loads(gen.read_text())
-            if g.get("eos_token_id") is not None:
-                d["eos_token_id"] = g["eos_token_id"]
-        return cls.from_dict(d, name=folder.name)
+        # read_config names a missing or wrong file or field; generation_config's eos ids win.
+        return cls.from_dict(read_config(folder), name=Path(folder).name)
 
     def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, the same float32 values transformers computes."""
-        dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
-        if kind == "default":
-            return inv
-        if kind == "linear":
-            return inv / self.rope_scaling["factor"]
-        if kind == "llama3":
-            return _llama3_inv_freq(inv, self.rope_scaling)
-        raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, llama3)")
+        """The global RoPE's inverse frequencies (transformers' float32 values)."""
+        return Rope.of(self.rope_theta, self.rope_scaling).inv_freq(self.rotary_dim)
 
 
 def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
@@ -101,3 +181,9 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+
+# The fields the fused decode step assumes at their defaults (fused_decode_ok).
+_LLAMA_FIELDS = ("norm_offset", "qk_norm", "attn_scale", "attn_softcap", "final_softcap",
+                 "embed_scale", "residual_scale", "logits_scaling", "activation", "num_experts")
