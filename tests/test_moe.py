@@ -240,3 +240,21 @@ def test_top_k_out_of_range_is_refused(layer):
     moe, _ = ours(saved)
     with pytest.raises(ValueError, match="top_k must be between 1 and the number of experts"):
         MoE(moe.router, moe.experts, top_k=9, norm_topk_prob=True)
+
+
+def test_activation_is_the_callers(layer):
+    """The experts' activation is a parameter (the runner passes its family's): with gelu-tanh
+    on both sides the outputs agree, and differ from silu's."""
+    block, saved, _ = layer
+    gelu = torch.nn.GELU(approximate="tanh")
+    moe, _ = moe_from_weights(saved, PREFIX, NAME, EXPERTS, TOP_K, True, torch.float32, "cpu",
+                              activation=gelu)
+    h = tokens(5)
+    silu_out = theirs(block, h)
+    silu, block.experts.act_fn = block.experts.act_fn, gelu
+    try:
+        expected = theirs(block, h)
+    finally:
+        block.experts.act_fn = silu
+    torch.testing.assert_close(moe(h), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, silu_out, atol=1e-3)
