@@ -126,7 +126,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if step is None:
         raise RuntimeError(f"the {ATTENTION_NAME!r} attention runs only inside "
                            "TransformersModel.forward")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    # [T, H, D]; the kernels view q's heads as groups, so it must be contiguous.
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     layer = step.layer_of[id(module)]
     pool, b = step.pool, step.batch
     kb, vb = pool.k_buffers[layer], pool.v_buffers[layer]
