@@ -101,11 +101,11 @@ def decode_attention(
     same window.
     """
     _check_variations(window, softcap)
-    variations = window is not None or softcap is not None
-    if _use_triton(q) and not variations:
+    if _use_triton(q):
         from .decode_attention_triton import decode_attention as impl
 
-        return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len)
+        return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len,
+                    window=window, softcap=softcap)
     return reference.decode_attention(
         q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len, plan,
         window=window, softcap=softcap,
@@ -134,21 +134,20 @@ def extend_attention(
     result in q's dtype.
     """
     _check_variations(window, softcap)
-    variations = window is not None or softcap is not None
-    if _use_triton(q) and not variations:
+    if _use_triton(q):
         from .extend_attention_triton import extend_attention as impl
-    elif _use_cpu_kernel(q, k_buffer) and not variations:
+
+        return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,
+                    window=window, softcap=softcap)
+    if _use_cpu_kernel(q, k_buffer) and window is None and softcap is None:
         # cpu_decode.cpp's attention: a token's result does not depend on how its prompt was
         # split into prefill chunks or batched (SDPA's does, in the last bits).
         out = cpu_decode.load().extend_attention(
             q.float() * scale, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
         return out.to(q.dtype)
-    else:
-        return reference.extend_attention(
-            q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,
-            window=window, softcap=softcap)
-    return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len)
-
+    return reference.extend_attention(
+        q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,
+        window=window, softcap=softcap)
 
 def _check_variations(window: int | None, softcap: float | None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)

@@ -6,6 +6,9 @@ GPU idle when the batch is small and the context long. Stage 1 splits each reque
 query heads of that KV head (GQA: K/V are loaded once per group) and writes the chunk's
 normalised partial output plus its log-sum-exp. Stage 2 merges the chunks of one
 (request, query head) with the log-sum-exp weights.
+
+A sliding window makes the request's KV its last `window` slots: the chunks split those
+only. The soft-cap is applied to the scaled scores before the masking.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ _MIN_TOKENS_PER_SPLIT = 64
 
 
 @triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), tanh written as 1 - 2 / (exp(2y) + 1): finite for every x
+    (exp overflowing to inf gives 1) and in every Triton backend, the interpreter's too."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (x / cap)) + 1.0))
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     KBuf,
@@ -30,6 +40,8 @@ def _decode_split_kernel(
     MidO,
     MidLse,
     scale,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_kbuf_s,
@@ -47,6 +59,8 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,6 +74,11 @@ def _decode_split_kernel(
 
     kv_start = tl.load(KvIndptr + req)
     kv_len = tl.load(KvIndptr + req + 1) - kv_start
+    if HAS_WINDOW:
+        # The query sits at position kv_len - 1 and sees the last `window` positions.
+        first = tl.maximum(kv_len - window, 0)
+        kv_start += first
+        kv_len -= first
     split_len = tl.cdiv(kv_len, num_splits)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
@@ -83,6 +102,8 @@ def _decode_split_kernel(
         )
         # "ieee": fp32 inputs must not be truncated to tf32 (ignored for bf16/fp16).
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if HAS_SOFTCAP:
+            qk = soft_cap(qk, softcap)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # The loop only runs on non-empty blocks, so m_new is finite from the first one on.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -185,10 +206,14 @@ def decode_attention(
     scale: float,
     max_kv_len: int | None = None,
     num_kv_splits: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged KV. q: [B, Hq, D] -> [B, Hq, D].
 
     num_kv_splits overrides the split heuristic (tests use it to cover the merge).
+    window and softcap: see kernels/__init__.py.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -198,6 +223,8 @@ def decode_attention(
     if batch == 0:
         return out
     assert q.stride(-1) == 1 and k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1
+    if window is not None and max_kv_len is not None:
+        max_kv_len = min(max_kv_len, window)
     num_splits = num_kv_splits or _choose_num_splits(batch, num_kv_heads, max_kv_len, q.device)
 
     mid_o = torch.empty(
@@ -214,6 +241,8 @@ def decode_attention(
         mid_o,
         mid_lse,
         scale,
+        window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -232,6 +261,8 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 64 else 32,
         BLOCK_D=block_d,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o,

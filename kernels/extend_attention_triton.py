@@ -5,6 +5,9 @@ loop over kv_indices covers both. A program handles one tile of BLOCK_M new toke
 request for one query head. Tiles are numbered over the whole batch (a request of n new
 tokens owns cdiv(n, BLOCK_M) consecutive tiles), so ragged batches launch no idle
 (request, tile) pairs and the grid needs no device-to-host sync.
+
+A sliding window also hides keys at or before q_pos - window; the loop starts at the
+tile's first visible key. The soft-cap is applied to the scaled scores before the masking.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .decode_attention_triton import soft_cap
 
 
 @triton.jit
@@ -26,6 +31,8 @@ def _extend_kernel(
     TileReq,
     TileStart,
     scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kbuf_s,
@@ -40,6 +47,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -70,7 +79,11 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Keys past the tile's last query position are masked for every row: skip them.
     hi = tl.minimum(kv_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:
+        # Keys before the tile's first query's window are masked for every row: skip them.
+        lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         slots = tl.load(KvIndices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -82,12 +95,21 @@ def _extend_kernel(
         )
         # "ieee": fp32 inputs must not be truncated to tf32 (ignored for bf16/fp16).
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if HAS_SOFTCAP:
+            qk = soft_cap(qk, softcap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
         # Every row sees key 0 (q_pos >= 0), so after the first block m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        shift = m_new
+        if HAS_WINDOW:
+            # Not so with a window: a row may see nothing in the tile's first blocks, where
+            # exp(-inf - -inf) would be NaN; shifting by 0 there gives exp(-inf) = 0.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(qk - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             VBuf + slots[:, None] * stride_vbuf_s + kv_head * stride_vbuf_h + offs_d[None, :],
@@ -111,11 +133,15 @@ def extend_attention(
     kv_indices: torch.Tensor,
     scale: float,
     max_kv_len: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """New tokens of each request against its cached prefix plus themselves, causal.
 
     q: [T, Hq, D] -> [T, Hq, D]. Request b's KV (kv_indices[kv_indptr[b]:kv_indptr[b+1]])
-    holds kv_len_b - qo_len_b cached tokens followed by its new tokens.
+    holds kv_len_b - qo_len_b cached tokens followed by its new tokens. window and softcap:
+    see kernels/__init__.py.
     """
     del max_kv_len  # the grid is sized from T, not from the KV lengths
     num_tokens, num_q_heads, head_dim = q.shape
@@ -150,6 +176,8 @@ def extend_attention(
         tile_req,
         tile_start,
         scale,
+        window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -164,5 +192,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     return out
