@@ -331,9 +331,15 @@ class SglMagics(Magics):
 def _describe(rt) -> str:
     path = rt.model_path or rt.model_name
     extra = ""
+    engine = getattr(rt, "engine", None)  # a local Runtime's; a remote server has none
+    if engine is not None:
+        model = engine.model
+        how = ("sgl-nb's own model code" if model.path == "native"
+               else "transformers' modeling code with sgl-nb's paged attention")
+        extra = f"\npath: {model.path} ({model.config.architecture}, {how})"
     if rt.cache is not None:
         s = rt.cache_stats()
-        extra = f"\nradix cache: {s.get('nodes', '?')} nodes, {s.get('cached_tokens', '?')} tokens"
+        extra += f"\nradix cache: {s.get('nodes', '?')} nodes, {s.get('cached_tokens', '?')} tokens"
     return f"model: {path}{extra}"
 
 
