@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -179,6 +180,19 @@ def request_usage(req: Request) -> dict:
             "error": None if req.error is None else repr(req.error)}
 
 
+def capped_context_len(model_context: int, pool_tokens: int) -> int:
+    """The longest request (prompt + new tokens) the engine takes: the model's context, or
+    the KV pool's capacity where that is smaller (a request must fit the pool), said once."""
+    if model_context <= pool_tokens:
+        return model_context
+    warnings.warn(
+        f"the model's context ({model_context} tokens, max_position_embeddings) is longer "
+        f"than the KV pool ({pool_tokens} tokens): requests are capped at {pool_tokens} "
+        "tokens; raise kv_pool_tokens for longer ones", stacklevel=3,
+    )
+    return pool_tokens
+
+
 class Engine:
     def __init__(self, settings: EngineConfig | None = None):
         self.settings = s = settings or EngineConfig()
@@ -189,9 +203,10 @@ class Engine:
             self.model_path, dtype=s.dtype, device=self.device, quantization=s.quantization
         ))
         self.config = self.model.config
-        self.context_len = self.config.max_position_embeddings
         self.eos_ids = self._eos_ids()
         self.pool = off_main_thread(lambda: self.model.new_kv_pool(s.kv_pool_tokens))
+        self.context_len = capped_context_len(self.config.max_position_embeddings,
+                                              self.pool.capacity)
         self.cache = RadixCache(self.pool)
         self.scheduler = Scheduler(self.pool, self.cache, self.device, s)
         self.events = EventBus()
@@ -236,6 +251,12 @@ class Engine:
         self._thread.start()
         _live_engines.add(self)
 
+    def _pool_cap_note(self) -> str:
+        if self.context_len >= self.config.max_position_embeddings:
+            return ""
+        return (f": it can never fit the KV pool of {self.pool.capacity} tokens, which caps "
+                "the context; raise kv_pool_tokens")
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -254,7 +275,7 @@ class Engine:
         if n >= self.context_len:
             raise ValueError(
                 f"prompt is {n} tokens, longer than the model's context of {self.context_len} "
-                "tokens (leave room for at least one new token)"
+                f"tokens (leave room for at least one new token){self._pool_cap_note()}"
             )
         if params.top_logprobs > self.config.vocab_size:
             raise ValueError(f"top_logprobs must be at most the vocabulary size "
@@ -263,7 +284,8 @@ class Engine:
         if outside:
             raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the model's "
                              f"vocabulary [0, {self.config.vocab_size})")
-        max_new = min(params.max_tokens, self.context_len - n)
+        # Trimmed to the model's own context; past the pool's it is an error saying so.
+        max_new = min(params.max_tokens, self.config.max_position_embeddings - n)
         if n + max_new > self.pool.capacity:
             raise ValueError(
                 f"request can never fit the KV pool: prompt {n} + max_tokens {max_new} tokens "
