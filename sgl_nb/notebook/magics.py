@@ -11,6 +11,7 @@ here waits for the program, so the kernel stays free to deliver the widget's but
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import tempfile
 import threading
@@ -203,8 +204,13 @@ class SglMagics(Magics):
     @line_magic
     def sgl_model(self, line: str):
         """%sgl_model shows the model programs run on; %sgl_model PATH switches to a
-        checkpoint folder or .gguf file (loaded now)."""
-        path = line.strip()
+        checkpoint folder, a .gguf file or a folder holding one (loaded now; quote a PATH
+        with spaces)."""
+        words = shlex.split(line)
+        if len(words) > 1:
+            raise UsageError(f"%sgl_model takes one PATH, got {len(words)} words: quote a "
+                             "path with spaces")
+        path = words[0] if words else ""
         if not path:
             rt = get_default_backend()
             print(_describe(rt))
