@@ -247,13 +247,30 @@ def test_hybrid_refused_when_its_config_does_not_say(tmp_path):
     ({"architectures": ["JambaForCausalLM"], "model_type": "jamba", "mamba_d_state": 16},
      "state-space"),
     ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "state-space"),
-    ({"architectures": ["NoSuchForCausalLM"], "model_type": "no_such"},
+    ({"architectures": ["ViTModel"], "model_type": "vit"},
      "neither a native family .* nor a causal LM"),
 ])
 def test_refused_before_loading_weights(tmp_path, config, why):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"{config['architectures'][0]} cannot run.*{why}"):
         load_model(tmp_path)
+
+
+def test_unknown_model_type_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such"}))
+    with pytest.raises(ValueError, match="model_type 'no_such' is unknown to transformers"):
+        load_model(tmp_path)
+
+
+def test_encoder_refused(tmp_path):
+    """BERT has a causal-LM class in transformers, but its attention looks both ways."""
+    import transformers as tf
+
+    cfg = tf.BertConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128)
+    folder = tiny_checkpoint(cfg, tmp_path / "bert")
+    with pytest.raises(ValueError, match="attends both ways"):
+        load_model(folder)
 
 
 def test_attention_in_the_models_own_code_refused(tmp_path):

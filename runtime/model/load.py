@@ -15,12 +15,8 @@ from pathlib import Path
 
 import torch
 
-from sgl_nb.runtime.model.transformers_model import (
-    TransformersModel,
-    encoder_reason,
-    hybrid_reason,
-    read_config_dict,
-)
+from sgl_nb.runtime.model.checkpoint import read_config
+from sgl_nb.runtime.model.transformers_model import TransformersModel, encoder_reason, hybrid_reason
 
 RUNNER_ENV = "SGL_NB_MODEL_RUNNER"
 
@@ -42,10 +38,7 @@ def load_model(
     else auto) picks; its `.path` says which ("native" or "transformers")."""
     from sgl_nb.runtime.model.model import Model
 
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (a checkpoint folder needs one)")
-    config = read_config_dict(folder)
+    config = read_config(folder)  # a missing or bad config.json: an error naming it
     chosen = choose_runner(config, runner)
     if chosen == Runner.NATIVE:
         return Model.load(folder, dtype=dtype, device=device, quantization=quantization)

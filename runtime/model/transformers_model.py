@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 from sgl_nb.kernels import decode_attention, extend_attention, plan_decode, store_kv
 from sgl_nb.runtime.kv_pool import KVPool
+from sgl_nb.runtime.model.checkpoint import read_config
 from sgl_nb.runtime.model.forward_batch import ForwardBatch
 from sgl_nb.runtime.model.linear import check_quantization, resolve_dtype
 
@@ -214,17 +214,6 @@ def encoder_reason(config: dict) -> str | None:
     return None
 
 
-def read_config_dict(folder: Path) -> dict:
-    """config.json, with generation_config.json's eos_token_id (its stop ids win)."""
-    d = json.loads((Path(folder) / "config.json").read_text())
-    gen = Path(folder) / "generation_config.json"
-    if gen.is_file():
-        g = json.loads(gen.read_text())
-        if g.get("eos_token_id") is not None:
-            d["eos_token_id"] = g["eos_token_id"]
-    return d
-
-
 class TransformersModel:
     """A transformers causal LM whose attention reads and writes our KV pool."""
 
@@ -253,7 +242,7 @@ class TransformersModel:
         from transformers import AutoModelForCausalLM
 
         folder = Path(folder)
-        d = read_config_dict(folder)
+        d = read_config(folder)
         arch = (d.get("architectures") or [d.get("model_type", "?")])[0]
         if check_quantization(quantization) is not None:
             raise ValueError(
