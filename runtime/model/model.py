@@ -287,9 +287,8 @@ class Model:
         plans: dict[int | None, object] = {}
         if batch.is_decode:  # one gather plan per window, shared by that window's layers
             for window in {spec.window for spec in c.layers}:
-                extra = {} if window is None else {"window": window}
                 plans[window] = plan_decode(batch.kv_indptr, batch.kv_indices, c.num_kv_heads,
-                                            c.num_heads, batch.max_kv_len, **extra)
+                                            c.num_heads, batch.max_kv_len, window)
         for i, layer in enumerate(self.layers):
             spec = c.layers[i]
             rope = None if spec.rope is None else ropes[spec.rope]
@@ -360,18 +359,15 @@ class Model:
         v = qkv[:, self.q_size + self.kv_size :].view(T, hkv, d)
         kb, vb = pool.k_buffers[i], pool.v_buffers[i]
         store_kv(kb, vb, batch.out_cache_loc, k, v)
-        # Passed only when set: the plain call is the one every kernel has taken so far.
-        extra = {k: v for k, v in (("window", spec.window), ("softcap", c.attn_softcap))
-                 if v is not None}
         if batch.is_decode:
             o = decode_attention(
                 q, kb, vb, batch.kv_indptr, batch.kv_indices, self.scale, batch.max_kv_len, plan,
-                **extra,
+                window=spec.window, softcap=c.attn_softcap,
             )
         else:
             o = extend_attention(
                 q, kb, vb, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.scale,
-                batch.max_kv_len, **extra,
+                batch.max_kv_len, window=spec.window, softcap=c.attn_softcap,
             )
         return layer.o_proj(o.reshape(T, self.q_size))
 

@@ -59,7 +59,7 @@ _FAMILIES: dict[str, tuple[str, dict]] = {
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", dict(
         embedding_multiplier=12.0, attention_multiplier=0.03, residual_multiplier=0.22,
-        logits_scaling=8.0, tie_word_embeddings=True)),
+        logits_scaling=8.0)),  # untied: a tied head times 12x embeddings echoes the input
     "smollm3": ("SmolLM3Config", dict(
         tie_word_embeddings=True, no_rope_layers=[1, 1, 0, 1], num_hidden_layers=4,
         no_rope_layer_interval=3)),
