@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from sgl_nb.runtime.model.checkpoint import read_config
-from sgl_nb.runtime.model.transformers_model import TransformersModel, encoder_reason, hybrid_reason
+from sgl_nb.runtime.model.transformers_model import (
+    TransformersModel,
+    attention_reason,
+    encoder_reason,
+    hybrid_reason,
+)
 
 RUNNER_ENV = "SGL_NB_MODEL_RUNNER"
 
@@ -89,7 +94,7 @@ def transformers_reason(config: dict) -> str | None:
 
         return (f"model_type {model_type!r} is neither a native family ({_native_families()}) "
                 f"nor a causal LM of the installed transformers ({transformers.__version__})")
-    return None
+    return attention_reason(config)
 
 
 def _runner(runner: Runner | str | None) -> Runner:

@@ -214,6 +214,20 @@ def encoder_reason(config: dict) -> str | None:
     return None
 
 
+def attention_reason(config: dict) -> str | None:
+    """Why the model's transformers class cannot take our attention function (it computes
+    attention in its own code), or None. Looked up from the config, before any weight loads."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), ""),
+                  None)
+    if cls is not None and not cls.is_backend_compatible():
+        return (f"its transformers modeling code ({cls.__name__}) computes attention itself "
+                "(it does not take an AttentionInterface function)")
+    return None
+
+
 class TransformersModel:
     """A transformers causal LM whose attention reads and writes our KV pool."""
 
@@ -248,7 +262,7 @@ class TransformersModel:
             raise ValueError(
                 f"quantization={quantization!r}: {arch} runs through transformers' modeling "
                 "code, where weights stay 16/32-bit; int8/int4 need a native family")
-        for reason in (encoder_reason(d), hybrid_reason(d)):
+        for reason in (encoder_reason(d), hybrid_reason(d), attention_reason(d)):
             if reason:
                 raise ValueError(f"{arch} cannot run on sgl-nb's paged engine: {reason}")
         dtype = resolve_dtype(dtype, device, None)
@@ -265,10 +279,6 @@ class TransformersModel:
             missing = sorted(info["missing_keys"])
             raise ValueError(f"{folder}: weights missing from the checkpoint: "
                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if not type(hf).is_backend_compatible():
-            raise ValueError(
-                f"{arch} cannot run on sgl-nb's paged engine: its transformers modeling code "
-                "computes attention itself (it does not take an AttentionInterface function)")
         hf = hf.to(device).eval()
         hf.config.use_cache = False
         layers, modules = _probe(hf, arch)
