@@ -277,10 +277,30 @@ def test_encoder_refused(tmp_path):
         load_model(folder)
 
 
-def test_quantization_refused(tiny):
-    _, folder, _, _ = tiny
-    with pytest.raises(ValueError, match="int8/int4 need a native family"):
-        load_model(folder, quantization="int8")
+@pytest.mark.parametrize("quantization, min_cos", [("int8", 0.9999), ("int4", 0.999)])
+def test_quantized_linears(tiny, quantization, min_cos):
+    """int8/int4: the decoder's linear layers become ours (quantized), the LM head stays
+    16-bit; the last logits stay close to the fp32 model's."""
+    from sgl_nb.runtime.model.linear import Int4Linear, Int8Linear
+    from sgl_nb.runtime.model.transformers_linear import OurLinear
+
+    _, folder, _, rt = tiny
+    ids = _prompts(rt)[0]
+    model = load_model(folder, quantization=quantization)
+    assert model.quantization == quantization and model.dtype == torch.bfloat16
+    kind = Int8Linear if quantization == "int8" else Int4Linear
+    ours = {n: m.layer for n, m in model.hf.named_modules() if isinstance(m, OurLinear)}
+    assert ours and all(isinstance(x, kind) or n in model.fallbacks for n, x in ours.items())
+    assert not isinstance(model.hf.get_output_embeddings(), OurLinear)
+    dense = load_model(folder)
+    got, want = (_last_logits(m, ids) for m in (model, dense))
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > min_cos
+
+
+def _last_logits(model, ids: list[int]) -> torch.Tensor:
+    pool = model.new_kv_pool(len(ids))
+    slots = pool.alloc(len(ids))
+    return model.forward(build_batch(False, [ids], [0], [slots], [slots], model.device), pool)[0]
 
 
 def test_runner_must_be_known(tiny, monkeypatch):

@@ -72,13 +72,9 @@ def architecture(config: dict) -> str:
 
 
 def is_native(config: dict) -> bool:
-    try:
-        from sgl_nb.runtime.model.families import native_family
-    except ImportError:  # the families table not there: the Llama-family runner's list
-        from sgl_nb.runtime.model.model_config import SUPPORTED_ARCHITECTURES
+    from sgl_nb.runtime.model.families import native_family
 
-        return architecture(config) in SUPPORTED_ARCHITECTURES
-    return bool(native_family(config))
+    return native_family(config) is not None
 
 
 def transformers_reason(config: dict) -> str | None:
@@ -107,8 +103,6 @@ def _runner(runner: Runner | str | None) -> Runner:
 
 
 def _native_families() -> str:
-    try:
-        from sgl_nb.runtime.model.families import FAMILIES
-    except ImportError:
-        from sgl_nb.runtime.model.model_config import SUPPORTED_ARCHITECTURES as FAMILIES
+    from sgl_nb.runtime.model.families import FAMILIES
+
     return "native: " + ", ".join(sorted(FAMILIES))

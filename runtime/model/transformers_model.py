@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.model.checkpoint import read_config
 from sgl_nb.runtime.model.forward_batch import ForwardBatch
 from sgl_nb.runtime.model.linear import check_quantization, resolve_dtype
+from sgl_nb.runtime.model.transformers_linear import quantize_linears
 
 ATTENTION_NAME = "sgl_nb_paged"
 
@@ -234,10 +236,11 @@ class TransformersModel:
     path = "transformers"
 
     def __init__(self, hf_model, config: TransformersConfig, layer_modules: list,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                 fallbacks: dict[str, str] | None = None):
         self.hf, self.config, self.dtype, self.device = hf_model, config, dtype, device
-        self.quantization = None
-        self.fallbacks: dict[str, str] = {}  # no quantized layers, so none stay dense
+        self.quantization = quantization
+        self.fallbacks = fallbacks or {}  # linear layer -> why it stayed dense
         self._layer_of = {id(m): i for i, m in enumerate(layer_modules)}
         self._layer_modules = layer_modules  # keeps the ids above alive and unique
         self._keeps_rows = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
@@ -251,21 +254,19 @@ class TransformersModel:
         quantization: str | None = None,
     ) -> TransformersModel:
         """Load a local checkpoint folder with AutoModelForCausalLM (nothing is downloaded) and
-        put our attention in it. dtype None: bf16 on CUDA, else fp32. int8/int4 are refused:
-        weight-only quantization is the native runner's."""
+        put our attention in it. dtype None: bf16 on CUDA or with quantization, else fp32.
+        int8/int4: the decoder's linear layers become ours (transformers_linear.py),
+        quantized at every load (the native runner's cache is keyed by its own layer names)."""
         from transformers import AutoModelForCausalLM
 
         folder = Path(folder)
         d = read_config(folder)
         arch = (d.get("architectures") or [d.get("model_type", "?")])[0]
-        if check_quantization(quantization) is not None:
-            raise ValueError(
-                f"quantization={quantization!r}: {arch} runs through transformers' modeling "
-                "code, where weights stay 16/32-bit; int8/int4 need a native family")
         for reason in (encoder_reason(d), hybrid_reason(d), attention_reason(d)):
             if reason:
                 raise ValueError(f"{arch} cannot run on sgl-nb's paged engine: {reason}")
-        dtype = resolve_dtype(dtype, device, None)
+        quantization = check_quantization(quantization)
+        dtype = resolve_dtype(dtype, device, quantization)
         device = torch.device(device)
         _register()
         try:
@@ -282,7 +283,12 @@ class TransformersModel:
         hf = hf.to(device).eval()
         hf.config.use_cache = False
         layers, modules = _probe(hf, arch)
-        return cls(hf, _config(d, hf.config, arch, layers, folder.name), modules, dtype, device)
+        fallbacks = {}
+        if quantization is not None:
+            fallbacks = quantize_linears(hf, quantization, dtype, device)
+            _warn_fallbacks(fallbacks, quantization)
+        config = _config(d, hf.config, arch, layers, folder.name)
+        return cls(hf, config, modules, dtype, device, quantization, fallbacks)
 
     def new_kv_pool(self, num_slots: int) -> KVPool:
         c = self.config
@@ -370,6 +376,14 @@ def _config(d: dict, hf_config, arch: str, layers: list[LayerAttention],
         eos_token_ids=eos_ids,
         name=name,
     )
+
+
+def _warn_fallbacks(fallbacks: dict[str, str], quantization: str) -> None:
+    if fallbacks:
+        names = sorted(fallbacks)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        warnings.warn(f"{quantization}: {len(names)} linear layer(s) stay dense ({shown}): "
+                      f"{fallbacks[names[0]]}", stacklevel=3)
 
 
 def _context_length(hf_config) -> int:
