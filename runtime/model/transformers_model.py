@@ -15,7 +15,7 @@ the attention function through a context variable set for the duration of one fo
 
 What each layer's attention looks like (KV heads, head size, sliding window, soft-cap) is
 learned by running the loaded model once on one token with a recording attention function
-(probe_attention): whatever the modeling code passes is what our kernels get. That run also
+(_probe): whatever the modeling code passes is what our kernels get. That run also
 refuses what this path cannot serve: layers that never call attention (state-space,
 convolution, recurrent: hybrids), bidirectional attention (encoders), K and V of different
 sizes (latent attention), attention sinks.
@@ -96,10 +96,8 @@ class Step:
         """plan_decode's gather indices, once per step and window (shared by the layers)."""
         if window not in self.plans:
             b = self.batch
-            extra = {} if window is None else {"window": window}
-            self.plans[window] = plan_decode(
-                b.kv_indptr, b.kv_indices, self.num_kv_heads, self.num_heads, b.max_kv_len, **extra
-            )
+            self.plans[window] = plan_decode(b.kv_indptr, b.kv_indices, self.num_kv_heads,
+                                             self.num_heads, b.max_kv_len, window=window)
         return self.plans[window]
 
 
@@ -135,18 +133,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     kb, vb = pool.k_buffers[layer], pool.v_buffers[layer]
     store_kv(kb, vb, b.out_cache_loc, k, v)
     scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    extra = {}
-    if sliding_window is not None:
-        extra["window"] = int(sliding_window)
-    if softcap is not None:
-        extra["softcap"] = float(softcap)
+    # transformers' sliding_window: a query at p sees keys at p - window < k <= p, as ours.
+    window = None if sliding_window is None else int(sliding_window)
+    softcap = None if softcap is None else float(softcap)
     if b.is_decode:
-        plan = step.decode_plan(extra.get("window"))
-        o = decode_attention(q, kb, vb, b.kv_indptr, b.kv_indices, scale, b.max_kv_len, plan,
-                             **extra)
+        o = decode_attention(q, kb, vb, b.kv_indptr, b.kv_indices, scale, b.max_kv_len,
+                             step.decode_plan(window), window=window, softcap=softcap)
     else:
         o = extend_attention(q, kb, vb, b.qo_indptr, b.kv_indptr, b.kv_indices, scale,
-                             b.max_kv_len, **extra)
+                             b.max_kv_len, window=window, softcap=softcap)
     return o.unsqueeze(0), None
 
 
@@ -178,12 +173,6 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
-
-
-def kernels_take(argument: str) -> bool:
-    """Whether the attention kernels take `argument` (window=, softcap=)."""
-    fns = [decode_attention, extend_attention] + ([plan_decode] if argument == "window" else [])
-    return all(argument in inspect.signature(f).parameters for f in fns)
 
 
 def hybrid_reason(config: dict) -> str | None:
@@ -349,11 +338,6 @@ def _probe(hf, arch: str) -> tuple[list[LayerAttention], list]:
     if len(shapes) > 1:
         raise ValueError(f"{refuse} its layers differ in head counts or sizes {sorted(shapes)}; "
                          "the KV pool holds one shape")
-    for argument, used in (("window", any(x.window for x in layers)),
-                           ("softcap", any(x.softcap for x in layers))):
-        if used and not kernels_take(argument):
-            raise ValueError(f"{refuse} it uses a sliding window or soft-capped attention "
-                             f"({argument}), which these attention kernels do not take yet")
     return layers, probe.modules
 
 
