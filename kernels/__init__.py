@@ -5,9 +5,10 @@ slot 0 is reserved as padding. Page size 1: a request's KV is the list of its sl
 position order (kv_indices[kv_indptr[b]:kv_indptr[b + 1]]).
 
 On CPU, prefill attention takes cpu_decode.cpp's kernel where it is built (the fused decode
-step has its own copy of the same). SGL_NB_ATTENTION=torch|triton forces one implementation
-(triton on CPU tensors needs TRITON_INTERPRET=1). Triton is imported only when a Triton path
-is taken, so this package imports without it.
+step has its own copy of the same), and so does decode attention with a window or soft-cap
+(the layer loop of a model the fused step does not take). SGL_NB_ATTENTION=torch|triton
+forces one implementation (triton on CPU tensors needs TRITON_INTERPRET=1). Triton is
+imported only when a Triton path is taken, so this package imports without it.
 
 Per-layer variations, keyword arguments of both attention functions: `window` (sliding
 window: a query at position p sees key positions k with p - window < k <= p, positions
@@ -101,11 +102,21 @@ def decode_attention(
     same window.
     """
     _check_variations(window, softcap)
+    if plan is not None and plan.window != window:
+        raise ValueError(f"decode_attention: the plan was made for window {plan.window}, "
+                         f"the call asks for window {window} (one plan per window)")
     if _use_triton(q):
         from .decode_attention_triton import decode_attention as impl
 
         return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len,
                     window=window, softcap=softcap)
+    if (window is not None or softcap is not None) and _use_cpu_kernel(q, k_buffer):
+        # Plain calls keep the torch path: it is what the fused decode step is measured
+        # against (tests/test_cpu_decode.py), and a model that can take the fused step does.
+        out = cpu_decode.load().decode_attention(
+            q.float() * scale, k_buffer, v_buffer, kv_indptr, kv_indices, window or 0,
+            softcap or 0.0)
+        return out.to(q.dtype)
     return reference.decode_attention(
         q, k_buffer, v_buffer, kv_indptr, kv_indices, scale, max_kv_len, plan,
         window=window, softcap=softcap,
@@ -139,11 +150,12 @@ def extend_attention(
 
         return impl(q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,
                     window=window, softcap=softcap)
-    if _use_cpu_kernel(q, k_buffer) and window is None and softcap is None:
+    if _use_cpu_kernel(q, k_buffer):
         # cpu_decode.cpp's attention: a token's result does not depend on how its prompt was
         # split into prefill chunks or batched (SDPA's does, in the last bits).
         out = cpu_decode.load().extend_attention(
-            q.float() * scale, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+            q.float() * scale, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+            window or 0, softcap or 0.0)
         return out.to(q.dtype)
     return reference.extend_attention(
         q, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale, max_kv_len,

@@ -280,6 +280,23 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
 }
 #endif
 
+// s[j] = cap * tanh(s[j] / cap) (Gemma 2's attention logit soft-cap), tanh written as
+// 1 - 2 / (exp(2x) + 1): finite for any score (an exp of inf gives 1), and the same formula
+// in the vector and the scalar loop.
+inline void soft_cap(float* s, int64_t len, float cap) {
+  const float twice_inv = 2.f / cap;
+  int64_t i = 0;
+#ifdef SGL_NB_AVX2
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+  for (; i + 8 <= len; i += 8) {
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(twice_inv)));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(t, _mm256_set1_ps(cap)));
+  }
+#endif
+  for (; i < len; ++i) s[i] = cap * (1.f - 2.f / (std::exp(s[i] * twice_inv) + 1.f));
+}
+
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j) {
@@ -307,11 +324,12 @@ inline void head_block(int64_t left, const F& f) {
 }
 
 // Query b attends to the slots indices[starts[b]:ends[b]]; chunks count from starts[b] (the
-// request's first token), so a token's result is the same in prefill and in any batch.
+// request's first token, or its window's), so a token's result is the same in prefill and
+// in any batch. softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
 template <typename T>
 void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* starts,
                const int64_t* ends, const int64_t* indices, T* out, int64_t batch,
-               const Shape& s) {
+               const Shape& s, float softcap = 0.f) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   struct Task { int64_t b, kvh, begin, end; };
   // Scratch kept per calling thread (a decode step calls this once per layer), bound to
@@ -382,6 +400,7 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           }
         });
       }
+      if (softcap > 0.f) soft_cap(scores.data(), group * len, softcap);
       for (int64_t g = 0; g < group; ++g) {
         const auto [m, l] = exp_shifted(scores.data() + g * len, len);
         mx[t * group + g] = m;
@@ -616,7 +635,8 @@ class DecodeStep {
 template <typename T>
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
                         const at::Tensor& v_buffer, const std::vector<int64_t>& starts,
-                        const std::vector<int64_t>& ends, const at::Tensor& kv_indices) {
+                        const std::vector<int64_t>& ends, const at::Tensor& kv_indices,
+                        float softcap) {
   const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k_buffer.size(1);
   const Shape s{0, heads, kv_heads, q.size(2), 0};
   at::Tensor qf = q.to(at::kFloat).contiguous();
@@ -629,36 +649,44 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
     const int64_t n = std::min(kBlock, tokens - b0), row = heads * s.head_dim;
     attention<T>(qf.data_ptr<float>() + b0 * row, k_buffer.data_ptr<T>(),
                  v_buffer.data_ptr<T>(), starts.data() + b0, ends.data() + b0,
-                 idx.data_ptr<int64_t>(), out.data_ptr<T>() + b0 * row, n, s);
+                 idx.data_ptr<int64_t>(), out.data_ptr<T>() + b0 * row, n, s, softcap);
   }
   return out;
 }
 
+// window > 0: each query sees only the last `window` of its slots (it sits at the last one).
 at::Tensor attention_dispatch(const at::Tensor& q, const at::Tensor& k_buffer,
-                              const at::Tensor& v_buffer, const std::vector<int64_t>& starts,
-                              const std::vector<int64_t>& ends, const at::Tensor& kv_indices) {
+                              const at::Tensor& v_buffer, std::vector<int64_t>& starts,
+                              const std::vector<int64_t>& ends, const at::Tensor& kv_indices,
+                              int64_t window, double softcap) {
   TORCH_CHECK(q.size(2) % 8 == 0 && q.size(1) % k_buffer.size(1) == 0, "attention: shapes");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "attention: window and softcap must be >= 0");
+  if (window > 0) {
+    for (size_t i = 0; i < starts.size(); ++i) starts[i] = std::max(starts[i], ends[i] - window);
+  }
+  const float cap = static_cast<float>(softcap);
   if (k_buffer.scalar_type() == at::kFloat) {
-    return attention_op<float>(q, k_buffer, v_buffer, starts, ends, kv_indices);
+    return attention_op<float>(q, k_buffer, v_buffer, starts, ends, kv_indices, cap);
   }
   TORCH_CHECK(k_buffer.scalar_type() == at::kBFloat16, "attention: fp32 or bf16 KV");
-  return attention_op<c10::BFloat16>(q, k_buffer, v_buffer, starts, ends, kv_indices);
+  return attention_op<c10::BFloat16>(q, k_buffer, v_buffer, starts, ends, kv_indices, cap);
 }
 
 // One query per request: q [B, Hq, D], already scaled -> [B, Hq, D] in the KV dtype.
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
                                const at::Tensor& v_buffer, const at::Tensor& kv_indptr,
-                               const at::Tensor& kv_indices) {
+                               const at::Tensor& kv_indices, int64_t window, double softcap) {
   at::Tensor p = kv_indptr.to(at::kLong).contiguous();
   const int64_t* ip = p.data_ptr<int64_t>();
   std::vector<int64_t> starts(ip, ip + q.size(0)), ends(ip + 1, ip + q.size(0) + 1);
-  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices);
+  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices, window, softcap);
 }
 
 // New tokens against their request's cached prefix and themselves, causal: q [T, Hq, D].
 at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
                                const at::Tensor& v_buffer, const at::Tensor& qo_indptr,
-                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices) {
+                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                               int64_t window, double softcap) {
   at::Tensor qo = qo_indptr.to(at::kLong).contiguous(), kv = kv_indptr.to(at::kLong).contiguous();
   const int64_t* qp = qo.data_ptr<int64_t>();
   const int64_t* kp = kv.data_ptr<int64_t>();
@@ -671,7 +699,7 @@ at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
     }
   }
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == q.size(0), "extend: qo_indptr vs q");
-  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices);
+  return attention_dispatch(q, k_buffer, v_buffer, starts, ends, kv_indices, window, softcap);
 }
 
 }  // namespace
@@ -689,12 +717,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::gil_scoped_release no_gil;
     WorkerPool::get().stop();
   }, "stop and join the kernels' worker threads (a later call starts new ones)");
-  m.def("decode_attention", &decode_attention_op);
+  // window 0: none; softcap 0: none.
+  m.def("decode_attention", &decode_attention_op, pybind11::arg("q"), pybind11::arg("k_buffer"),
+        pybind11::arg("v_buffer"), pybind11::arg("kv_indptr"), pybind11::arg("kv_indices"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("dense_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;
     return dense_linear(x, w, bias);
   });
-  m.def("extend_attention", &extend_attention_op);
+  m.def("extend_attention", &extend_attention_op, pybind11::arg("q"), pybind11::arg("k_buffer"),
+        pybind11::arg("v_buffer"), pybind11::arg("qo_indptr"), pybind11::arg("kv_indptr"),
+        pybind11::arg("kv_indices"), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("refine_top_logits", [](at::Tensor logits, const at::Tensor& h, const at::Tensor& w,
                                 int64_t r) {
     pybind11::gil_scoped_release no_gil;

@@ -257,3 +257,70 @@ def test_triton_fp16_with_window_and_softcap():
     got = decode_tt.decode_attention(q[:3], k_buf, v_buf, kv_indptr, kv_indices, 0.125,
                                      window=WINDOW, softcap=SOFTCAP)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+# --- C++ CPU kernel (kernels/cpu_decode.cpp) ---------------------------------------------
+
+CPU_SHAPES = [(64, 4, 4), (64, 8, 1), (128, 4, 2), (256, 8, 2)]
+
+
+def _ext():
+    from sgl_nb.kernels import cpu_decode
+
+    ext = cpu_decode.load()
+    if ext is None:
+        pytest.skip("no C++ compiler: the torch path runs")
+    return ext
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", CPU_SHAPES)
+@pytest.mark.parametrize("window,softcap", [(None, SOFTCAP), (WINDOW, None), (200, SOFTCAP)])
+def test_cpu_kernel_matches_reference(dtype, head_dim, num_q_heads, num_kv_heads, window,
+                                      softcap):
+    """Decode and extend, over contexts of several 128-key chunks (merged afterwards) and
+    windows shorter and longer than a chunk."""
+    ext = _ext()
+    gen = torch.Generator().manual_seed(head_dim + num_q_heads)
+    kv_lens = [1, 130, 16, 300]
+    k_buf, v_buf, kv_indptr, kv_indices = _paged_kv(kv_lens, num_kv_heads, head_dim, dtype, gen)
+    scale = 8 / head_dim
+    tol = FP32_TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    q = 3 * torch.randn(len(kv_lens), num_q_heads, head_dim, generator=gen)
+    got = ext.decode_attention(q * scale, k_buf, v_buf, kv_indptr, kv_indices, window or 0,
+                               softcap or 0.0)
+    want = reference.decode_attention(q.to(dtype), k_buf, v_buf, kv_indptr, kv_indices, scale,
+                                      window=window, softcap=softcap)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+    # Extend: the last 1, 100, 16 and 50 tokens of the same requests are new.
+    qo_lens = [1, 100, 16, 50]
+    qs = 3 * torch.randn(sum(qo_lens), num_q_heads, head_dim, generator=gen)
+    got_ext = ext.extend_attention(qs * scale, k_buf, v_buf, _indptr(qo_lens), kv_indptr,
+                                   kv_indices, window or 0, softcap or 0.0)
+    want = reference.extend_attention(qs.to(dtype), k_buf, v_buf, _indptr(qo_lens), kv_indptr,
+                                      kv_indices, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(got_ext.float(), want.float(), **tol)
+    # A token's result has the same bits whether it is a prefill's last token or a decode.
+    last = _indptr(qo_lens)[1:] - 1
+    decoded = ext.decode_attention(qs[last] * scale, k_buf, v_buf, kv_indptr, kv_indices,
+                                   window or 0, softcap or 0.0)
+    assert torch.equal(decoded, got_ext[last])
+
+
+def test_package_routes_variations_to_the_cpu_kernel(monkeypatch):
+    """With the kernel built, calls with a window or soft-cap on the CPU take it (its bits)."""
+    ext = _ext()
+    monkeypatch.delenv("SGL_NB_ATTENTION", raising=False)
+    gen = torch.Generator().manual_seed(8)
+    q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, _, _ = _extend_case(8, 2, 64, gen)
+    got = kernels.extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, 0.125,
+                                   window=WINDOW, softcap=SOFTCAP)
+    want = ext.extend_attention(q * 0.125, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
+                                WINDOW, SOFTCAP)
+    assert torch.equal(got, want)
+    q, k_buf, v_buf, kv_indptr, kv_indices, _ = _decode_case(8, 2, 64, gen)
+    got = kernels.decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125,
+                                   window=WINDOW)
+    assert torch.equal(got, ext.decode_attention(q * 0.125, k_buf, v_buf, kv_indptr,
+                                                 kv_indices, WINDOW, 0.0))
