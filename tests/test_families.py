@@ -181,3 +181,14 @@ def test_unknown_architecture_is_refused_by_name():
         ModelConfig.from_dict(d)
     d.update(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
     assert native_family(d) is None
+
+
+def test_rope_the_runner_lacks_is_not_native():
+    """A native family with a rope type we do not compute (Phi-3 128k's longrope) is left to
+    the transformers path (native_family None) and refused by name here."""
+    d = tiny_config("phi3").to_dict()
+    assert native_family(d) == "phi3"
+    d["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0)
+    assert native_family(d) is None
+    with pytest.raises(ValueError, match="rope type 'longrope'"):
+        ModelConfig.from_dict(d)

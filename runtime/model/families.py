@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sgl_nb.runtime.model.model_config import (
+    ROPE_TYPES,
     Activation,
     LayerSpec,
     QKNorm,
@@ -129,25 +130,41 @@ ARCHITECTURES = {
 
 def native_family(d: dict) -> str | None:
     """The family (model_type) a config.json runs as natively, or None."""
-    arch = (d.get("architectures") or [None])[0]
-    if arch is not None and arch not in ARCHITECTURES:
-        return None  # e.g. Gemma3ForConditionalGeneration, LlamaForSequenceClassification
-    family = d.get("model_type") or ARCHITECTURES.get(arch)
-    return family if family in FAMILIES else None
+    return None if _not_native(d) else d.get("model_type") or ARCHITECTURES[d["architectures"][0]]
 
 
 def family_overrides(d: dict) -> tuple[str, dict]:
-    """(family, ModelConfig overrides) of a config.json; a ValueError naming the
-    architecture for one that is not native."""
+    """(family, ModelConfig overrides) of a config.json; a ValueError saying why for one that
+    does not run natively."""
+    why = _not_native(d)
+    if why:
+        raise ValueError(why)
     family = native_family(d)
-    if family is None:
-        arch = (d.get("architectures") or ["?"])[0]
-        raise ValueError(
-            f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}): sgl-nb "
-            f"runs natively {', '.join(sorted(ARCHITECTURES))}")
-    overrides = FAMILIES[family](d)
-    overrides.setdefault("activation", _activation(d))
-    return family, overrides
+    return family, {"activation": ACTIVATION_NAMES[_activation_name(d)], **FAMILIES[family](d)}
+
+
+def _not_native(d: dict) -> str | None:
+    arch = (d.get("architectures") or [None])[0]
+    family = d.get("model_type") or ARCHITECTURES.get(arch)
+    if (arch is not None and arch not in ARCHITECTURES) or family not in FAMILIES:
+        # e.g. Gemma3ForConditionalGeneration, LlamaForSequenceClassification, falcon
+        return (f"unsupported architecture {arch or '?'!r} (model_type "
+                f"{d.get('model_type')!r}): sgl-nb runs natively "
+                f"{', '.join(sorted(ARCHITECTURES))}")
+    for kind in _rope_types(d):
+        if kind not in ROPE_TYPES:
+            return (f"{family}: rope type {kind!r} is not native (native: "
+                    f"{', '.join(ROPE_TYPES)})")
+    if _activation_name(d) not in ACTIVATION_NAMES:
+        return (f"{family}: activation {_activation_name(d)!r} is not native (native: "
+                f"{', '.join(ACTIVATION_NAMES)})")
+    return None
+
+
+def _rope_types(d: dict) -> set[str]:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    entries = [v for v in params.values() if isinstance(v, dict)] or [params]  # Gemma 3: per type
+    return {e.get("rope_type") or e.get("type") or "default" for e in entries}
 
 
 def _head_dim(d: dict) -> int:
@@ -193,9 +210,8 @@ def _gemma(d: dict) -> dict:
     )
 
 
-def _activation(d: dict) -> Activation:
-    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    kinds = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
-    if act not in kinds:
-        raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(kinds)})")
-    return kinds[act]
+ACTIVATION_NAMES = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
+
+
+def _activation_name(d: dict) -> str:
+    return d.get("hidden_activation") or d.get("hidden_act") or "silu"

@@ -25,6 +25,9 @@ class Activation(Enum):
     GELU_TANH = "gelu_tanh"  # Gemma's gelu_pytorch_tanh
 
 
+ROPE_TYPES = ("default", "linear", "llama3")  # what Rope.inv_freq computes
+
+
 @dataclass(frozen=True)
 class Rope:
     """One rotary embedding: its base and transformers' rope_parameters (type, factor...)."""
@@ -49,7 +52,7 @@ class Rope:
             return inv / p["factor"]
         if kind == "llama3":
             return _llama3_inv_freq(inv, p)
-        raise ValueError(f"unsupported rope type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 @dataclass(frozen=True)
