@@ -74,12 +74,29 @@ def test_path_is_transformers(tiny):
 
 
 def test_logits_close_to_transformers(tiny):
-    """Prefill in two chunks (the second over the first's KV), then one decode step; the
-    last logits equal transformers' on the whole sequence."""
     _, folder, hf, rt = tiny
-    model = load_model(folder)
+    _check_logits(load_model(folder), hf, _prompts(rt)[0])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_native_family_forced_through_transformers(tmp_path, family):
+    """Gemma 2 (a window of 16 on alternate layers, attention soft-cap 2) and Gemma 3 (its
+    window and per-layer rope) through transformers' code: its sliding_window and softcap
+    arguments reach our kernels, over a prompt longer than the window."""
+    from support.tiny_checkpoint import tiny_config
+
+    folder = tiny_checkpoint(tiny_config(family), tmp_path / family)
+    model = load_model(folder, runner="transformers")
+    assert model.path == "transformers" and 16 in model.config.windows
+    if family == "gemma2":
+        assert set(model.config.softcaps) == {2.0}
+    _check_logits(model, load_reference(folder), list(range(200, 240)))
+
+
+def _check_logits(model, hf, ids: list[int]) -> None:
+    """Prefill in two chunks (the second over the first's KV), then one decode step: the
+    last logits equal transformers' on the whole sequence."""
     pool = model.new_kv_pool(256)
-    ids = _prompts(rt)[0]
     slots = pool.alloc(len(ids) + 1)
     cut = len(ids) // 2
     for start, end in ((0, cut), (cut, len(ids))):
