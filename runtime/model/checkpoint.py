@@ -6,9 +6,11 @@ weights. Every error names the file, the field or the tensor that is wrong.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CONFIG_FILE = "config.json"
@@ -189,25 +191,34 @@ def check_shapes(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str, 
 
 
 def llama_shapes(config, tensors: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """The shape a ModelConfig's numbers give each Llama-layout tensor among `tensors` (the
-    checkpoint's names): embedding, q/k/v/o (and biases), gate/up/down, the norms, the LM
-    head. Names of other layouts (fused qkv, experts) are left to the family's own check; a
-    tensor the runner reads and the checkpoint lacks is named when it is read (Weights)."""
-    c = config
-    hidden, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    """The shape a ModelConfig's numbers give each tensor among `tensors` (the checkpoint's
+    names) of a Llama-like layout under the family's weight names (config.weights: fused
+    qkv / gate_up, its norms): embedding, q/k/v/o and biases, gate/up/down, the norms, q/k
+    norms, the LM head. Expert tensors are left to the MoE block; a tensor the runner reads
+    and the checkpoint lacks is named when it is read (Weights)."""
+    c, names = config, config.weights
+    hidden, q, kv, inter = (c.hidden_size, c.num_heads * c.head_dim,
+                            c.num_kv_heads * c.head_dim, c.intermediate_size)
+    qkv_rows = (q + 2 * kv,) if len(names.qkv) == 1 else (q, kv, kv)
+    norms = [n for n in (names.attn_norm, names.attn_post_norm, names.mlp_norm,
+                         names.mlp_post_norm) if n]
+    whole_qk = c.qk_norm.value == "whole"  # OLMo 2 norms the whole projection, not a head
     shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (c.vocab_size, hidden)}
     for i in range(c.num_layers):
         layer = f"model.layers.{i}."
-        att, mlp = layer + "self_attn.", layer + "mlp."
-        for n, rows in (("q", q), ("k", kv), ("v", kv), ("o", hidden)):
-            shapes[f"{att}{n}_proj.weight"] = (rows, q if n == "o" else hidden)
-            shapes[f"{att}{n}_proj.bias"] = (rows,)
-        shapes[f"{mlp}gate_proj.weight"] = (c.intermediate_size, hidden)
-        shapes[f"{mlp}up_proj.weight"] = (c.intermediate_size, hidden)
-        shapes[f"{mlp}down_proj.weight"] = (hidden, c.intermediate_size)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for name, rows in zip(names.qkv, qkv_rows):
+            shapes[f"{layer}{name}.weight"] = (rows, hidden)
+            shapes[f"{layer}{name}.bias"] = (rows,)
+        shapes[f"{layer}self_attn.o_proj.weight"] = (hidden, q)
+        shapes[f"{layer}self_attn.o_proj.bias"] = (hidden,)
+        for name in names.gate_up:
+            shapes[f"{layer}{name}.weight"] = (inter * 2 // len(names.gate_up), hidden)
+        shapes[f"{layer}mlp.down_proj.weight"] = (hidden, inter)
+        for norm in norms:
             shapes[f"{layer}{norm}.weight"] = (hidden,)
+        shapes[f"{layer}{names.q_norm}.weight"] = (q,) if whole_qk else (c.head_dim,)
+        shapes[f"{layer}{names.k_norm}.weight"] = (kv,) if whole_qk else (c.head_dim,)
     present = set(tensors)
     return {name: shape for name, shape in shapes.items() if name in present}
 
@@ -228,7 +239,8 @@ def find_gguf(folder: str | Path) -> Path | None:
 
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """A GGUF file's transformers config (as a dict with `architectures`) and its weights
-    under transformers' names, quantized types dequantized (to float32; F16/BF16 kept).
+    under transformers' names, quantized types dequantized (exactly: float32 where a
+    16-bit type cannot hold the values).
     transformers' GGUF reader does the mapping (names, llama.cpp's q/k row order, norms)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -246,6 +258,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{path}: general.architecture gives model_type "
                               f"{config.model_type!r}, which has no causal LM class")
     config.architectures = [arch]
+    _read_what_transformers_skips(path, config)
     # A model on the meta device costs nothing and gives the GGUF -> transformers name map.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -257,4 +270,74 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise MissingTensorError(
             f"{path}: no tensor of it maps to {unmapped[0]!r} ({len(unmapped)} such)"
         )
-    return config.to_diff_dict(), weights
+    return config.to_diff_dict(), {name: _exact_narrowest(t) for name, t in weights.items()}
+
+
+def _exact_narrowest(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float16 or bfloat16 where that holds every value exactly (an F16/BF16 file's
+    tensors come out of the reader as float32: this halves the converted copy), else as is."""
+    for dtype in (torch.float16, torch.bfloat16):
+        if t.dtype == torch.float32 and torch.equal(t.to(dtype).float(), t):
+            return t.to(dtype)
+    return t
+
+
+def _read_what_transformers_skips(path: Path, config) -> None:
+    """Set on `config` what llama.cpp writes and transformers' GGUF reader leaves out:
+    Gemma's soft-caps, a linear rope scaling, Llama 3's rope frequencies (rope_freqs)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+
+    def value(key: str):
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(key) is not None and hasattr(config, key):
+            setattr(config, key, float(value(key)))
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if value("rope.scaling.type") == "linear":
+        rope.update(rope_type="linear", factor=float(value("rope.scaling.factor")))
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        rope.update(_llama3_rope(path, np.asarray(freqs.data, dtype=np.float64), rope))
+    if rope:
+        config.rope_parameters = rope
+
+
+def _llama3_rope(path: Path, factors: np.ndarray, rope: dict) -> dict:
+    """Llama 3's rope scaling (factor, low/high_freq_factor, original context) from the
+    per-frequency divisors llama.cpp stores instead (rope_freqs.weight): 1 for short
+    wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between, s linear in
+    1 / wavelength. low_freq_factor is taken as 1; the others follow (an equivalent form)."""
+    dim, theta = 2 * factors.size, float(rope.get("rope_theta", 10000.0))
+    inv_wavelen = 1 / (theta ** (np.arange(0, dim, 2) / dim)) / (2 * math.pi)
+    factor = float(factors.max())
+    between = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    found = None
+    if factor > 1 and between.sum() >= 2:
+        smooth = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(inv_wavelen[between], smooth, 1)  # smooth = a / wavelen + b
+        if b < 0:  # the fit in float32's noise: round to the values a config would hold
+            found = dict(rope_type="llama3", factor=factor, low_freq_factor=1.0,
+                         high_freq_factor=round(float(1 - 1 / b), 3),
+                         original_max_position_embeddings=round(float(-a / b)))
+    if found is None or not np.allclose(_llama3_factors(inv_wavelen, found), factors, rtol=1e-4):
+        raise CheckpointError(
+            f"{path}: tensor 'rope_freqs.weight' ({factors.size} rope divisors, "
+            f"{np.round(factors[:4], 3).tolist()} ...) is not Llama 3's rope scaling; sgl-nb "
+            "cannot read it"
+        )
+    return found
+
+
+def _llama3_factors(inv_wavelen: np.ndarray, p: dict) -> np.ndarray:
+    """llama.cpp's rope divisors for Llama 3's scaling (convert_hf_to_gguf.py's formula)."""
+    old, low, high, factor = (p["original_max_position_embeddings"], p["low_freq_factor"],
+                              p["high_freq_factor"], p["factor"])
+    smooth = (old * inv_wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(inv_wavelen > high / old, 1.0,
+                    np.where(inv_wavelen < low / old, factor, between))
