@@ -509,6 +509,18 @@ class DecodeStep {
                 "inv_freq: float32 [head_dim / 2]");
   }
 
+  // Per layer, the sliding window of its attention (0: none), and the attention logit
+  // soft-cap of every layer (0: none): the kernels' window and softcap (kernels/__init__.py).
+  void set_attention(std::vector<int64_t> windows, double softcap) {
+    TORCH_CHECK(static_cast<int64_t>(windows.size()) == static_cast<int64_t>(norms_.size()) / 2,
+                "set_attention: one window per layer");
+    for (int64_t w : windows) TORCH_CHECK(w >= 0, "set_attention: a window must be >= 0");
+    TORCH_CHECK(softcap >= 0, "set_attention: the softcap must be >= 0");
+    std::lock_guard<std::mutex> lock(busy_);
+    windows_ = std::move(windows);
+    softcap_ = static_cast<float>(softcap);
+  }
+
   // Logits, fp32 [B, vocab], of one new token per request: ids and positions [B] int64,
   // request b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (the new token's last,
   // at out_loc[b]).
@@ -593,6 +605,24 @@ class DecodeStep {
     float* hp = h.data_ptr<float>();
     const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
     const int64_t* indices = kv_indices.data_ptr<int64_t>();
+    // Each request's first visible slot per window: its own first slot, or its last `w`.
+    std::vector<std::pair<int64_t, std::vector<int64_t>>> window_starts;
+    for (int64_t w : windows_) {
+      if (w == 0 || std::any_of(window_starts.begin(), window_starts.end(),
+                                [&](const auto& ws) { return ws.first == w; })) {
+        continue;
+      }
+      std::vector<int64_t> starts(batch);
+      for (int64_t b = 0; b < batch; ++b) starts[b] = std::max(indptr[b], indptr[b + 1] - w);
+      window_starts.emplace_back(w, std::move(starts));
+    }
+    const auto starts_of = [&](int64_t l) -> const int64_t* {
+      const int64_t w = windows_.empty() ? 0 : windows_[l];
+      for (const auto& ws : window_starts) {
+        if (ws.first == w) return ws.second.data();
+      }
+      return indptr;
+    };
     // Each role's output buffer serves every layer (and the next steps at this batch size).
     at::Tensor& qkv = outs_[0];
     at::Tensor& o = outs_[1];
@@ -606,7 +636,7 @@ class DecodeStep {
                         v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
                         static_cast<float>(scale));
       attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
-                   indptr, indptr + 1, indices, attn.data_ptr<T>(), batch, s);
+                   starts_of(l), indptr + 1, indices, attn.data_ptr<T>(), batch, s, softcap_);
       o = run_linear(linears_[4 * l + 1], attn, o);
       add_into<T>(hp, o.data_ptr<T>(), batch * n);
       rms_norm<T>(hp, norms_[2 * l + 1].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
@@ -620,6 +650,8 @@ class DecodeStep {
   }
 
   std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
+  std::vector<int64_t> windows_;   // per layer, 0: none; empty: no layer has one
+  float softcap_ = 0.f;
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, inv_freq_, final_norm_;
   at::Tensor outs_[4];  // the qkv, o, gate_up and down outputs of the last step
@@ -710,7 +742,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           at::Tensor, int64_t, std::vector<at::Tensor>, at::Tensor, int64_t,
                           int64_t, int64_t, int64_t, double>())
-      .def("logits", &DecodeStep::logits);
+      .def("logits", &DecodeStep::logits)
+      .def("set_attention", &DecodeStep::set_attention);
   m.def("set_num_threads", [](int64_t n) { WorkerPool::get().threads.store(n); },
         "threads of this module's kernels (0: torch's setting)");
   m.def("stop_workers", [] {

@@ -324,3 +324,50 @@ def test_package_routes_variations_to_the_cpu_kernel(monkeypatch):
                                    window=WINDOW)
     assert torch.equal(got, ext.decode_attention(q * 0.125, k_buf, v_buf, kv_indptr,
                                                  kv_indices, WINDOW, 0.0))
+
+
+def test_fused_decode_step_takes_windows_and_softcap():
+    """DecodeStep.set_attention: the fused step with a window per layer and a soft-cap gives
+    the logits of the model's layer loop (a tiny Mistral whose window the decode passes)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from sgl_nb.runtime.model.forward_batch import build_batch
+    from sgl_nb.runtime.model.model import Model, _fused_step
+    from sgl_nb.runtime.model.model_config import ModelConfig
+
+    ext = _ext()
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        sliding_window=8, max_position_embeddings=128)
+    hf = MistralForCausalLM(cfg)
+    config = ModelConfig.from_dict(cfg.to_dict())
+    assert [spec.window for spec in config.layers] == [8, 8]
+    config.attn_softcap = SOFTCAP
+    model = Model(config, hf.state_dict())
+
+    def decode(fused) -> list[torch.Tensor]:
+        model._fused = fused
+        pool = model.new_kv_pool(64)
+        slots = [torch.arange(1, 21), torch.arange(30, 35)]
+        prompts = [list(range(3, 23)), list(range(40, 45))]
+        model.forward(build_batch(False, prompts, [0, 0], slots, slots, "cpu"), pool)
+        out = []
+        for step in range(4):
+            slots = [torch.cat([s, torch.tensor([50 + 2 * step + b])]) for b, s in
+                     enumerate(slots)]
+            batch = build_batch(True, [[60 + step], [70 + step]], [s.numel() - 1 for s in slots],
+                                slots, [s[-1:] for s in slots], "cpu")
+            out.append(model.forward(batch, pool))
+        return out
+
+    want = decode(False)  # the layer loop: decode_attention with the window and soft-cap
+    step = _fused_step(ext, model)
+    llama_shaped = decode(step)  # no window, no cap: another model
+    step.set_attention([spec.window or 0 for spec in config.layers], SOFTCAP)
+    got = decode(step)
+    for w, g, plain in zip(want, got, llama_shaped, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert (plain - w).abs().max() > 1e-2
+    with pytest.raises(RuntimeError, match="one window per layer"):
+        step.set_attention([8], 0.0)
