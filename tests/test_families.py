@@ -5,12 +5,16 @@ radix cache; and bf16 / int8 / int4 on each family."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import hf_greedy
 from support.tiny_checkpoint import FAMILIES, load_reference, tiny_checkpoint, tiny_config
+from support.waits import WAIT
 
 from sgl_nb.runtime.model.families import native_family
 from sgl_nb.runtime.model.model_config import ModelConfig
@@ -192,3 +196,43 @@ def test_rope_the_runner_lacks_is_not_native():
     assert native_family(d) is None
     with pytest.raises(ValueError, match="rope type 'longrope'"):
         ModelConfig.from_dict(d)
+
+
+# Run in a child: TRITON_INTERPRET must be set before any Triton kernel is defined.
+TRITON_CHECK = """
+import os, sys
+import torch
+import sgl_nb.kernels.decode_attention_triton, sgl_nb.kernels.extend_attention_triton
+from sgl_nb.runtime.model.forward_batch import build_batch
+from sgl_nb.runtime.model.model import Model
+
+model = Model.load(sys.argv[1], dtype="float32")
+ids = list(range(300, 340))
+
+def run():
+    pool = model.new_kv_pool(64)
+    a, b = pool.alloc(len(ids)), pool.alloc(20)
+    steps = [  # a prefill in two chunks beside another request, then a batched decode
+        build_batch(False, [ids[:24], ids[:20]], [0, 0], [a[:24], b], [a[:24], b], "cpu"),
+        build_batch(False, [ids[24:39]], [24], [a[:39]], [a[24:39]], "cpu"),
+        build_batch(True, [[ids[39]], [7]], [39, 20], [a, torch.cat([b, c := pool.alloc(1)])],
+                    [a[39:], c], "cpu"),
+    ]
+    return [model.forward(fb, pool) for fb in steps]
+
+os.environ["SGL_NB_ATTENTION"] = "torch"
+want = run()
+os.environ["SGL_NB_ATTENTION"] = "triton"
+for got, w in zip(run(), want, strict=True):
+    torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+"""
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_windowed_family_on_triton_kernels_equals_torch_path(family, checkpoints):
+    """The runner's windows, soft-caps and per-layer ropes through the Triton kernels (the
+    CUDA path, interpreted here), prefill chunks and decode, equal the torch path."""
+    folder = checkpoints(family)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, "-c", TRITON_CHECK, str(folder)], check=True, env=env,
+                   timeout=WAIT)
