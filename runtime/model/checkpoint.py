@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -79,12 +80,15 @@ def read_config(folder: str | Path) -> dict:
 
 
 def _architectures(config: dict, path: Path) -> list[str]:
-    """config.json's `architectures`, checked against `model_type` and transformers."""
+    """config.json's `architectures`, checked against transformers; where absent or naming
+    no transformers class, the causal LM class of `model_type` (as transformers' Auto
+    classes load it)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type, archs = config.get("model_type"), config.get("architectures")
+    version = transformers.__version__
     if model_type is None and not archs:
         raise CheckpointError(
             f"{path}: neither 'model_type' nor 'architectures' is set, so the model's family "
@@ -92,26 +96,32 @@ def _architectures(config: dict, path: Path) -> list[str]:
         )
     if model_type is not None and model_type not in CONFIG_MAPPING_NAMES:
         raise CheckpointError(
-            f"{path}: model_type {model_type!r} is unknown to transformers "
-            f"{transformers.__version__} (a model that needs trust_remote_code is not supported)"
+            f"{path}: model_type {model_type!r} is unknown to transformers {version} (a model "
+            "that needs trust_remote_code is not supported)"
         )
-    if not archs:
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise CheckpointError(
-                f"{path}: 'architectures' is not set and model_type {model_type!r} has no causal "
-                "LM class in transformers (sgl-nb runs decoder-only causal LMs)"
-            )
-        return [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    if archs is not None and (not isinstance(archs, list)
+                              or not all(isinstance(a, str) for a in archs)):
         raise CheckpointError(f"{path}: 'architectures' must be a list of class names, got "
                               f"{archs!r}")
-    unknown = [a for a in archs if not hasattr(transformers, a)]
-    if unknown:
+    unknown = [a for a in archs or [] if not hasattr(transformers, a)]
+    if archs and not unknown:
+        return archs
+    derived = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if derived is None:
+        if unknown:
+            raise CheckpointError(
+                f"{path}: architectures {unknown} name no class of transformers {version} (a "
+                "model that needs trust_remote_code is not supported)"
+            )
         raise CheckpointError(
-            f"{path}: architectures {unknown} name no class of transformers "
-            f"{transformers.__version__} (a model that needs trust_remote_code is not supported)"
+            f"{path}: 'architectures' is not set and model_type {model_type!r} has no causal "
+            "LM class in transformers (sgl-nb runs decoder-only causal LMs)"
         )
-    return archs
+    if unknown:
+        warnings.warn(f"{path}: architectures {unknown} name no class of transformers "
+                      f"{version}; model_type {model_type!r} gives {derived}, used instead",
+                      stacklevel=3)
+    return [derived]
 
 
 # ---- safetensors weights ----------------------------------------------------------------------
@@ -270,7 +280,8 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise MissingTensorError(
             f"{path}: no tensor of it maps to {unmapped[0]!r} ({len(unmapped)} such)"
         )
-    return config.to_diff_dict(), {name: _exact_narrowest(t) for name, t in weights.items()}
+    # Every value written out, defaults too: a reader need not share transformers' defaults.
+    return config.to_dict(), {name: _exact_narrowest(t) for name, t in weights.items()}
 
 
 def _exact_narrowest(t: torch.Tensor) -> torch.Tensor:
