@@ -413,8 +413,12 @@ def _fused_step(module, model: Model):
     kinds, tensors = (list(x) for x in zip(*specs))
     head_kind, head_tensors = _linear_spec(head.linear)
     head16 = torch.empty(0) if head.weight16 is None else head.weight16
-    return module.DecodeStep(
+    step = module.DecodeStep(
         norms, kinds, tensors, model.embed, model.inv_freq.float().contiguous(), model.norm,
         head_kind, head_tensors, head16, head.refine,
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
     )
+    windows = [spec.window or 0 for spec in c.layers]  # 0: none, as the step takes it
+    if any(windows) or c.attn_softcap is not None:
+        step.set_attention(windows, c.attn_softcap or 0.0)
+    return step

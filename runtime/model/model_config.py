@@ -123,15 +123,16 @@ class ModelConfig:
 
     @property
     def fused_decode_ok(self) -> bool:
-        """Whether kernels/cpu_decode.cpp's fused DecodeStep computes this model: it knows
-        Llama's layer only (pre-norms, one rope over whole heads, silu, no window, no cap)."""
+        """Whether kernels/cpu_decode.cpp's fused DecodeStep computes this model: Llama's
+        layer (pre-norms, one rope over whole heads, silu), with any attention scale, window
+        per layer and attention soft-cap (DecodeStep.set_attention)."""
         llama = {f.name: f.default for f in fields(self) if f.name in _LLAMA_FIELDS}
         w, rope = self.weights, self.layers[0].rope
         return (all(getattr(self, name) == value for name, value in llama.items())
                 and bool(w.attn_norm) and bool(w.mlp_norm)
                 and not w.attn_post_norm and not w.mlp_post_norm
                 and rope is not None and self.rotary_dim == self.head_dim
-                and all(spec == LayerSpec(rope=rope) for spec in self.layers))
+                and all(spec.rope == rope and not spec.moe for spec in self.layers))
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> ModelConfig:
@@ -188,5 +189,5 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 # The fields the fused decode step assumes at their defaults (fused_decode_ok).
-_LLAMA_FIELDS = ("norm_offset", "qk_norm", "attn_scale", "attn_softcap", "final_softcap",
-                 "embed_scale", "residual_scale", "logits_scaling", "activation", "num_experts")
+_LLAMA_FIELDS = ("norm_offset", "qk_norm", "final_softcap", "embed_scale", "residual_scale",
+                 "logits_scaling", "activation", "num_experts")
