@@ -188,7 +188,7 @@ def capped_context_len(model_context: int, pool_tokens: int) -> int:
     warnings.warn(
         f"the model's context ({model_context} tokens, max_position_embeddings) is longer "
         f"than the KV pool ({pool_tokens} tokens): requests are capped at {pool_tokens} "
-        "tokens; raise kv_pool_tokens for longer ones", stacklevel=3,
+        "tokens; raise kv_pool_tokens for longer ones", stacklevel=4,  # the Runtime(...) call
     )
     return pool_tokens
 
