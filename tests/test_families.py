@@ -177,6 +177,25 @@ def test_config_fields_from_the_family(family):
     assert c.fused_decode_ok == llama_shaped
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(family):
+    """A config.json without Gemma's scale, activation, soft-caps and window runs as
+    transformers' config class fills them in (not as Llama's head_dim scale and silu)."""
+    import transformers
+
+    d = tiny_config(family).to_dict()
+    for key in ("query_pre_attn_scalar", "hidden_activation", "hidden_act",
+                "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"):
+        d.pop(key, None)
+    ref = transformers.AutoConfig.for_model(**d)  # the class defaults, as transformers loads it
+    c = ModelConfig.from_dict(d)
+    assert c.attn_scale == ref.query_pre_attn_scalar**-0.5
+    assert c.activation.value == "gelu_tanh" and ref.hidden_activation == "gelu_pytorch_tanh"
+    assert (c.attn_softcap, c.final_softcap) == (ref.attn_logit_softcapping,
+                                                 ref.final_logit_softcapping)
+    assert {s.window for s in c.layers} == {None, ref.sliding_window}
+
+
 def test_unknown_architecture_is_refused_by_name():
     d = tiny_config("llama").to_dict()
     d.update(architectures=["FalconForCausalLM"], model_type="falcon")

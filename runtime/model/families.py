@@ -128,6 +128,24 @@ ARCHITECTURES = {
 }
 
 
+# What transformers' config class assumes for a field config.json leaves out, where that is
+# not what the functions above assume (checkpoints written by hand, or by an older
+# save_pretrained, omit fields equal to the class defaults).
+CLASS_DEFAULTS: dict[str, dict] = {
+    "gemma2": dict(query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   sliding_window=4096),
+    "gemma3_text": dict(query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                        sliding_window=4096),
+}
+
+
+def with_class_defaults(d: dict) -> dict:
+    """config.json with its family's CLASS_DEFAULTS under the values it sets."""
+    family = d.get("model_type") or ARCHITECTURES.get((d.get("architectures") or [None])[0])
+    return {**CLASS_DEFAULTS.get(family, {}), **d}
+
+
 def native_family(d: dict) -> str | None:
     """The family (model_type) a config.json runs as natively, or None."""
     return None if _not_native(d) else d.get("model_type") or ARCHITECTURES[d["architectures"][0]]
@@ -136,6 +154,7 @@ def native_family(d: dict) -> str | None:
 def family_overrides(d: dict) -> tuple[str, dict]:
     """(family, ModelConfig overrides) of a config.json; a ValueError saying why for one that
     does not run natively."""
+    d = with_class_defaults(d)
     why = _not_native(d)
     if why:
         raise ValueError(why)
@@ -144,6 +163,7 @@ def family_overrides(d: dict) -> tuple[str, dict]:
 
 
 def _not_native(d: dict) -> str | None:
+    d = with_class_defaults(d)
     arch = (d.get("architectures") or [None])[0]
     family = d.get("model_type") or ARCHITECTURES.get(arch)
     if (arch is not None and arch not in ARCHITECTURES) or family not in FAMILIES:
