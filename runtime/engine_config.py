@@ -16,7 +16,8 @@ SCHEDULE_POLICIES = ("lpm", "fifo")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # A checkpoint folder (Llama family or Qwen2), a .gguf file, a hub id already in the
+    # A checkpoint folder (a native family, or any decoder-only causal LM transformers
+    # runs: runtime/model/load.py), a .gguf file, a hub id already in the
     # local Hugging Face cache, or None for the default model.
     model_path: str | Path | None = None
     kv_pool_tokens: int = 32768  # the KV pool's capacity, in tokens

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
-README_MAX_LINES = 320
+README_MAX_LINES = 335  # the families table joined; the serve details moved to docs
 
 # A backticked token is taken for a repository path when it contains a "/" or ends in one
 # of these (`runtime/compiler/executor.py`, `kernels/`, `pyproject.toml`); `sgl_nb.runtime` or
