@@ -14,6 +14,8 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from support.paged_kv import indptr as _indptr  # noqa: E402
+from support.paged_kv import paged_kv as _paged_kv  # noqa: E402
 from support.waits import WAIT  # noqa: E402
 
 import sgl_nb.kernels as kernels  # noqa: E402
@@ -29,24 +31,7 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
 # --- building paged batches --------------------------------------------------------------
 
 
-def _indptr(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
 
-
-def _paged_kv(kv_lens, num_kv_heads, head_dim, dtype, gen):
-    """K/V buffers holding the requests' tokens at scattered slots.
-
-    Every slot no request owns (slot 0 included) is NaN: a kernel that reads a padding or
-    foreign slot into its result fails the comparison instead of passing by luck.
-    """
-    total = sum(kv_lens)
-    num_slots = total + 17
-    k_buf = torch.full((num_slots, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_buf = torch.full_like(k_buf, float("nan"))
-    slots = torch.randperm(num_slots - 1, generator=gen)[:total] + 1
-    k_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
-    return k_buf, v_buf, _indptr(kv_lens), slots
 
 
 def _naive(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, scale):

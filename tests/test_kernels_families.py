@@ -11,6 +11,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from support.paged_kv import indptr as _indptr  # noqa: E402
+from support.paged_kv import paged_kv as _paged_kv  # noqa: E402
 
 import sgl_nb.kernels as kernels  # noqa: E402
 from sgl_nb.kernels import reference  # noqa: E402
@@ -22,21 +24,7 @@ VARIATIONS = [(None, None), (WINDOW, None), (None, SOFTCAP), (WINDOW, SOFTCAP)]
 GROUPS = [(4, 4), (4, 2), (8, 2), (8, 1)]
 
 
-def _indptr(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
 
-
-def _paged_kv(kv_lens, num_kv_heads, head_dim, dtype, gen):
-    """K/V buffers holding the requests' tokens at scattered slots, NaN everywhere else: a
-    kernel that reads a slot no request owns fails instead of passing by luck."""
-    total = sum(kv_lens)
-    num_slots = total + 9
-    k_buf = torch.full((num_slots, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_buf = torch.full_like(k_buf, float("nan"))
-    slots = torch.randperm(num_slots - 1, generator=gen)[:total] + 1
-    k_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
-    return k_buf, v_buf, _indptr(kv_lens), slots
 
 
 def dense_attention(q, k_buf, v_buf, qo_lens, kv_lens, kv_indices, scale, window, softcap):
