@@ -78,10 +78,14 @@ def write_random_checkpoint(config, folder: Path, seed: int = 0,
     folder = Path(folder)
     if (folder / "config.json").is_file():
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
+    # Written beside it, then renamed: a run stopped halfway leaves no folder that looks done.
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = None  # random weights: no natural stop
-    model.save_pretrained(folder)
-    copy_tokenizer(folder)
+    model.save_pretrained(partial)
+    copy_tokenizer(partial)
+    partial.rename(folder)
     return folder
