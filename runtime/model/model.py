@@ -167,6 +167,8 @@ class Model:
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
         self.act = ACTIVATIONS[c.activation]
+        # Rounded to the weights' dtype first, as transformers' Gemma does (once, not per step).
+        self.embed_scale = torch.tensor(c.embed_scale, dtype=dtype).item()
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -279,9 +281,8 @@ class Model:
         # modes); rms_norm hands the matmuls their 16-bit input.
         c = self.config
         h = self.embed[batch.input_ids].float()
-        if c.embed_scale != 1.0:
-            # Rounded to the weights' dtype first, as transformers' Gemma does.
-            h = h * torch.tensor(c.embed_scale, dtype=self.dtype).item()
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
         ropes = {rope: rope_tables(batch.positions, inv, self.dtype)
                  for rope, inv in self.inv_freqs.items()}
         plans: dict[int | None, object] = {}
