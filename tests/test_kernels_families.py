@@ -350,10 +350,10 @@ def test_fused_decode_step_takes_windows_and_softcap():
         return out
 
     want = decode(False)  # the layer loop: decode_attention with the window and soft-cap
-    step = _fused_step(ext, model)
-    llama_shaped = decode(step)  # no window, no cap: another model
-    step.set_attention([spec.window or 0 for spec in config.layers], SOFTCAP)
+    step = _fused_step(ext, model)  # takes the config's windows and soft-cap
     got = decode(step)
+    step.set_attention([0, 0], 0.0)
+    llama_shaped = decode(step)  # no window, no cap: another model
     for w, g, plain in zip(want, got, llama_shaped, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
         assert (plain - w).abs().max() > 1e-2
