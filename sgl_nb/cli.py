@@ -120,6 +120,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sgl_nb.server.serve import GRACE_SECONDS
+
     p = argparse.ArgumentParser(prog="sgl-nb", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the model folder's path and its base name)")
     v.add_argument("--kv-pool-tokens", type=int, default=32768)
     v.add_argument("--quiet", action="store_true", help="no line per request")
+    v.add_argument("--shutdown-grace", type=float, default=GRACE_SECONDS, metavar="S",
+                   help="on Ctrl-C or SIGTERM, seconds running requests get before they are "
+                   "aborted, each answered with its text so far (default %(default)g)")
     v.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("debug", help="step through a program in a terminal debugger, live")

@@ -34,6 +34,7 @@ def build_app(runtime, api_key: str | None = None,
     the model folder's path and its base name)."""
     served = Served(runtime, model_names)
     app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served = served  # the server's stop aborts its requests (runner.py)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     if api_key:  # added last, so checked first

@@ -40,6 +40,11 @@ class RequestLog:
             self._open.append(handle)
         self.sweep()
 
+    def in_flight(self) -> list[RequestHandle]:
+        """The requests submitted and not finished yet."""
+        with self._lock:
+            return [h for h in self._open if not h.done()]
+
     def sweep(self) -> None:
         with self._lock:
             done = [h for h in self._open if h.done()]
