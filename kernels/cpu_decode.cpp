@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_dense_matmul.h"
+#include "cpu_layer_ops.h"
 #include "cpu_logits.h"
 #include "cpu_quant_matmul.h"
 #include "cpu_simd.h"
@@ -68,79 +69,6 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
       }
     default:
       TORCH_CHECK(false, "unknown linear kind ", l.kind);
-  }
-}
-
-// out[r] = w * T(h[r] / rms(h[r])), h fp32 [rows, n].
-template <typename T>
-void rms_norm(const float* h, const T* w, T* out, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = h + r * n;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    T* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = T(float(w[i]) * float(T(x[i] * inv)));
-  }
-}
-
-struct Shape {
-  int64_t hidden, heads, kv_heads, head_dim, inter;
-};
-
-// x * cos + roll(x, D/2) * signed_sin, one head of D values, in fp32.
-template <typename T>
-inline void rope_head(const T* x, const float* cos, const float* sin, float* out, int64_t d) {
-  const int64_t half = d / 2;
-  int64_t i = 0;
-#ifdef SGL_NB_AVX2
-  for (; half % 8 == 0 && i < half; i += 8) {
-    const __m256 lo = load8(x + i), hi = load8(x + half + i);
-    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)),
-                                            _mm256_mul_ps(hi, _mm256_loadu_ps(sin + i))));
-    _mm256_storeu_ps(out + half + i,
-                     _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + i)),
-                                   _mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + i))));
-  }
-  if (i == half) return;
-#endif
-  for (; i < d; ++i) out[i] = float(x[i]) * cos[i] + float(x[(i + half) % d]) * sin[i];
-}
-
-// RoPE on q and k, k and v into the pool at out_loc, q (scaled, fp32) into qf.
-template <typename T>
-void rope_and_store(const T* qkv, const float* cos, const float* sin, const int64_t* out_loc,
-                    T* kbuf, T* vbuf, float* qf, int64_t batch, const Shape& s, float scale) {
-  const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
-  thread_local std::vector<float> rotated;
-  std::vector<float>& r = rotated;
-  r.resize(d);
-  for (int64_t b = 0; b < batch; ++b) {
-    const T* row = qkv + b * width;
-    for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) {
-      rope_head(row + h * d, cos + b * d, sin + b * d, r.data(), d);
-      // The torch path rounds the rotated q/k to T before attention reads them (d % 8 == 0).
-      int64_t i = 0;
-      if (h < s.heads) {
-        float* q = qf + (b * s.heads + h) * d;
-#ifdef SGL_NB_AVX2
-        for (; i < d; i += 8) {
-          const __m256 x = round_to(T(), _mm256_loadu_ps(r.data() + i));
-          _mm256_storeu_ps(q + i, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
-        }
-#endif
-        for (; i < d; ++i) q[i] = float(T(r[i])) * scale;
-      } else {
-        T* k = kbuf + (out_loc[b] * s.kv_heads + (h - s.heads)) * d;
-#ifdef SGL_NB_AVX2
-        for (; i < d; i += 8) store8(k + i, _mm256_loadu_ps(r.data() + i));
-#endif
-        for (; i < d; ++i) k[i] = T(r[i]);
-      }
-    }
-    const T* v = row + (s.heads + s.kv_heads) * d;
-    std::copy(v, v + s.kv_heads * d, vbuf + out_loc[b] * s.kv_heads * d);
   }
 }
 
@@ -199,26 +127,6 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
   }
   for (int g = 0; g < GN; ++g)
     for (int m = 0; m < NV; ++m) _mm256_storeu_ps(out + g * d + e0 + 8 * m, o[g][m]);
-}
-
-// exp on 8 lanes (Cephes' expf: 2^k times a degree-5 polynomial on |r| <= ln2 / 2, about
-// 1 ulp); std::exp, one call per score, cost more than the rest of the attention.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // s[j] = exp(s[j] - max); returns (max, sum).
@@ -281,22 +189,6 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
 #endif
 
 // s[j] = cap * tanh(s[j] / cap) (Gemma 2's attention logit soft-cap), tanh written as
-// 1 - 2 / (exp(2x) + 1): finite for any score (an exp of inf gives 1), and the same formula
-// in the vector and the scalar loop.
-inline void soft_cap(float* s, int64_t len, float cap) {
-  const float twice_inv = 2.f / cap;
-  int64_t i = 0;
-#ifdef SGL_NB_AVX2
-  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
-  for (; i + 8 <= len; i += 8) {
-    const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(twice_inv)));
-    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
-    _mm256_storeu_ps(s + i, _mm256_mul_ps(t, _mm256_set1_ps(cap)));
-  }
-#endif
-  for (; i < len; ++i) s[i] = cap * (1.f - 2.f / (std::exp(s[i] * twice_inv) + 1.f));
-}
-
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j) {
@@ -444,81 +336,63 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
   }
 }
 
-// out = T(T(silu(gate)) * up), rounded as the torch path rounds it; gu [rows, 2 * inter].
-// Rows split among the threads when there are several (at batch 16 the scalar loop took
-// 7 ms of a 66 ms step).
-template <typename T>
-void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter) {
-  const auto part = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      int64_t i = 0;
-#ifdef SGL_NB_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= inter; i += 8) {
-        const __m256 x = load8(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        const __m256 silu = round_to(T(), _mm256_div_ps(x, _mm256_add_ps(one, e)));
-        store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
-      }
-#endif
-      for (; i < inter; ++i) {
-        const float x = float(g[i]);
-        o[i] = T(float(T(x / (1.f + std::exp(-x)))) * float(u[i]));
-      }
-    }
-  };
-  if (rows == 1) return part(0, 1);
-  WorkerPool::get().parallel_for(rows, part);
-}
+enum class QKNorm : int64_t { kNone = 0, kPerHead = 1, kWhole = 2 };  // model_config.QKNorm
 
-template <typename T>
-void add_into(float* h, const T* delta, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) h[i] += float(delta[i]);
-}
+// What a model family changes from Llama's layer (runtime/model/model_config.py's fields),
+// as the step reads it; each default is Llama's behaviour. Per-layer lists hold one entry
+// per layer (two for norm pairs), an empty tensor where that layer has none; an empty list
+// means no layer has any.
+struct Family {
+  std::vector<int64_t> windows;         // sliding window per layer, 0: none
+  double attn_softcap = 0.0;            // attention scores' soft-cap, 0: none
+  std::vector<at::Tensor> post_norms;   // per layer: on attention's output, on the MLP's
+  int64_t qk_norm = 0;                  // QKNorm
+  std::vector<at::Tensor> qk_norms;     // per layer: q's, k's
+  std::vector<at::Tensor> inv_freqs;    // each RoPE's fp32 inverse frequencies [rotary / 2]
+  std::vector<int64_t> rope_of_layer;   // index into inv_freqs, -1: the layer has no RoPE
+  int64_t rotary_dim = 0;               // dims of each head that rotate, 0: head_dim
+  int64_t activation = 0;               // Activation of the gated MLPs (and the experts')
+  double embed_scale = 1.0, residual_scale = 1.0, logits_scaling = 1.0, final_softcap = 0.0;
+  // Mixture-of-experts MLPs: per layer the router [experts, hidden] in T (empty: a dense
+  // MLP) and each expert's gate_up and down linears, as the kinds and tensors of LinearSpec.
+  std::vector<at::Tensor> routers;
+  std::vector<std::vector<int64_t>> expert_kinds;
+  std::vector<std::vector<std::vector<at::Tensor>>> expert_tensors;
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;
+};
+
+// One MoE layer as the step runs it (runtime/model/moe.py's block, step for step).
+struct Experts {
+  at::Tensor router;
+  std::vector<LinearSpec> linears;  // expert e: gate_up at 2e, down at 2e + 1
+};
 
 class DecodeStep {
  public:
-  // Per layer: input and post-attention norm weights (norms) and the qkv, o, gate_up and
-  // down linears (kinds, tensors as LinearSpec). Around them: the embedding [vocab, hidden]
-  // and final norm in T, the RoPE inverse frequencies (fp32 [head_dim / 2]), the LM head as
-  // a LinearSpec and, when its best `refine` candidates are recomputed (linear.LogitsHead),
-  // its bf16 rows head16 (else empty).
+  // Per layer: the norm weights before attention and before the MLP (norms; empty: none)
+  // and the qkv, o, gate_up and down linears (kinds, tensors as LinearSpec; a MoE layer's
+  // gate_up and down are empty). Around them: the embedding [vocab, hidden] and final norm
+  // in T, the LM head as a LinearSpec and, when its best `refine` candidates are recomputed
+  // (linear.LogitsHead), its bf16 rows head16 (else empty). `family`: the rest.
   DecodeStep(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
              std::vector<std::vector<at::Tensor>> tensors, at::Tensor embed,
-             at::Tensor inv_freq, at::Tensor final_norm, int64_t head_kind,
-             std::vector<at::Tensor> head_tensors, at::Tensor head16, int64_t refine,
-             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : norms_(std::move(norms)), embed_(std::move(embed)), inv_freq_(std::move(inv_freq)),
-        final_norm_(std::move(final_norm)), head_{head_kind, std::move(head_tensors)},
-        head16_(std::move(head16)), refine_(refine), eps_(static_cast<float>(eps)) {
+             at::Tensor final_norm, int64_t head_kind, std::vector<at::Tensor> head_tensors,
+             at::Tensor head16, int64_t refine, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, double eps, Family family)
+      : norms_(std::move(norms)), embed_(std::move(embed)), final_norm_(std::move(final_norm)),
+        head_{head_kind, std::move(head_tensors)}, head16_(std::move(head16)),
+        refine_(refine), eps_(static_cast<float>(eps)), f_(std::move(family)) {
     const int64_t layers = static_cast<int64_t>(norms_.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers, "4 linears per layer");
     for (size_t i = 0; i < kinds.size(); ++i) linears_.push_back({kinds[i], tensors[i]});
-    shape_ = {norms_[0].numel(), heads, kv_heads, head_dim, 0};
-    dtype_ = norms_[0].scalar_type();
+    shape_ = {embed_.size(1), heads, kv_heads, head_dim, 0};
+    dtype_ = embed_.scalar_type();
     TORCH_CHECK(head_dim % 8 == 0, "the fused CPU decode takes head_dim % 8 == 0");
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16,
                 "the fused CPU decode takes float32 or bfloat16 activations");
-    TORCH_CHECK(embed_.scalar_type() == dtype_ && embed_.is_contiguous() &&
-                embed_.size(1) == shape_.hidden, "embedding: contiguous [vocab, hidden] in T");
-    TORCH_CHECK(inv_freq_.scalar_type() == at::kFloat && inv_freq_.numel() == head_dim / 2,
-                "inv_freq: float32 [head_dim / 2]");
-  }
-
-  // Per layer, the sliding window of its attention (0: none), and the attention logit
-  // soft-cap of every layer (0: none): the kernels' window and softcap (kernels/__init__.py).
-  void set_attention(std::vector<int64_t> windows, double softcap) {
-    TORCH_CHECK(static_cast<int64_t>(windows.size()) == static_cast<int64_t>(norms_.size()) / 2,
-                "set_attention: one window per layer");
-    for (int64_t w : windows) TORCH_CHECK(w >= 0, "set_attention: a window must be >= 0");
-    TORCH_CHECK(softcap >= 0, "set_attention: the softcap must be >= 0");
-    std::lock_guard<std::mutex> lock(busy_);
-    windows_ = std::move(windows);
-    softcap_ = static_cast<float>(softcap);
+    TORCH_CHECK(embed_.is_contiguous(), "embedding: contiguous [vocab, hidden] in T");
+    check_family(layers);
   }
 
   // Logits, fp32 [B, vocab], of one new token per request: ids and positions [B] int64,
@@ -541,6 +415,54 @@ class DecodeStep {
   }
 
  private:
+  void check_family(int64_t layers) {
+    const auto per_layer = [&](size_t n, size_t each, const char* what) {
+      TORCH_CHECK(n == 0 || n == static_cast<size_t>(layers * each), "family: ", what,
+                  " must have ", each, " per layer");
+    };
+    per_layer(f_.windows.size(), 1, "windows");
+    per_layer(f_.post_norms.size(), 2, "post_norms");
+    per_layer(f_.qk_norms.size(), 2, "qk_norms");
+    per_layer(f_.routers.size(), 1, "routers");
+    for (int64_t w : f_.windows) TORCH_CHECK(w >= 0, "family: a window must be >= 0");
+    TORCH_CHECK(f_.attn_softcap >= 0 && f_.final_softcap >= 0, "family: soft-caps >= 0");
+    TORCH_CHECK(f_.qk_norm >= 0 && f_.qk_norm <= 2, "family: qk_norm 0, 1 or 2");
+    TORCH_CHECK(f_.qk_norm == 0 || !f_.qk_norms.empty(), "family: qk_norm without weights");
+    TORCH_CHECK(f_.activation == 0 || f_.activation == 1, "family: activation 0 or 1");
+    if (f_.rotary_dim == 0) f_.rotary_dim = shape_.head_dim;
+    TORCH_CHECK(f_.rotary_dim % 2 == 0 && f_.rotary_dim <= shape_.head_dim,
+                "family: rotary_dim even and at most head_dim");
+    for (const at::Tensor& inv : f_.inv_freqs) {
+      TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.is_contiguous() &&
+                  inv.numel() == f_.rotary_dim / 2, "inv_freqs: float32 [rotary_dim / 2]");
+    }
+    if (f_.rope_of_layer.empty()) f_.rope_of_layer.assign(layers, f_.inv_freqs.empty() ? -1 : 0);
+    TORCH_CHECK(static_cast<int64_t>(f_.rope_of_layer.size()) == layers,
+                "family: rope_of_layer must have 1 per layer");
+    for (int64_t r : f_.rope_of_layer) {
+      TORCH_CHECK(r >= -1 && r < static_cast<int64_t>(f_.inv_freqs.size()),
+                  "family: rope_of_layer indexes inv_freqs (-1: none)");
+    }
+    for (size_t l = 0; l < f_.routers.size(); ++l) {
+      Experts e{f_.routers[l], {}};
+      if (e.router.numel()) {
+        const auto& k = f_.expert_kinds.at(l);
+        const auto& t = f_.expert_tensors.at(l);
+        TORCH_CHECK(k.size() == t.size() && static_cast<int64_t>(k.size()) == 2 * e.router.size(0),
+                    "family: two expert linears per router row");
+        TORCH_CHECK(f_.top_k >= 1 && f_.top_k <= e.router.size(0), "family: 1 <= top_k <= experts");
+        for (size_t i = 0; i < k.size(); ++i) e.linears.push_back({k[i], t[i]});
+      }
+      moe_.push_back(std::move(e));
+    }
+    f_.expert_tensors.clear();  // held once, in moe_
+    for (int64_t l = 0; l < layers; ++l) {
+      const bool experts = !moe_.empty() && moe_[l].router.numel();
+      TORCH_CHECK(experts || linears_[4 * l + 2].t[0].numel(), "layer ", l,
+                  " has neither a dense MLP nor experts");
+    }
+  }
+
   template <typename T>
   at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
@@ -553,29 +475,38 @@ class DecodeStep {
     const int64_t* id = ids.data_ptr<int64_t>();
     const T* e = embed_.data_ptr<T>();
     float* hp = h.data_ptr<float>();
+    const float embed_scale = static_cast<float>(f_.embed_scale);
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "token id ", id[b], " outside the vocabulary");
       for (int64_t i = 0; i < n; ++i) hp[b * n + i] = float(e[id[b] * n + i]);
+      if (embed_scale != 1.f) {
+        for (int64_t i = 0; i < n; ++i) hp[b * n + i] *= embed_scale;
+      }
     }
-    auto [cos, sin] = rope_tables<T>(positions);
-    run<T>(h, cos, sin, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
+    for (const at::Tensor& inv : f_.inv_freqs) ropes.push_back(rope_tables<T>(positions, inv));
+    run<T>(h, ropes, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     at::Tensor hn = at::empty({batch, n}, embed_.options());
-    rms_norm<T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch, n,
-                eps_);
+    rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
+                       n, eps_);
     at::Tensor logits = run_linear(head_, hn).to(at::kFloat).contiguous();
     if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
+    // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
+    if (f_.logits_scaling != 1.0) logits = logits / f_.logits_scaling;
+    if (f_.final_softcap > 0) logits = at::tanh(logits / f_.final_softcap) * f_.final_softcap;
     return logits;
   }
 
-  // cos and signed sin [B, head_dim] as runtime/model/model.py's rope_tables gives them (fp32
+  // cos and signed sin [B, rotary] as runtime/model/model.py's rope_tables gives them (fp32
   // angles, the tables rounded to T), widened to fp32.
   template <typename T>
-  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions) const {
-    const int64_t batch = positions.size(0), d = shape_.head_dim, half = d / 2;
-    at::Tensor cos = at::empty({batch, d}, inv_freq_.options());
-    at::Tensor sin = at::empty({batch, d}, inv_freq_.options());
+  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions,
+                                                const at::Tensor& inv_freq) const {
+    const int64_t batch = positions.size(0), d = f_.rotary_dim, half = d / 2;
+    at::Tensor cos = at::empty({batch, d}, inv_freq.options());
+    at::Tensor sin = at::empty({batch, d}, inv_freq.options());
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const float* f = inv_freq_.data_ptr<float>();
+    const float* f = inv_freq.data_ptr<float>();
     float* c = cos.data_ptr<float>();
     float* sn = sin.data_ptr<float>();
     for (int64_t b = 0; b < batch; ++b) {
@@ -589,77 +520,181 @@ class DecodeStep {
     return {cos, sin};
   }
 
-  // The decoder layers over h, the fp32 residual stream [B, hidden], in place.
-  template <typename T>
-  void run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-           const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& out_loc,
-           const std::vector<at::Tensor>& k_bufs, const std::vector<at::Tensor>& v_bufs,
-           double scale) {
-    const int64_t batch = h.size(0), n = shape_.hidden, layers = norms_.size() / 2;
-    Shape s = shape_;
-    const auto opts = h.options().dtype(dtype_);
-    at::Tensor xn = at::empty({batch, n}, opts);
-    at::Tensor attn = at::empty({batch, s.heads * s.head_dim}, opts);
-    at::Tensor qf = at::empty({batch, s.heads * s.head_dim}, h.options());
-    at::Tensor act;
-    float* hp = h.data_ptr<float>();
-    const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
-    const int64_t* indices = kv_indices.data_ptr<int64_t>();
-    // Each request's first visible slot per window: its own first slot, or its last `w`.
-    std::vector<std::pair<int64_t, std::vector<int64_t>>> window_starts;
-    for (int64_t w : windows_) {
-      if (w == 0 || std::any_of(window_starts.begin(), window_starts.end(),
+  // Each request's first visible slot per distinct window: its own first slot, or its
+  // last `w`; layers without a window start at kv_indptr.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> window_starts(const int64_t* indptr,
+                                                                      int64_t batch) const {
+    std::vector<std::pair<int64_t, std::vector<int64_t>>> out;
+    for (int64_t w : f_.windows) {
+      if (w == 0 || std::any_of(out.begin(), out.end(),
                                 [&](const auto& ws) { return ws.first == w; })) {
         continue;
       }
       std::vector<int64_t> starts(batch);
       for (int64_t b = 0; b < batch; ++b) starts[b] = std::max(indptr[b], indptr[b + 1] - w);
-      window_starts.emplace_back(w, std::move(starts));
+      out.emplace_back(w, std::move(starts));
     }
+    return out;
+  }
+
+  // q and k of each row of qkv [B, (heads + 2 kv_heads) * head_dim] normed in place, per
+  // head or over the whole projection (OLMo 2), before RoPE.
+  template <typename T>
+  void qk_norm(T* qkv, int64_t batch, int64_t l) const {
+    const Shape& s = shape_;
+    const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
+    const bool whole = f_.qk_norm == static_cast<int64_t>(QKNorm::kWhole);
+    const T* qw = f_.qk_norms[2 * l].data_ptr<T>();
+    const T* kw = f_.qk_norms[2 * l + 1].data_ptr<T>();
+    for (int64_t b = 0; b < batch; ++b) {
+      T* q = qkv + b * width;
+      T* k = q + s.heads * d;
+      rms_norm<T, T>(q, qw, q, whole ? 1 : s.heads, whole ? s.heads * d : d, eps_);
+      rms_norm<T, T>(k, kw, k, whole ? 1 : s.kv_heads, whole ? s.kv_heads * d : d, eps_);
+    }
+  }
+
+  // x (a block's output [B, hidden] in T) through its post-norm where the layer has one,
+  // then into the residual stream.
+  template <typename T>
+  void add_block(float* hp, at::Tensor& x, const at::Tensor& post_norm, int64_t batch) const {
+    const int64_t n = shape_.hidden;
+    if (post_norm.defined() && post_norm.numel()) {
+      rms_norm<T, T>(x.data_ptr<T>(), post_norm.data_ptr<T>(), x.data_ptr<T>(), batch, n, eps_);
+    }
+    add_into<T>(hp, x.data_ptr<T>(), batch * n, static_cast<float>(f_.residual_scale));
+  }
+
+  // h normed by `w` into xn, or (no norm here) only rounded to T.
+  template <typename T>
+  void pre_norm(const float* hp, const at::Tensor& w, at::Tensor& xn, int64_t batch) const {
+    const int64_t n = shape_.hidden;
+    T* out = xn.data_ptr<T>();
+    if (w.numel()) return rms_norm<float, T>(hp, w.data_ptr<T>(), out, batch, n, eps_);
+    for (int64_t i = 0; i < batch * n; ++i) out[i] = T(hp[i]);
+  }
+
+  // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
+  template <typename T>
+  at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
+                       at::Tensor& gu, at::Tensor& act, at::Tensor& out) const {
+    gu = run_linear(gate_up, x, gu);
+    const int64_t rows = x.size(0), inter = gu.size(1) / 2;
+    if (!act.defined() || act.size(0) != rows || act.size(1) != inter) {
+      act = at::empty({rows, inter}, x.options());
+    }
+    act_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), rows, inter,
+               static_cast<Activation>(f_.activation));
+    out = run_linear(down, act, out);
+    return out;
+  }
+
+  // runtime/model/moe.py's MoE.__call__ in the same ops: router logits in T, softmax in
+  // fp32, top-k (renormalised when norm_topk_prob), the weights back in T; each chosen
+  // expert's output times its weight added in ascending expert order, tokens ascending
+  // within an expert (in bf16 each add rounds, so the order is the result's).
+  template <typename T>
+  at::Tensor moe(const Experts& m, const at::Tensor& x) const {
+    const at::Tensor probs = at::softmax(at::linear(x, m.router), -1, at::kFloat);
+    auto [weights, chosen] = probs.topk(f_.top_k, -1);
+    if (f_.norm_topk_prob) weights = weights / weights.sum(-1, true);
+    const at::Tensor slot_weights = weights.to(x.scalar_type()).reshape({-1});
+    const at::Tensor flat = chosen.reshape({-1}).contiguous();
+    const int64_t* e = flat.data_ptr<int64_t>();
+    std::vector<int64_t> order(flat.numel());
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return e[a] < e[b]; });
+    at::Tensor out = at::zeros_like(x);
+    at::Tensor gu, act, y;
+    const auto idx = at::TensorOptions().dtype(at::kLong);
+    for (size_t start = 0; start < order.size();) {
+      size_t end = start;
+      std::vector<int64_t> rows, slots;
+      for (; end < order.size() && e[order[end]] == e[order[start]]; ++end) {
+        rows.push_back(order[end] / f_.top_k);
+        slots.push_back(order[end]);
+      }
+      const int64_t expert = e[order[start]];
+      const at::Tensor r = at::tensor(rows, idx);
+      y = gated_mlp<T>(m.linears[2 * expert], m.linears[2 * expert + 1], x.index_select(0, r),
+                       gu, act, y);
+      const at::Tensor w = slot_weights.index_select(0, at::tensor(slots, idx));
+      out.index_add_(0, r, y * w.unsqueeze(1));
+      start = end;
+    }
+    return out;
+  }
+
+  // The decoder layers over h, the fp32 residual stream [B, hidden], in place.
+  template <typename T>
+  void run(at::Tensor& h, const std::vector<std::pair<at::Tensor, at::Tensor>>& ropes,
+           const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& out_loc,
+           const std::vector<at::Tensor>& k_bufs, const std::vector<at::Tensor>& v_bufs,
+           double scale) {
+    const int64_t batch = h.size(0), n = shape_.hidden, layers = norms_.size() / 2;
+    const Shape& s = shape_;
+    const auto opts = h.options().dtype(dtype_);
+    at::Tensor xn = at::empty({batch, n}, opts);
+    at::Tensor attn = at::empty({batch, s.heads * s.head_dim}, opts);
+    at::Tensor qf = at::empty({batch, s.heads * s.head_dim}, h.options());
+    float* hp = h.data_ptr<float>();
+    const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+    const int64_t* indices = kv_indices.data_ptr<int64_t>();
+    const auto starts = window_starts(indptr, batch);
     const auto starts_of = [&](int64_t l) -> const int64_t* {
-      const int64_t w = windows_.empty() ? 0 : windows_[l];
-      for (const auto& ws : window_starts) {
+      const int64_t w = f_.windows.empty() ? 0 : f_.windows[l];
+      for (const auto& ws : starts) {
         if (ws.first == w) return ws.second.data();
       }
       return indptr;
+    };
+    const at::Tensor none;
+    const auto post = [&](int64_t i) -> const at::Tensor& {
+      return f_.post_norms.empty() ? none : f_.post_norms[i];
     };
     // Each role's output buffer serves every layer (and the next steps at this batch size).
     at::Tensor& qkv = outs_[0];
     at::Tensor& o = outs_[1];
     at::Tensor& gu = outs_[2];
     at::Tensor& down = outs_[3];
+    at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
-      rms_norm<T>(hp, norms_[2 * l].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
+      pre_norm<T>(hp, norms_[2 * l], xn, batch);
       qkv = run_linear(linears_[4 * l], xn, qkv);
-      rope_and_store<T>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+      if (f_.qk_norm) qk_norm<T>(qkv.data_ptr<T>(), batch, l);
+      const int64_t r = f_.rope_of_layer[l];
+      rope_and_store<T>(qkv.data_ptr<T>(), r < 0 ? nullptr : ropes[r].first.data_ptr<float>(),
+                        r < 0 ? nullptr : ropes[r].second.data_ptr<float>(), f_.rotary_dim,
                         out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                         v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
                         static_cast<float>(scale));
       attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
-                   starts_of(l), indptr + 1, indices, attn.data_ptr<T>(), batch, s, softcap_);
+                   starts_of(l), indptr + 1, indices, attn.data_ptr<T>(), batch, s,
+                   static_cast<float>(f_.attn_softcap));
       o = run_linear(linears_[4 * l + 1], attn, o);
-      add_into<T>(hp, o.data_ptr<T>(), batch * n);
-      rms_norm<T>(hp, norms_[2 * l + 1].data_ptr<T>(), xn.data_ptr<T>(), batch, n, eps_);
-      gu = run_linear(linears_[4 * l + 2], xn, gu);
-      const int64_t inter = gu.size(1) / 2;
-      if (!act.defined()) act = at::empty({batch, inter}, opts);
-      silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), batch, inter);
-      down = run_linear(linears_[4 * l + 3], act, down);
-      add_into<T>(hp, down.data_ptr<T>(), batch * n);
+      add_block<T>(hp, o, post(2 * l), batch);
+      pre_norm<T>(hp, norms_[2 * l + 1], xn, batch);
+      if (!moe_.empty() && moe_[l].router.numel()) {
+        at::Tensor y = moe<T>(moe_[l], xn);
+        add_block<T>(hp, y, post(2 * l + 1), batch);
+      } else {
+        down = gated_mlp<T>(linears_[4 * l + 2], linears_[4 * l + 3], xn, gu, act, down);
+        add_block<T>(hp, down, post(2 * l + 1), batch);
+      }
     }
   }
 
-  std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
-  std::vector<int64_t> windows_;   // per layer, 0: none; empty: no layer has one
-  float softcap_ = 0.f;
+  std::vector<at::Tensor> norms_;    // before attention and before the MLP, per layer
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
-  at::Tensor embed_, inv_freq_, final_norm_;
-  at::Tensor outs_[4];  // the qkv, o, gate_up and down outputs of the last step
+  at::Tensor embed_, final_norm_;
+  at::Tensor outs_[5];  // the qkv, o, gate_up, down and activation outputs of the last step
   std::mutex busy_;     // outs_ serve one step at a time
   LinearSpec head_;
   at::Tensor head16_;
   int64_t refine_;
   float eps_;
+  Family f_;
+  std::vector<Experts> moe_;  // per layer where any layer is MoE (else empty)
   Shape shape_;
   at::ScalarType dtype_;
 };
@@ -739,11 +774,30 @@ at::Tensor extend_attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>,
-                          std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
-                          at::Tensor, int64_t, std::vector<at::Tensor>, at::Tensor, int64_t,
-                          int64_t, int64_t, int64_t, double>())
-      .def("logits", &DecodeStep::logits)
-      .def("set_attention", &DecodeStep::set_attention);
+                          std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, int64_t,
+                          std::vector<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t,
+                          int64_t, double, Family>())
+      .def("logits", &DecodeStep::logits);
+  pybind11::class_<Family>(m, "Family")
+      .def(pybind11::init<>())
+      .def_readwrite("windows", &Family::windows)
+      .def_readwrite("attn_softcap", &Family::attn_softcap)
+      .def_readwrite("post_norms", &Family::post_norms)
+      .def_readwrite("qk_norm", &Family::qk_norm)
+      .def_readwrite("qk_norms", &Family::qk_norms)
+      .def_readwrite("inv_freqs", &Family::inv_freqs)
+      .def_readwrite("rope_of_layer", &Family::rope_of_layer)
+      .def_readwrite("rotary_dim", &Family::rotary_dim)
+      .def_readwrite("activation", &Family::activation)
+      .def_readwrite("embed_scale", &Family::embed_scale)
+      .def_readwrite("residual_scale", &Family::residual_scale)
+      .def_readwrite("logits_scaling", &Family::logits_scaling)
+      .def_readwrite("final_softcap", &Family::final_softcap)
+      .def_readwrite("routers", &Family::routers)
+      .def_readwrite("expert_kinds", &Family::expert_kinds)
+      .def_readwrite("expert_tensors", &Family::expert_tensors)
+      .def_readwrite("top_k", &Family::top_k)
+      .def_readwrite("norm_topk_prob", &Family::norm_topk_prob);
   m.def("set_num_threads", [](int64_t n) { WorkerPool::get().threads.store(n); },
         "threads of this module's kernels (0: torch's setting)");
   m.def("stop_workers", [] {

@@ -13,9 +13,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from support.paged_kv import indptr as _indptr  # noqa: E402
 from support.paged_kv import paged_kv as _paged_kv  # noqa: E402
+from support.tiny_checkpoint import FAMILIES, tiny_config  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import sgl_nb.kernels as kernels  # noqa: E402
 from sgl_nb.kernels import reference  # noqa: E402
+from sgl_nb.runtime.model.forward_batch import build_batch  # noqa: E402
+from sgl_nb.runtime.model.model import Model, _family, _fused_step  # noqa: E402
+from sgl_nb.runtime.model.model_config import ModelConfig  # noqa: E402
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 WINDOW, SOFTCAP = 16, 2.0
@@ -314,48 +319,70 @@ def test_package_routes_variations_to_the_cpu_kernel(monkeypatch):
                                                  kv_indices, WINDOW, 0.0))
 
 
-def test_fused_decode_step_takes_windows_and_softcap():
-    """DecodeStep.set_attention: the fused step with a window per layer and a soft-cap gives
-    the logits of the model's layer loop (a tiny Mistral whose window the decode passes)."""
-    from transformers import MistralConfig, MistralForCausalLM
+# Each family's fused decode against its own layer loop; the tolerance covers the step's
+# different sum orders and exp/tanh approximations (bf16: one rounding apart here and there).
+FUSED_TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=1e-4),
+                   torch.bfloat16: dict(atol=0.1, rtol=0.05)}
 
-    from sgl_nb.runtime.model.forward_batch import build_batch
-    from sgl_nb.runtime.model.model import Model, _fused_step
-    from sgl_nb.runtime.model.model_config import ModelConfig
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decode_step_matches_the_layer_loop(family, dtype):
+    """Every family decodes through cpu_decode.cpp's fused step (its Family: windows,
+    soft-caps, post-norms, q/k norms, partial or no RoPE, multipliers, gelu, routed experts)
+    and gets the logits of the model's torch layer loop, over prompts longer than the
+    window; a step built without the family's differences does not."""
     ext = _ext()
+    hf = tiny_config(family)
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        sliding_window=8, max_position_embeddings=128)
-    hf = MistralForCausalLM(cfg)
-    config = ModelConfig.from_dict(cfg.to_dict())
-    assert [spec.window for spec in config.layers] == [8, 8]
-    config.attn_softcap = SOFTCAP
-    model = Model(config, hf.state_dict())
+    weights = AutoModelForCausalLM.from_config(hf).state_dict()
+    config = ModelConfig.from_dict(hf.to_dict())
+    model = Model(config, weights, dtype=dtype)
+    step = _fused_step(ext, model)
+    want = _decode_steps(model, fused=False)
+    got = _decode_steps(model, fused=step)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, **FUSED_TOLERANCE[dtype])
+    if family != "llama":  # Llama's step is the plain one
+        plain = ext.Family()
+        real = _family(ext, model)
+        for name in ("routers", "expert_kinds", "expert_tensors", "top_k", "norm_topk_prob"):
+            setattr(plain, name, getattr(real, name))  # a MoE layer has no dense MLP to run
+        plain = _fused_step(ext, model, plain)
+        llama_shaped = _decode_steps(model, fused=plain)
+        assert max((p - w).abs().max().item() for p, w in zip(llama_shaped, want)) > 1e-2
 
-    def decode(fused) -> list[torch.Tensor]:
-        model._fused = fused
-        pool = model.new_kv_pool(64)
-        slots = [torch.arange(1, 21), torch.arange(30, 35)]
-        prompts = [list(range(3, 23)), list(range(40, 45))]
-        model.forward(build_batch(False, prompts, [0, 0], slots, slots, "cpu"), pool)
-        out = []
-        for step in range(4):
-            slots = [torch.cat([s, torch.tensor([50 + 2 * step + b])]) for b, s in
-                     enumerate(slots)]
-            batch = build_batch(True, [[60 + step], [70 + step]], [s.numel() - 1 for s in slots],
-                                slots, [s[-1:] for s in slots], "cpu")
-            out.append(model.forward(batch, pool))
-        return out
 
-    want = decode(False)  # the layer loop: decode_attention with the window and soft-cap
-    step = _fused_step(ext, model)  # takes the config's windows and soft-cap
-    got = decode(step)
-    step.set_attention([0, 0], 0.0)
-    llama_shaped = decode(step)  # no window, no cap: another model
-    for w, g, plain in zip(want, got, llama_shaped, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-        assert (plain - w).abs().max() > 1e-2
-    with pytest.raises(RuntimeError, match="one window per layer"):
-        step.set_attention([8], 0.0)
+def test_fused_decode_step_refuses_a_wrong_family():
+    ext = _ext()
+    config = ModelConfig.from_dict(tiny_config("mistral").to_dict())
+    model = Model(config, AutoModelForCausalLM.from_config(tiny_config("mistral")).state_dict())
+    family = ext.Family()
+    family.windows = [8]
+    with pytest.raises(RuntimeError, match="windows must have 1 per layer"):
+        _fused_step(ext, model, family)
+    family = ext.Family()
+    family.rotary_dim = 63
+    with pytest.raises(RuntimeError, match="rotary_dim even"):
+        _fused_step(ext, model, family)
+    moe_config = ModelConfig.from_dict(tiny_config("qwen3_moe").to_dict())
+    moe = Model(moe_config, AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).state_dict())
+    with pytest.raises(RuntimeError, match="layer 0 has neither a dense MLP nor experts"):
+        _fused_step(ext, moe, ext.Family())
+
+
+def _decode_steps(model, fused) -> list[torch.Tensor]:
+    """Logits of 4 decode steps of two requests (prompts of 40 and 5 tokens), after a
+    prefill through the layer loop; `fused`: the step decoding (False: the layer loop)."""
+    model._fused = fused
+    pool = model.new_kv_pool(128)
+    slots = [torch.arange(1, 41), torch.arange(60, 65)]
+    prompts = [list(range(300, 340)), list(range(400, 405))]
+    model.forward(build_batch(False, prompts, [0, 0], slots, slots, "cpu"), pool)
+    out = []
+    for step in range(4):
+        slots = [torch.cat([s, torch.tensor([70 + 2 * step + b])]) for b, s in enumerate(slots)]
+        batch = build_batch(True, [[500 + step], [600 + step]], [s.numel() - 1 for s in slots],
+                            slots, [s[-1:] for s in slots], "cpu")
+        out.append(model.forward(batch, pool))
+    return out

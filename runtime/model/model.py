@@ -5,8 +5,9 @@ rope (or none) per layer, partial rotary, embedding / residual / logit multiplie
 activation, mixture-of-experts MLPs.
 
 The arithmetic mirrors transformers op for op (fp32 RMSNorm, RoPE as
-q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly. Llama-shaped
-configs (ModelConfig.fused_decode_ok) decode through kernels/cpu_decode.cpp's fused step.
+q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly. On the CPU,
+decode steps of every family go through kernels/cpu_decode.cpp's fused step, which reads the
+same fields (its Family, built by _family below).
 """
 
 from __future__ import annotations
@@ -326,13 +327,12 @@ class Model:
 
     def _fused_decode(self):
         """kernels/cpu_decode.cpp's decode step (token ids to logits) for this model, or
-        None where the torch path runs (CUDA, float16, head_dim not a multiple of 8, a
-        config not Llama-shaped, SGL_NB_CPU_DECODE=0, no compiler)."""
+        None where the torch path runs (CUDA, float16, head_dim not a multiple of 8,
+        SGL_NB_CPU_DECODE=0, no compiler)."""
         if self._fused is None:
             self._fused = False
             usable = (self.device.type == "cpu" and self.config.head_dim % 8 == 0
-                      and self.dtype in (torch.float32, torch.bfloat16)
-                      and self.config.fused_decode_ok)
+                      and self.dtype in (torch.float32, torch.bfloat16))
             if usable and cpu_decode.available():
                 self._fused = _fused_step(cpu_decode.load(), self)
         return self._fused or None
@@ -392,10 +392,12 @@ class Model:
         return torch.cat([apply_rope(qk[..., :dim], cos, sin), qk[..., dim:]], dim=-1)
 
 
-def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
+def _linear_spec(layer: Linear | None) -> tuple[int, list[torch.Tensor]]:
     """(kind, tensors) as cpu_decode.cpp's LinearSpec takes them: the bias last, empty
-    tensors for what is absent."""
+    tensors for what is absent (a MoE layer's dense MLP: all of it)."""
     none = torch.empty(0)
+    if layer is None:
+        return 0, [none, none]
     bias = none if layer.bias is None else layer.bias
     if isinstance(layer, Int8Linear):
         return 1, [layer.qweight if layer.panels is None else layer.panels, layer.scale, bias]
@@ -405,21 +407,60 @@ def _linear_spec(layer: Linear) -> tuple[int, list[torch.Tensor]]:
     return 0, [layer.weight if layer.panels is None else layer.panels, bias]
 
 
-def _fused_step(module, model: Model):
+def _fused_step(module, model: Model, family=None):
+    """cpu_decode.cpp's DecodeStep of `model`; `family` (a module.Family) replaces what its
+    config says (tests build the plain Llama step of another family this way)."""
     c, head = model.config, model.lm_head
+    none = torch.empty(0, dtype=model.dtype)
     norms, specs = [], []
     for layer in model.layers:
-        norms += [layer.attn_norm, layer.mlp_norm]
+        norms += [none if n is None else n for n in (layer.attn_norm, layer.mlp_norm)]
         specs += [_linear_spec(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     kinds, tensors = (list(x) for x in zip(*specs))
     head_kind, head_tensors = _linear_spec(head.linear)
     head16 = torch.empty(0) if head.weight16 is None else head.weight16
-    step = module.DecodeStep(
-        norms, kinds, tensors, model.embed, model.inv_freq.float().contiguous(), model.norm,
-        head_kind, head_tensors, head16, head.refine,
-        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+    return module.DecodeStep(
+        norms, kinds, tensors, model.embed, model.norm, head_kind, head_tensors, head16,
+        head.refine, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+        _family(module, model) if family is None else family,
     )
-    windows = [spec.window or 0 for spec in c.layers]  # 0: none, as the step takes it
-    if any(windows) or c.attn_softcap is not None:
-        step.set_attention(windows, c.attn_softcap or 0.0)
-    return step
+
+
+# cpu_layer_ops.h's Activation and cpu_decode.cpp's QKNorm, by value.
+_ACTIVATION_CODES = {Activation.SILU: 0, Activation.GELU_TANH: 1}
+_QK_NORM_CODES = {QKNorm.NONE: 0, QKNorm.PER_HEAD: 1, QKNorm.WHOLE: 2}
+
+
+def _family(module, model: Model):
+    """ModelConfig's differences from Llama as cpu_decode.cpp's Family takes them (its enums
+    by value, empty tensors for what a layer lacks)."""
+    c, f = model.config, module.Family()
+    none = torch.empty(0, dtype=model.dtype)
+
+    def pairs(get) -> list[torch.Tensor]:
+        return [none if t is None else t for layer in model.layers for t in get(layer)]
+
+    f.windows = [spec.window or 0 for spec in c.layers]
+    f.attn_softcap = c.attn_softcap or 0.0
+    if any(layer.attn_post_norm is not None or layer.mlp_post_norm is not None
+           for layer in model.layers):
+        f.post_norms = pairs(lambda layer: (layer.attn_post_norm, layer.mlp_post_norm))
+    f.qk_norm = _QK_NORM_CODES[c.qk_norm]
+    if c.qk_norm is not QKNorm.NONE:
+        f.qk_norms = pairs(lambda layer: (layer.q_norm, layer.k_norm))
+    ropes = list(model.inv_freqs)
+    f.inv_freqs = [model.inv_freqs[rope].float().contiguous() for rope in ropes]
+    f.rope_of_layer = [-1 if spec.rope is None else ropes.index(spec.rope) for spec in c.layers]
+    f.rotary_dim = c.rotary_dim
+    f.activation = _ACTIVATION_CODES[c.activation]
+    f.embed_scale, f.residual_scale = model.embed_scale, c.residual_scale
+    f.logits_scaling, f.final_softcap = c.logits_scaling, c.final_softcap or 0.0
+    if any(layer.moe is not None for layer in model.layers):
+        f.routers = [none if layer.moe is None else layer.moe.router for layer in model.layers]
+        experts = [[_linear_spec(x) for pair in (layer.moe.experts if layer.moe else [])
+                    for x in pair] for layer in model.layers]
+        f.expert_kinds = [[kind for kind, _ in layer] for layer in experts]
+        f.expert_tensors = [[ts for _, ts in layer] for layer in experts]
+        f.top_k = c.top_k
+        f.norm_topk_prob = c.norm_topk_prob
+    return f

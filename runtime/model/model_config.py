@@ -5,7 +5,7 @@ the ones a family changes (a norm offset, a soft-cap, a window per layer, ...)."
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -121,19 +121,6 @@ class ModelConfig:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"{len(self.layers)} layer specs for {self.num_layers} layers")
 
-    @property
-    def fused_decode_ok(self) -> bool:
-        """Whether kernels/cpu_decode.cpp's fused DecodeStep computes this model: Llama's
-        layer (pre-norms, one rope over whole heads, silu), with any attention scale, window
-        per layer and attention soft-cap (DecodeStep.set_attention)."""
-        llama = {f.name: f.default for f in fields(self) if f.name in _LLAMA_FIELDS}
-        w, rope = self.weights, self.layers[0].rope
-        return (all(getattr(self, name) == value for name, value in llama.items())
-                and bool(w.attn_norm) and bool(w.mlp_norm)
-                and not w.attn_post_norm and not w.mlp_post_norm
-                and rope is not None and self.rotary_dim == self.head_dim
-                and all(spec.rope == rope and not spec.moe for spec in self.layers))
-
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> ModelConfig:
         from sgl_nb.runtime.model.families import family_overrides
@@ -186,8 +173,3 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
-
-
-# The fields the fused decode step assumes at their defaults (fused_decode_ok).
-_LLAMA_FIELDS = ("norm_offset", "qk_norm", "final_softcap", "embed_scale", "residual_scale",
-                 "logits_scaling", "activation", "num_experts")

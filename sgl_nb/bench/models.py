@@ -49,9 +49,11 @@ def ours_in_process(folder, n: int, runner: str) -> dict:
     rt = Runtime(str(folder))
     try:
         path = rt.engine.model.path
+        decode = "fused C++" if rt.engine.model.fused_decode_ready() else "torch layer loop"
         rt.generate(ids[:8], max_tokens=4)  # warm-up
         seconds, step = ours_one_stream(rt, ids, n)
-        return {"seconds": seconds, "decode_step_ms": step * 1e3, "path": str(path)}
+        return {"seconds": seconds, "decode_step_ms": step * 1e3, "path": str(path),
+                "decode": decode}
     finally:
         rt.shutdown()
 
@@ -83,6 +85,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     row = {"ours_tok_s": args.new_tokens / ours["seconds"],
            "hf_tok_s": args.new_tokens / hf["seconds"],
            "speedup": hf["seconds"] / ours["seconds"], "path": ours["path"],
+           "decode": ours["decode"],
            "wall_s": time.perf_counter() - t0}
     print(f"{family}: {row['ours_tok_s']:.1f} tok/s ours, {row['hf_tok_s']:.1f} transformers, "
           f"{row['speedup']:.2f}x", flush=True)
@@ -102,10 +105,10 @@ def bench_general_path(args: argparse.Namespace) -> dict:
 
 
 def print_table(rows: dict, general: dict | None) -> None:
-    print(f"\n{'family':<11} {'ours tok/s':>10} {'hf tok/s':>9} {'ours/hf':>8}  path")
+    print(f"\n{'family':<11} {'ours tok/s':>10} {'hf tok/s':>9} {'ours/hf':>8}  path, decode")
     for family, r in rows.items():
         print(f"{family:<11} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
-              f"{r['speedup']:>7.2f}x  {r['path']}")
+              f"{r['speedup']:>7.2f}x  {r['path']}, {r['decode']}")
     if general:
         print(f"\nllama through transformers' modeling code: "
               f"{general['transformers_path_tok_s']:.1f} tok/s against native "
