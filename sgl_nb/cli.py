@@ -92,10 +92,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 class BenchParser(argparse.ArgumentParser):
-    """A bench's own parser: a flag it does not know is its error, shown with its usage (as
-    a subparser's, it would reach the top parser as sgl-nb's)."""
+    """A bench's own parser. Its flags come from its module, imported only when this bench
+    is the one run (bench modules import torch: `sgl-nb serve` refusing a bind, or
+    `sgl-nb --help`, need not wait for it). A flag it does not know is its error, shown
+    with its usage (as a subparser's, it would reach the top parser as sgl-nb's)."""
+
+    def __init__(self, *args, module: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module = module
+        self.loaded = False
 
     def parse_known_args(self, args=None, namespace=None):
+        if not self.loaded:
+            module = importlib.import_module(self.module)
+            self.description = module.__doc__
+            module.add_arguments(self)
+            self.set_defaults(func=module.run)
+            self.loaded = True
         namespace, extra = super().parse_known_args(args, namespace)
         if extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -112,11 +125,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     benches = b.add_subparsers(dest="bench", required=True, metavar="NAME",
                                parser_class=BenchParser)
     for name, summary in BENCHES.items():
-        module = importlib.import_module(f"sgl_nb.bench.{name}")
-        p = benches.add_parser(name, help=summary, description=module.__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        benches.add_parser(name, help=summary, module=f"sgl_nb.bench.{name}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def main(argv: list[str] | None = None) -> int:
