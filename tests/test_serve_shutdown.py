@@ -307,7 +307,7 @@ def test_shutdown_from_a_notebook_ends_every_request_well(runtime, tokenizer, ca
         before = aborted_total(srv.url)
         cs, threads = start_all(srv.url)
         stop_began(cs)
-        stopped = srv.shutdown()
+        stopped = srv.shutdown(timeout=WAIT)
         check_endings(cs, threads, tokenizer)
     finally:
         srv.shutdown()
