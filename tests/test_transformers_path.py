@@ -295,10 +295,12 @@ def test_encoder_refused(tmp_path):
 
 
 @pytest.mark.parametrize("quantization, min_cos", [("int8", 0.9999), ("int4", 0.999)])
-def test_quantized_linears(tiny, quantization, min_cos):
+def test_quantized_linears(tiny, quantization, min_cos, monkeypatch):
     """int8/int4: the decoder's linear layers become ours (quantized), the LM head stays
     16-bit; the last logits stay close to the fp32 model's."""
+    from sgl_nb.runtime.model import transformers_linear
     from sgl_nb.runtime.model.linear import Int4Linear, Int8Linear
+    from sgl_nb.runtime.model.model_loader import quantized_cache_path
     from sgl_nb.runtime.model.transformers_linear import OurLinear
 
     _, folder, _, rt = tiny
@@ -312,6 +314,15 @@ def test_quantized_linears(tiny, quantization, min_cos):
     dense = load_model(folder)
     got, want = (_last_logits(m, ids) for m in (model, dense))
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > min_cos
+    # Quantized once per checkpoint: a second load reads the cache and quantizes nothing.
+    assert quantized_cache_path(folder, quantization, "transformers").is_file()
+
+    def refuse(*args):
+        raise AssertionError("quantized again instead of read from the cache")
+
+    monkeypatch.setattr(transformers_linear, "quantize", refuse)
+    again = load_model(folder, quantization=quantization)
+    assert torch.equal(_last_logits(again, ids), got)
 
 
 def _last_logits(model, ids: list[int]) -> torch.Tensor:

@@ -120,10 +120,11 @@ def _warn_fallbacks(fallbacks: dict[str, str], quantization: str | None) -> None
 
 
 def linear_weights(
-    c: ModelConfig, weights: dict[str, torch.Tensor]
+    c: ModelConfig, weights: dict[str, torch.Tensor], experts: bool = True
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(name, weight, bias) of every decoder-layer linear as the runner computes it: q/k/v
-    and gate/up fused along the output dimension, a MoE layer's experts one by one."""
+    and gate/up fused along the output dimension, a MoE layer's experts one by one (unless
+    `experts` is False: moe_from_weights builds those)."""
     names = c.weights
     for i in range(c.num_layers):
         layer = f"model.layers.{i}."
@@ -135,7 +136,9 @@ def linear_weights(
         att = layer + "self_attn."
         yield f"layers.{i}.o_proj", weights[att + "o_proj.weight"], weights.get(att + "o_proj.bias")
         if c.layers[i].moe:
-            yield from expert_linear_weights(weights, layer + "mlp.", f"layers.{i}", c.num_experts)
+            if experts:
+                yield from expert_linear_weights(weights, layer + "mlp.", f"layers.{i}",
+                                                 c.num_experts)
             continue
         gate_up = torch.cat([weights[layer + n + ".weight"] for n in names.gate_up])
         yield f"layers.{i}.gate_up", gate_up, None
@@ -189,9 +192,7 @@ class Model:
             head_q = lm_head_quantization(quantization, lm_head_weight(c, weights).shape)
             check_kernels([(head_q if name == "lm_head" else quantization, t)
                            for name, t in quantized.items()], dtype, self.device)
-        for name, weight, bias in linear_weights(c, weights):
-            if ".experts." in name:
-                continue  # built by moe_from_weights below
+        for name, weight, bias in linear_weights(c, weights, experts=False):
             q = None if quantized is None else quantized.get(name)
             linears[name], why = make_linear(weight, bias, dtype, self.device, quantization, q)
             if why is not None:

@@ -143,9 +143,10 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
 QUANTIZED_FORMAT = 3  # 3: the int4 mode's LM head is int4
 
 
-def quantized_cache_path(folder: Path, quantization: str) -> Path:
+def quantized_cache_path(folder: Path, quantization: str, runner: str = "native") -> Path:
     """Where `folder`'s int8/int4 weights are kept: in the cache folder (never in a user's
-    checkpoint folder), keyed by the checkpoint files' names, sizes and times."""
+    checkpoint folder), keyed by the checkpoint files' names, sizes and times. Each runner
+    has its own file: their layers differ (native fuses q/k/v and gate/up)."""
     from sgl_nb.runtime.model.quantize import INT4_GROUP
 
     folder = Path(folder).resolve()
@@ -154,6 +155,8 @@ def quantized_cache_path(folder: Path, quantization: str) -> Path:
     key = json.dumps([QUANTIZED_FORMAT, str(folder), files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     name = f"{quantization}-g{INT4_GROUP}" if quantization == "int4" else quantization
+    if runner != "native":
+        name = f"{runner}-{name}"
     return cache_dir() / "quantized" / f"{folder.name}-{digest}" / f"{name}.safetensors"
 
 
@@ -162,12 +165,13 @@ def load_quantized(
     quantization: str,
     build: Callable[[], dict[str, dict]],
     progress: bool = True,
+    runner: str = "native",
 ) -> dict[str, dict]:
-    """`folder`'s quantized linear weights ({layer: {tensor name: tensor}}): read from the
-    cache, or built once by `build()` and saved there."""
+    """`folder`'s quantized linear weights ({layer: {tensor name: tensor}}) for `runner`
+    (load.py's model.path): read from the cache, or built once by `build()` and saved."""
     from safetensors.torch import load_file, save_file
 
-    path = quantized_cache_path(folder, quantization)
+    path = quantized_cache_path(folder, quantization, runner)
     if path.is_file():
         flat = load_file(str(path))
     else:

@@ -7,10 +7,13 @@ a tied head is the embedding itself.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from sgl_nb.runtime.model.linear import Linear, check_kernels, make_linear, shape_error
+from sgl_nb.runtime.model.model_loader import load_quantized
 from sgl_nb.runtime.model.quantize import quantize
 
 
@@ -41,13 +44,18 @@ def linear_weights(hf) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     return found
 
 
-def quantize_linears(hf, quantization: str, dtype: torch.dtype,
-                     device: torch.device) -> dict[str, str]:
+def quantize_linears(hf, quantization: str, dtype: torch.dtype, device: torch.device,
+                     folder: Path) -> dict[str, str]:
     """Swap hf's linear layers for quantized ones, in place; returns {layer: why it stayed
-    dense} for those no kernel takes."""
+    dense} for those no kernel takes. The quantized weights are built once per checkpoint
+    `folder` and kept in the cache, as the native runner's are."""
     layers = linear_weights(hf)
-    quantized = {name: quantize(w.detach().float(), quantization) for name, w, _ in layers
-                 if shape_error(*w.shape, quantization) is None}
+
+    def build() -> dict[str, dict[str, torch.Tensor]]:
+        return {name: quantize(w.detach().float(), quantization) for name, w, _ in layers
+                if shape_error(*w.shape, quantization) is None}
+
+    quantized = load_quantized(folder, quantization, build, runner="transformers")
     check_kernels([(quantization, t) for t in quantized.values()], dtype, device)
     fallbacks = {}
     for name, weight, bias in layers:

@@ -274,7 +274,7 @@ class TransformersModel:
         layers, modules = _probe(hf, arch)
         fallbacks = {}
         if quantization is not None:
-            fallbacks = quantize_linears(hf, quantization, dtype, device)
+            fallbacks = quantize_linears(hf, quantization, dtype, device, folder)
             _warn_fallbacks(fallbacks, quantization)
         config = _config(d, hf.config, arch, layers, folder.name)
         return cls(hf, config, modules, dtype, device, quantization, fallbacks)
