@@ -16,6 +16,7 @@ import sgl_nb as sgl
 from sgl_nb.language.replay import MISSING
 from sgl_nb.notebook.widgets import ProgramWidget
 from sgl_nb.notebook.widgets.rerun_panel import parse_edit
+from sgl_nb.runtime.compiler.ir import NodeKind
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -150,17 +151,17 @@ def test_a_bad_edit_shows_the_error_and_starts_nothing(runtime):
     assert len(runtime.events._queues) == subscribers  # no re-run widget was made
     # A value and sampling arguments at once: the arguments win (generated again), as in
     # the TUI's dialog; a value alone for a Gen replaces its text (the other tests).
-    assert parse_edit("Gen", " Lyon", "seed=1") == (MISSING, {"seed": 1})
+    assert parse_edit(NodeKind.GEN, " Lyon", "seed=1") == (MISSING, {"seed": 1})
 
 
 def test_parse_edit():
-    assert parse_edit("Gen", " Lyon", "") == (" Lyon", {})
-    assert parse_edit("Gen", "", "") == (MISSING, {})
-    assert parse_edit("Gen", " Lyon", "temperature=0.8 seed=2") == (
+    assert parse_edit(NodeKind.GEN, " Lyon", "") == (" Lyon", {})
+    assert parse_edit(NodeKind.GEN, "", "") == (MISSING, {})
+    assert parse_edit(NodeKind.GEN, " Lyon", "temperature=0.8 seed=2") == (
         MISSING, {"temperature": 0.8, "seed": 2})
-    assert parse_edit("Select", "", "ignored=1") == ("", {})
+    assert parse_edit(NodeKind.SELECT, "", "ignored=1") == ("", {})
     with pytest.raises(ValueError, match="key=value"):
-        parse_edit("Gen", "", "temperature")
+        parse_edit(NodeKind.GEN, "", "temperature")
 
 
 def test_rerun_from_a_text_node(runtime):

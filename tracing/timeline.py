@@ -10,11 +10,15 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sgl_nb.runtime.compiler.instructions import Op
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.status import Status
 from sgl_nb.runtime.token_choice import TokenChoice
 
 # The Node kinds whose output is part of the program's text.
-_TEXT_KINDS = ("Text", "RoleBegin", "RoleEnd", "Gen", "Select")
+_TEXT_KINDS = (NodeKind.TEXT, NodeKind.ROLE_BEGIN, NodeKind.ROLE_END, NodeKind.GEN,
+               NodeKind.SELECT)
 # What program_started says of the call, for a re-run (sgl_nb/language/rerun.py).
 CALL_KEYS = ("module", "qualname", "args", "options")
 
@@ -44,11 +48,11 @@ class TokenView:
 
 @dataclass
 class InstructionView:
-    kind: str
+    kind: Op
     node: int
     index: int
     request: int | None = None
-    status: str = "running"  # running -> done | error | cancelled
+    status: Status = Status.RUNNING  # -> DONE | ERROR
     start_ns: int | None = None
     end_ns: int | None = None
     attrs: dict = field(default_factory=dict)  # what instruction_finished reported
@@ -59,13 +63,13 @@ class InstructionView:
 class NodeView:
     id: int
     program: int | None
-    kind: str | None = None
+    kind: NodeKind | None = None
     name: str | None = None
     label: str | None = None
     line: int | None = None
     file: str | None = None
     preds: list[int] = field(default_factory=list)
-    status: str = "running"  # running -> done | error | skipped | cancelled
+    status: Status = Status.RUNNING  # -> DONE | ERROR | CANCELLED
     start_ns: int | None = None
     end_ns: int | None = None
     instructions: list[InstructionView] = field(default_factory=list)
@@ -83,7 +87,7 @@ class ProgramView:
     function: str | None = None
     parent: int | None = None
     priority: int | None = None
-    status: str = "running"  # running | suspended | done | error
+    status: Status = Status.RUNNING  # RUNNING | SUSPENDED -> DONE | ERROR | CANCELLED
     reason: str | None = None  # why it is suspended (preempted, retracted, held by a stepper)
     error: str | None = None
     nodes: list[int] = field(default_factory=list)
@@ -182,7 +186,8 @@ class Timeline:
         if p is None:
             return
         p.error = e.data.get("error")
-        p.status = e.data.get("status") or ("error" if p.error else "done")
+        status = e.data.get("status")
+        p.status = Status(status) if status else Status.ERROR if p.error else Status.DONE
         p.end_ns = e.ts
 
     def _on_node_started(self, e: Event) -> None:
@@ -190,18 +195,19 @@ class Timeline:
         if n is None:
             return
         d = e.data
-        n.kind, n.name, n.label = d.get("kind"), d.get("name"), d.get("label")
+        kind = d.get("kind")
+        n.kind, n.name, n.label = NodeKind(kind) if kind else None, d.get("name"), d.get("label")
         n.line, n.file, n.preds = d.get("line"), d.get("file"), list(d.get("preds") or [])
         n.text = d.get("text", n.text)
         n.stack = list(d.get("stack") or [])
         n.params = _params(d.get("params"))
-        n.status, n.start_ns = "running", e.ts
+        n.status, n.start_ns = Status.RUNNING, e.ts
 
     def _on_node_finished(self, e: Event) -> None:
         n = self._node(e)
         if n is None:
             return
-        n.status = e.data.get("status", "done")
+        n.status = Status(e.data.get("status", Status.DONE))
         n.text = e.data.get("text", n.text)
         n.value = e.data.get("value", n.value)
         n.end_ns = e.ts
@@ -225,7 +231,7 @@ class Timeline:
             return
         d = e.data
         index = d.get("index", len(n.instructions))
-        ins = InstructionView(d.get("kind"), n.id, index, e.request, start_ns=e.ts)
+        ins = InstructionView(Op(d.get("kind")), n.id, index, e.request, start_ns=e.ts)
         n.instructions.append(ins)
         if e.request is not None:
             self._by_request[e.request] = ins
@@ -235,7 +241,7 @@ class Timeline:
         if ins is None:
             return
         ins.attrs.update({k: v for k, v in e.data.items() if k not in ("kind", "index")})
-        ins.status = "error" if e.data.get("status") == "error" else "done"
+        ins.status = Status.ERROR if e.data.get("status") == Status.ERROR else Status.DONE
         ins.end_ns = e.ts
         if e.request is not None:
             ins.request = e.request
@@ -260,26 +266,26 @@ class Timeline:
 
     def _on_preempted(self, e: Event) -> None:
         self._mark(e)
-        self._set_program_status(e.program, "suspended",
+        self._set_program_status(e.program, Status.SUSPENDED,
                                  f"preempted: {e.data.get('reason') or 'higher-priority work'}")
 
     def _on_retracted(self, e: Event) -> None:
         self._mark(e)
-        self._set_program_status(e.program, "suspended",
+        self._set_program_status(e.program, Status.SUSPENDED,
                                  f"retracted: {e.data.get('reason') or 'KV pool full'}")
 
     def _on_paused(self, e: Event) -> None:
-        self._set_program_status(e.program, "suspended",
+        self._set_program_status(e.program, Status.SUSPENDED,
                                  f"held by the step controller at a {e.data.get('at')}")
 
     def _on_resumed(self, e: Event) -> None:
         if e.data.get("reason") == "scheduler" or e.request is not None:
             self._mark(e)
-        self._set_program_status(e.program, "running")
+        self._set_program_status(e.program, Status.RUNNING)
 
-    def _set_program_status(self, pid: int | None, status: str, reason: str | None = None):
+    def _set_program_status(self, pid: int | None, status: Status, reason: str | None = None):
         p = self.programs.get(pid) if pid is not None else None
-        if p is not None and p.status not in ("done", "error", "cancelled"):
+        if p is not None and not p.status.ended:
             p.status, p.reason = status, reason
 
     def _on_fork(self, e: Event) -> None:

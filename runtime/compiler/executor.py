@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sgl_nb.runtime.compiler.instructions import Cancelled, Instruction, Op
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.status import Status
 
 log = logging.getLogger("sgl_nb.executor")
 
@@ -143,12 +144,12 @@ class Executor:
                 track.todo.extend(node.instructions)
 
     def _may_start(self, track: _Track, node: Node) -> bool:
-        if node.kind == "Init":
+        if node.kind is NodeKind.INIT:
             # A debugger holds at the program's first Node of its own, not here. A prefix
             # another program computes for this one: wait until it has ended, however.
             after = node.instructions[0].after
-            return after is None or after.status not in ("pending", "running")
-        if node.kind == "Join":
+            return after is None or after.status.ended
+        if node.kind is NodeKind.JOIN:
             # Its branches' Nodes were all queued before it: it waits for them to drain.
             branches = node.instructions[0].branches if node.instructions else ()
             if any(b in self._tracks and not self._tracks[b].idle for b in branches):
@@ -170,7 +171,7 @@ class Executor:
 
     def _start(self, track: _Track, ins: Instruction) -> None:
         host = track.host
-        ins.status = "running"
+        ins.status = Status.RUNNING
         track.running.add(ins)
         if not ins.on_engine:
             host.emit("instruction_started", node=ins.node, data=_ids(ins))
@@ -188,7 +189,7 @@ class Executor:
 
     def _start_scores(self, track: _Track, group: list) -> None:
         for ins in group:
-            ins.status = "running"
+            ins.status = Status.RUNNING
             track.running.add(ins)
 
         def done_for(ins: Instruction) -> Done:
@@ -232,10 +233,10 @@ def _ids(ins: Instruction) -> dict:
     return {"kind": ins.kind, "index": ins.index}
 
 
-def _status(error: BaseException | None) -> str:
+def _status(error: BaseException | None) -> Status:
     if error is None:
-        return "done"
-    return "cancelled" if isinstance(error, Cancelled) else "error"
+        return Status.DONE
+    return Status.CANCELLED if isinstance(error, Cancelled) else Status.ERROR
 
 
 _executor: Executor | None = None

@@ -11,11 +11,13 @@ these, the events name them, the listings print them: one source of truth.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, ClassVar
 
+from sgl_nb.runtime.status import Status
 
-class Op(str, Enum):
+
+class Op(StrEnum):
     INIT = "Init"
     EXTEND = "Extend"
     DECODE = "Decode"
@@ -35,7 +37,7 @@ class Instruction:
     program: int
     node: int | None  # the Node it came from (None for Init)
     index: int = 0  # its place among its Node's Instructions
-    status: str = "pending"  # pending -> running -> done | error | cancelled | skipped
+    status: Status = Status.PENDING  # -> RUNNING -> DONE | ERROR | CANCELLED | SKIPPED
     request: int | None = None  # the engine request that runs it (Decode, Score)
     usage: dict | None = None  # what its instruction_finished event reported
 

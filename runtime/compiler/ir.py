@@ -5,27 +5,40 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-NODE_KINDS = (
-    "Init", "Text", "RoleBegin", "RoleEnd", "Gen", "Select", "Fork", "Join", "VarScope",
-    "Return",
-)
+from sgl_nb.runtime.status import Status
+
+
+class NodeKind(StrEnum):
+    INIT = "Init"
+    TEXT = "Text"
+    ROLE_BEGIN = "RoleBegin"
+    ROLE_END = "RoleEnd"
+    GEN = "Gen"
+    SELECT = "Select"
+    FORK = "Fork"
+    JOIN = "Join"
+    VAR_SCOPE = "VarScope"
+    RETURN = "Return"
+
+
 # A program's own Nodes, its first and its last: the views show them as the program's span,
 # not as steps of their own.
-PROGRAM_NODES = ("Init", "Return")
+PROGRAM_NODES = frozenset({NodeKind.INIT, NodeKind.RETURN})
 _node_ids = itertools.count(1)
 
 
 @dataclass
 class Node:
-    kind: str
+    kind: NodeKind
     program: int  # id of the program state the node belongs to
     preds: list[int] = field(default_factory=list)
     name: str | None = None  # variable a Gen / Select / VarScope binds
     detail: dict = field(default_factory=dict)  # text, role, choices, sampling params, ...
     file: str | None = None  # where the program said it (a cell or a .py file) ...
     line: int | None = None  # ... and on which line
-    status: str = "pending"  # pending -> running -> done | error | skipped | cancelled
+    status: Status = Status.PENDING  # -> RUNNING -> DONE | ERROR | SKIPPED | CANCELLED
     stack: tuple[str, ...] = ()  # the program's call stack when it was added (outermost first)
     id: int = field(default_factory=lambda: next(_node_ids))
     # What it lowered to, once queued to run (runtime/compiler/lowering.py): what the executor runs.
@@ -36,19 +49,19 @@ class Node:
     end_ns: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        assert self.kind in NODE_KINDS, self.kind
+        self.kind = NodeKind(self.kind)
 
     def label(self) -> str:
         d = self.detail
-        if self.kind == "Text":
+        if self.kind is NodeKind.TEXT:
             return f"Text {_short(d.get('text', ''))}"
-        if self.kind in ("RoleBegin", "RoleEnd"):
+        if self.kind in (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
             return f"{self.kind} {d.get('role')}"
-        if self.kind == "Select":
+        if self.kind is NodeKind.SELECT:
             return f"Select {self.name} choices={d.get('choices')}"
-        if self.kind == "Fork":
+        if self.kind is NodeKind.FORK:
             return f"Fork n={d.get('n')}"
-        if self.kind == "Join":
+        if self.kind is NodeKind.JOIN:
             return f"Join mode={d.get('mode')}"
         return f"{self.kind} {self.name or ''}".rstrip()
 
@@ -57,9 +70,9 @@ def node_params(node: Node) -> dict:
     """What a Gen or Select was asked for (its sampling parameters; its choices and
     method): two runs' Nodes with the same kind, name and params are the same step."""
     d = node.detail
-    if node.kind == "Select":
+    if node.kind is NodeKind.SELECT:
         return {"choices": list(d.get("choices", ())), "method": d.get("method")}
-    if node.kind == "Gen":
+    if node.kind is NodeKind.GEN:
         return {k: v for k, v in d.items() if k not in ("decided", "resolved", "text")}
     return {}
 
@@ -67,7 +80,7 @@ def node_params(node: Node) -> dict:
 def dot(name: str, nodes: list[Node]) -> str:
     """Graphviz DOT: one box per Node, edges from its predecessors."""
     lines = [f'digraph "{name}" {{', "  node [shape=box, fontname=monospace];"]
-    init = next((n for n in nodes if n.kind == "Init"), None)
+    init = next((n for n in nodes if n.kind is NodeKind.INIT), None)
     for n in nodes:
         label = n.label().replace('"', r"\"")
         shape = ", shape=oval" if n.kind in PROGRAM_NODES else ""

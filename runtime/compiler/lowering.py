@@ -12,7 +12,7 @@ from sgl_nb.runtime.compiler.instructions import (
     Return,
     Score,
 )
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 
 UNCONDITIONAL = "unconditional_likelihood_normalized"
 
@@ -21,23 +21,23 @@ def lower(node: Node) -> list[Instruction]:
     """The Instructions of `node`, numbered within it. VarScope has none: it only marks
     where a variable's text starts and ends."""
     d, p, n = node.detail, node.program, node.id
-    if node.kind in ("Text", "RoleBegin", "RoleEnd"):
+    if node.kind in (NodeKind.TEXT, NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
         out: list[Instruction] = [Extend(p, n, text=d.get("text", ""))]
-    elif node.kind == "Gen":
+    elif node.kind is NodeKind.GEN:
         out = [Decode(p, n, name=node.name, params={k: v for k, v in d.items() if k != "text"})]
-    elif node.kind == "Select":
+    elif node.kind is NodeKind.SELECT:
         out = _select(node)
-    elif node.kind == "Fork":
+    elif node.kind is NodeKind.FORK:
         # The branches start from the text so far: computed once, before they start.
         out = [Extend(p, n, shared=True)] if d.get("shared_prefix") else []
         out.append(Fork(p, n, n=d["n"]))
-    elif node.kind == "Join":
+    elif node.kind is NodeKind.JOIN:
         out = [Join(p, n, mode=d["mode"], branches=tuple(d.get("branches", ())))]
-    elif node.kind == "Init":  # the program's own: no Node in the views
+    elif node.kind is NodeKind.INIT:  # the program's own: no Node in the views
         out = [Init(p, None, function=d.get("function", ""), after=d.get("after"))]
         if d.get("shared_prefix"):  # a run_batch's prefix, computed by its first item
             out.append(Extend(p, None, text=d["shared_prefix"], shared=True))
-    elif node.kind == "Return":
+    elif node.kind is NodeKind.RETURN:
         out = [Return(p, None)]
     else:
         out = []

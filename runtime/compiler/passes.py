@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 
 ALL_PASSES = ("fuse_text", "static_select", "shared_prefix")
+_TEXT_KINDS = (NodeKind.TEXT, NodeKind.ROLE_BEGIN, NodeKind.ROLE_END)  # text, no model
 
 
 @dataclass
@@ -47,7 +48,7 @@ def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
     for n in nodes:
         n.preds = [renamed.get(p, p) for p in n.preds]
         prev = out[-1] if out else None
-        if (n.kind == "Text" and prev is not None and prev.kind == "Text"
+        if (n.kind is NodeKind.TEXT and prev is not None and prev.kind is NodeKind.TEXT
                 and prev.program == n.program and n.preds == [prev.id]):
             prev.detail["text"] += n.detail["text"]
             prev.detail["fused"] = prev.detail.get("fused", 1) + 1
@@ -61,7 +62,7 @@ def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
 def fixed_choice(node: Node) -> tuple[str, str] | None:
     """A select's answer when it is known without the model, and why: one choice ("static",
     repeats counted once), or one the gen's grammar (regex=, dtype=) leaves ("grammar")."""
-    if node.kind != "Select":
+    if node.kind is not NodeKind.SELECT:
         return None
     choices = node.detail["choices"]
     if len(set(choices)) == 1:
@@ -87,7 +88,7 @@ def share_fork_prefixes(nodes: list[Node]) -> PassReport:
     shared Extend before the Fork, instead of by each branch's first request."""
     n = 0
     for node in nodes:
-        if node.kind == "Fork" and node.detail["n"] > 1:
+        if node.kind is NodeKind.FORK and node.detail["n"] > 1:
             node.detail["shared_prefix"] = True
             n += 1
     return PassReport("shared_prefix", n, f"{n} forks")
@@ -97,7 +98,7 @@ def leading_text(nodes: list[Node]) -> str:
     """The text a program starts with before anything depends on the model."""
     text = []
     for n in nodes:
-        if n.kind not in ("Text", "RoleBegin", "RoleEnd") or "text" not in n.detail:
+        if n.kind not in _TEXT_KINDS or "text" not in n.detail:
             break
         text.append(n.detail["text"])
     return "".join(text)

@@ -12,18 +12,26 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 
 
 @dataclass(frozen=True)
 class Breakpoint:
     name: str | None = None  # a variable name (gen/select/var_scope)
-    kind: str | None = None  # a Node kind
+    kind: NodeKind | None = None  # a Node kind (its name, "Gen", is taken too)
     line: int | None = None  # a source line
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and not isinstance(self.kind, NodeKind):
+            try:
+                object.__setattr__(self, "kind", NodeKind(self.kind))
+            except ValueError:
+                kinds = ", ".join(k.value for k in NodeKind)
+                raise ValueError(f"no Node kind {self.kind!r}; the kinds are {kinds}") from None
 
     def hits(self, node: Node) -> bool:
         return ((self.name is None or node.name == self.name)
-                and (self.kind is None or node.kind == self.kind)
+                and (self.kind is None or node.kind is self.kind)
                 and (self.line is None or node.line == self.line))
 
 
@@ -87,7 +95,7 @@ class StepController:
             self._cond.notify_all()
         self._wake()
 
-    def breakpoint(self, name: str | None = None, kind: str | None = None,
+    def breakpoint(self, name: str | None = None, kind: NodeKind | str | None = None,
                    line: int | None = None) -> Breakpoint:
         if name is None and kind is None and line is None:
             raise ValueError("a breakpoint needs a name, a kind or a line")

@@ -21,6 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from sgl_nb.language.run_record import (
     NodeRecord,
@@ -28,12 +29,25 @@ from sgl_nb.language.run_record import (
     record_of_state,
     record_of_timeline,
 )
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.status import Status
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import Timeline
 
 ABSENT = "(absent)"  # an argument only one run was given
 TOP_SHOWN = 5  # alternatives shown at the divergence, per side
-MARKS = {"same": " ", "changed": "~", "removed": "-", "added": "+"}
+
+
+class PairOp(StrEnum):
+    """How a NodePair's two Nodes compare."""
+
+    SAME = "same"
+    CHANGED = "changed"
+    REMOVED = "removed"  # only in run a
+    ADDED = "added"  # only in run b
+
+
+MARKS = {PairOp.SAME: " ", PairOp.CHANGED: "~", PairOp.REMOVED: "-", PairOp.ADDED: "+"}
 
 
 @dataclass
@@ -87,7 +101,7 @@ class Divergence:
 class NodePair:
     """A Node of each run at the same place (one is None when only one run has it)."""
 
-    op: str  # same | changed | removed (only in a) | added (only in b)
+    op: PairOp
     a: NodeRecord | None
     b: NodeRecord | None
     branch: tuple = ()  # ((fork ordinal, branch index), ...): the fork branch it ran in
@@ -127,12 +141,12 @@ class RunDiff:
     @property
     def differing(self) -> list[int]:
         """The indexes in `pairs` of the Nodes that differ."""
-        return [i for i, p in enumerate(self.pairs) if p.op != "same"]
+        return [i for i, p in enumerate(self.pairs) if p.op is not PairOp.SAME]
 
     @property
     def first(self) -> NodePair | None:
         """The first Node (in program order) whose output differs, or None."""
-        return next((p for p in self.pairs if p.op != "same"), None)
+        return next((p for p in self.pairs if p.op is not PairOp.SAME), None)
 
     @property
     def divergence(self) -> Divergence | None:
@@ -266,7 +280,7 @@ def flatten(rec: ProgramRecord) -> list[tuple[tuple, NodeRecord]]:
         forks = 0
         for n in p.nodes:
             out.append((where, n))
-            if n.kind == "Fork":
+            if n.kind is NodeKind.FORK:
                 for i, child in enumerate(n.branches):
                     visit(child, (*where, (forks, i)))
                 forks += 1
@@ -278,7 +292,7 @@ def flatten(rec: ProgramRecord) -> list[tuple[tuple, NodeRecord]]:
 def _signature(where: tuple, n: NodeRecord, strict: bool) -> tuple:
     # A Text's label holds its (shortened) text: loosely, any Text matches any Text at the
     # same place, so a Text whose input changed pairs with its counterpart as "changed".
-    if n.kind == "Text":
+    if n.kind is NodeKind.TEXT:
         return (where, n.kind, n.text if strict else None)
     return (where, n.kind, n.name, n.label)
 
@@ -304,9 +318,9 @@ def align(a: ProgramRecord, b: ProgramRecord) -> list[NodePair]:
     pairs = []
     for i, j in _matches(xs, ys, True):
         if j is None:
-            pairs.append(NodePair("removed", xs[i][1], None, xs[i][0]))
+            pairs.append(NodePair(PairOp.REMOVED, xs[i][1], None, xs[i][0]))
         elif i is None:
-            pairs.append(NodePair("added", None, ys[j][1], ys[j][0]))
+            pairs.append(NodePair(PairOp.ADDED, None, ys[j][1], ys[j][0]))
         else:
             pairs.append(_pair(xs[i][0], xs[i][1], ys[j][1]))
     return pairs
@@ -314,7 +328,8 @@ def align(a: ProgramRecord, b: ProgramRecord) -> list[NodePair]:
 
 def _pair(where: tuple, a: NodeRecord, b: NodeRecord) -> NodePair:
     same = a.text == b.text and a.status == b.status
-    return NodePair("same" if same else "changed", a, b, where, _changes(a.params, b.params),
+    op = PairOp.SAME if same else PairOp.CHANGED
+    return NodePair(op, a, b, where, _changes(a.params, b.params),
                     None if same else divergence(a, b))
 
 
@@ -324,7 +339,7 @@ def divergence(a: NodeRecord, b: NodeRecord) -> Divergence:
     char = _first_char(a.text, b.text)
     token = _first_token(a.tokens, b.tokens) if a.tokens and b.tokens else None
     return Divergence(char, _side(a, token, char), _side(b, token, char), a.text, b.text,
-                      "Gen" in (a.kind, b.kind))
+                      NodeKind.GEN in (a.kind, b.kind))
 
 
 def _first_char(x: str, y: str) -> int | None:
@@ -345,7 +360,7 @@ def _side(n: NodeRecord, token: int | None, char: int | None) -> TokenSide:
     if not n.tokens:
         return TokenSide(None, None, _no_tokens(n))
     if token is None and char is None:  # the same text: only the status differs
-        return TokenSide(None, None, f"the same output, status {n.status}")
+        return TokenSide(None, None, f"the same output, status {n.status.value}")
     i = token if token is not None else _token_at(n.tokens, char)
     if i is None or i >= len(n.tokens):
         reason = n.usage.get("finish_reason")
@@ -371,10 +386,10 @@ def _no_tokens(n: NodeRecord) -> str:
         return "its value was edited (no tokens generated)"
     if n.usage.get("replayed"):
         return "replayed from the record (no tokens generated)"
-    if n.kind != "Gen":
-        return f"a {n.kind} has no tokens"
-    if n.status != "done":
-        return f"it did not finish ({n.status})"
+    if n.kind is not NodeKind.GEN:
+        return f"a {n.kind.value} has no tokens"
+    if n.status is not Status.DONE:
+        return f"it did not finish ({n.status.value})"
     if not n.text:
         return "it generated nothing"
     return "its tokens were not recorded"
@@ -389,7 +404,7 @@ def summary(d: RunDiff) -> str:
         if status is not None:
             return f"the same Nodes and outputs, but the status differs: {status}"
         return f"identical: {len(d.pairs)} Nodes, the same outputs"
-    where = {"removed": f": only in {d.names[0]}", "added": f": only in {d.names[1]}"}
+    where = {PairOp.REMOVED: f": only in {d.names[0]}", PairOp.ADDED: f": only in {d.names[1]}"}
     tail = where.get(first.op, "")
     dv = first.divergence
     if dv is not None and dv.token is not None:
@@ -405,8 +420,8 @@ def text_report(d: RunDiff) -> str:
     if d.first is not None and d.first.divergence is not None:
         lines += divergence_lines(d.first.divergence, d.names)
     lines += settings_lines(d)
-    lines.append(f"Nodes ({' '.join(f'{m} {o}' for o, m in MARKS.items() if o != 'same')}; "
-                 "tokens, cached tokens and seconds as a|b):")
+    legend = " ".join(f"{m} {o.value}" for o, m in MARKS.items() if o is not PairOp.SAME)
+    lines.append(f"Nodes ({legend}; tokens, cached tokens and seconds as a|b):")
     lines += _table_lines(d)
     return "\n".join(lines)
 
@@ -495,7 +510,7 @@ def _table_lines(d: RunDiff) -> list[str]:
 def _cell_texts(p: NodePair, width: int = 24) -> tuple[str, str]:
     a = "" if p.a is None else _fit(repr(p.a.text), width)
     b = "" if p.b is None else _fit(repr(p.b.text), width)
-    if p.op == "same":
+    if p.op is PairOp.SAME:
         b = "="  # the same output: shown once
     return a, b
 
@@ -511,7 +526,7 @@ def _both(p: NodePair, get) -> str:
 
 
 def _out_tokens(n: NodeRecord | None) -> str:
-    if n is None or n.kind not in ("Gen", "Select"):
+    if n is None or n.kind not in (NodeKind.GEN, NodeKind.SELECT):
         return "" if n is not None else "·"
     return str(n.usage.get("output_tokens", len(n.tokens)))
 
@@ -548,8 +563,8 @@ def _value(v) -> str:
 HTML_CSS = ("border-collapse:collapse;font-family:var(--jp-code-font-family,monospace);"
             "font-size:12px")
 # Translucent, so that the rows read on a light and on a dark notebook theme alike.
-ROW_BG = {"changed": "rgba(255,193,7,.25)", "removed": "rgba(220,53,69,.25)",
-          "added": "rgba(25,135,84,.25)"}
+ROW_BG = {PairOp.CHANGED: "rgba(255,193,7,.25)", PairOp.REMOVED: "rgba(220,53,69,.25)",
+          PairOp.ADDED: "rgba(25,135,84,.25)"}
 
 
 def html_report(d: RunDiff) -> str:

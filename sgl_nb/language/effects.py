@@ -19,7 +19,8 @@ from sgl_nb.language.replay_effects import ReplayEffects
 from sgl_nb.language.select_scoring import choose
 from sgl_nb.runtime.compiler.executor import Done
 from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
-from sgl_nb.runtime.compiler.ir import Node, node_params
+from sgl_nb.runtime.compiler.ir import Node, NodeKind, node_params
+from sgl_nb.runtime.status import Status
 
 # A fork's shared Extend runs only when at least this much of the branches' common text is
 # not computed yet (less is not worth a request of its own).
@@ -38,32 +39,32 @@ class ProgramEffects(ReplayEffects):
                              data=data or {})
 
     def node_started(self, node: Node) -> str:
-        if node.kind == "Init":  # its Instruction runs even for a program cancelled at once
-            node.status = "running"
+        if node.kind is NodeKind.INIT:  # its Instruction runs even for a program cancelled at once
+            node.status = Status.RUNNING
             self.emit("program_started", data={
                 "function": node.detail["function"], "priority": self.priority,
                 "parent": None, "model": self._model_name(), **node.detail.get("call", {})})
             return "run"
-        if node.kind == "Return":
+        if node.kind is NodeKind.RETURN:
             return "run"  # a cancelled or failed program still ends
-        if node.kind == "Join":  # it gathers what the branches produced, cancelled or not
-            node.status = "running"
+        if node.kind is NodeKind.JOIN:  # it gathers what the branches produced, cancelled or not
+            node.status = Status.RUNNING
             self._replay_step(node)
             self._node_started_event(node)
             self._node_start[node.id] = len(self._text)
             return "run"
         if self._cancelled:
-            node.status = "cancelled"
+            node.status = Status.CANCELLED
             self._node_started_event(node)
             return "cancelled"
         if self._error is not None:
-            node.status = "skipped"  # the program failed before it
+            node.status = Status.SKIPPED  # the program failed before it
             return "skipped"
-        node.status = "running"
+        node.status = Status.RUNNING
         self._replay_step(node)  # first: an edit's sampling arguments are the Node's now
         self._node_started_event(node)
         self._node_start[node.id] = len(self._text)
-        if node.kind == "VarScope":  # no Instruction: it marks where its text starts, ends
+        if node.kind is NodeKind.VAR_SCOPE:  # no Instruction: it marks where its text starts, ends
             self._scope(self._payloads[node.id])
         return "run"
 
@@ -83,17 +84,18 @@ class ProgramEffects(ReplayEffects):
         return None
 
     def node_finished(self, node: Node, error: BaseException | None) -> None:
-        if node.kind == "Init":
-            node.status = "done" if error is None else "error"
-        elif node.kind == "Return":
+        if node.kind is NodeKind.INIT:
+            node.status = Status.DONE if error is None else Status.ERROR
+        elif node.kind is NodeKind.RETURN:
             self._end_program(node)
-        elif node.status == "running":
-            if error is None and node.kind == "Select" and "decided" not in node.detail:
+        elif node.status is Status.RUNNING:
+            if error is None and node.kind is NodeKind.SELECT and "decided" not in node.detail:
                 error = self._choose(node)
             self._node_end(node, error)
-        elif node.status == "cancelled":
+        elif node.status is Status.CANCELLED:
             node.output, node.end_ns = "", time.monotonic_ns()
-            self.emit("node_finished", node=node.id, data={"status": "cancelled", "text": ""})
+            self.emit("node_finished", node=node.id, data={"status": Status.CANCELLED,
+                                                           "text": ""})
         with self._cond:
             self._pending -= 1
             self._cond.notify_all()
@@ -104,21 +106,21 @@ class ProgramEffects(ReplayEffects):
         node.start_ns = time.monotonic_ns()
         data = {"kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
                 "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)}
-        if node.kind in ("Gen", "Select"):  # what a re-run or a diff compares it by
+        if node.kind in (NodeKind.GEN, NodeKind.SELECT):  # what a re-run or a diff compares it by
             data["params"] = json.dumps(node_params(node), default=repr, sort_keys=True)
         self.emit("node_started", node=node.id, data=data)
 
     def _node_end(self, node: Node, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
-            node.status = "cancelled"  # aborted mid-way: what it produced is kept
+            node.status = Status.CANCELLED  # aborted mid-way: what it produced is kept
         elif error is not None:
-            node.status = "error"
+            node.status = Status.ERROR
             if self._error is None:
                 self._set_error(error, node.file)
                 self._error_line = node.line
             self.emit("error", node=node.id, data={"error": repr(error), "line": node.line})
         else:
-            node.status = "done"
+            node.status = Status.DONE
         node.output = self._text[self._node_start.pop(node.id, 0):]
         node.end_ns = time.monotonic_ns()
         done = {"status": node.status, "text": node.output}
@@ -131,7 +133,7 @@ class ProgramEffects(ReplayEffects):
         with self._cond:
             if body_error is not None and self._error is None:
                 self._set_error(body_error, file)
-        node.status = "cancelled" if self._cancelled else "error" if self._error else "done"
+        node.status = self._end_status()
         self.emit("program_finished", data=self._end_data())
         with self._cond:
             self._finished = True
@@ -142,17 +144,17 @@ class ProgramEffects(ReplayEffects):
 
     def _extend(self, node: Node, ins) -> None:
         start = len(self._text)
-        if node.kind in ("Text", "Select"):  # a re-run's edit of it
+        if node.kind in (NodeKind.TEXT, NodeKind.SELECT):  # a re-run's edit of it
             ins.text = self._edited_text(node, ins.text)
         self._extend_text(node, ins)
         if self.speculated:
             self.speculated = speculation.fill(self.speculated, self._text[start:])
 
     def _extend_text(self, node: Node, ins) -> None:
-        if node.kind in ("RoleBegin", "RoleEnd"):
+        if node.kind in (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
             self._role_marker(node, self._payloads[node.id])
             ins.text = node.detail["text"]
-        elif node.kind == "Select":  # decided by a pass: no Score ran
+        elif node.kind is NodeKind.SELECT:  # decided by a pass: no Score ran
             self._append(ins.text, ins.name)
             if ins.name is not None:
                 self._meta[ins.name] = {"choices": node.detail["choices"],

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sgl_nb.language.run_record import NodeRecord, ProgramRecord
-from sgl_nb.runtime.compiler.ir import Node, node_params
+from sgl_nb.runtime.compiler.ir import Node, NodeKind, node_params
+from sgl_nb.runtime.status import Status
 
 MISSING = object()  # `value` not given: the edited Node keeps its own (sampling changes)
 
@@ -78,7 +79,7 @@ class Replay:
         if self.at is not None and self.at == ((), index):
             self.live = self.report.reached = True  # what follows depends on the edit
             return Stepped(Step.EDIT, rec, index)
-        if self.live or rec.status != "done":
+        if self.live or rec.status is not Status.DONE:
             self.live = True  # a Node that did not end is not replayed, nor what follows
             return Stepped(Step.LIVE, rec, index)
         self.report.replayed += 1
@@ -90,7 +91,7 @@ class Replay:
         nodes = self.record.nodes
         rec = nodes[self._next] if self._next < len(nodes) else None
         self._next += 1
-        text = node.detail.get("text") if node.kind == "Text" else None
+        text = node.detail.get("text") if node.kind is NodeKind.TEXT else None
         if rec is not None and rec.same_step(node.kind, node.name, node.label(),
                                              node_params(node), text):
             return rec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sgl_nb.language.reasoning import split_reasoning
 from sgl_nb.language.replay import MISSING, Step, Stepped
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 
 
 class ReplayEffects:
@@ -19,7 +19,7 @@ class ReplayEffects:
         if self.replay is None:
             return
         branches = []
-        if node.kind == "Join":
+        if node.kind is NodeKind.JOIN:
             ids = node.detail.get("branches", ())
             branches = [c.replay for c in self._children if c.id in ids and c.replay]
         stepped = self._steps[node.id] = self.replay.step(node, branches)

@@ -19,11 +19,13 @@ from sgl_nb.language.run_record import (
     record_of_state,
     record_of_timeline,
 )
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import Node, NodeKind
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
-EDITABLE = ("Gen", "Select", "Text")
+BINDING = (NodeKind.GEN, NodeKind.SELECT)  # what `at` may name by its variable
+EDITABLE = (*BINDING, NodeKind.TEXT)
 # Beyond SGLang's sampling names, a gen's grammar may change too.
 GRAMMAR_ARGS = ("regex", "json_schema")
 
@@ -85,14 +87,15 @@ def resolve_at(record: ProgramRecord, at) -> tuple[tuple, int, NodeRecord]:
         found = [x for x in nodes if x[2].id == at]
         what = f"node {at}"
     elif isinstance(at, str):
-        found = [x for x in nodes if x[2].name == at and x[2].kind in ("Gen", "Select")]
+        found = [x for x in nodes if x[2].name == at and x[2].kind in BINDING]
         what = f"gen or select named {at!r}"
     else:
         raise TypeError(f"rerun(at=...) takes a Node, a node id or a variable name, got "
                         f"{type(at).__name__}")
     if not found:
         names = sorted({n.name for _, _, n in nodes if n.name and n.kind in EDITABLE})
-        ended = "" if record.status == "done" else f" (it {record.status} before any other)"
+        ended = "" if record.status is Status.DONE else \
+            f" (it {record.status.value} before any other)"
         raise KeyError(f"no {what} in program {record.id}; its gens and selects: "
                        f"{names}{ended}")
     if len(found) > 1:
@@ -108,9 +111,9 @@ def resolve_at(record: ProgramRecord, at) -> tuple[tuple, int, NodeRecord]:
 
 def check_edit(node: NodeRecord, value, sampling: dict) -> dict:
     """The edit's sampling arguments as SamplingParams fields; errors name what is wrong."""
-    if sampling and node.kind != "Gen":
+    if sampling and node.kind is not NodeKind.GEN:
         raise TypeError(f"sampling arguments ({', '.join(sorted(sampling))}) apply to a gen; "
-                        f"{node.label} is a {node.kind}")
+                        f"{node.label} is a {node.kind.value}")
     unknown = set(sampling) - set(SAMPLING_ARGS) - set(GRAMMAR_ARGS)
     if unknown:
         raise TypeError(f"unknown sampling arguments {sorted(unknown)}; a gen takes "
@@ -118,11 +121,11 @@ def check_edit(node: NodeRecord, value, sampling: dict) -> dict:
     if value is not MISSING and sampling:
         raise TypeError("give value= (the Node's new output) or sampling arguments (to "
                         "generate it again with them), not both")
-    if node.kind == "Select" and value is not MISSING:
+    if node.kind is NodeKind.SELECT and value is not MISSING:
         choices = node.params.get("choices", [])
         if value not in choices:
             raise ValueError(f"{value!r} is not a choice of {node.label}")
-    if node.kind == "Text" and value is not MISSING and not isinstance(value, str):
+    if node.kind is NodeKind.TEXT and value is not MISSING and not isinstance(value, str):
         raise TypeError(f"a text Node's value must be a str, got {type(value).__name__}")
     out = sampling_args({k: v for k, v in sampling.items() if k in SAMPLING_ARGS})
     out.update({k: sampling[k] for k in GRAMMAR_ARGS if k in sampling})

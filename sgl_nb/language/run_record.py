@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, node_params
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, NodeKind, node_params
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
 # The figures of a Node's engine requests that a record keeps (summed over its requests,
@@ -18,12 +19,12 @@ USAGE_KEYS = ("input_tokens", "cached_tokens", "new_tokens", "output_tokens")
 
 @dataclass
 class NodeRecord:
-    kind: str
+    kind: NodeKind
     name: str | None
     line: int | None
     label: str
     params: dict  # a Gen's sampling parameters, a Select's choices and method
-    status: str  # done | error | skipped | cancelled | pending (held before it)
+    status: Status  # DONE | ERROR | SKIPPED | CANCELLED | PENDING (held before it)
     text: str  # what it added to the program's text (a Text's, a Gen's output, a choice)
     id: int | None = None  # its Node id in that run
     file: str | None = None
@@ -33,14 +34,14 @@ class NodeRecord:
     seconds: float | None = None
     branches: list[ProgramRecord] = field(default_factory=list)  # a Fork's, in order
 
-    def same_step(self, kind: str, name: str | None, label: str, params: dict,
+    def same_step(self, kind: NodeKind, name: str | None, label: str, params: dict,
                   text: str | None) -> bool:
         """Is a Node of a new run the same step as this one (its output may differ)?"""
         if (kind, name) != (self.kind, self.name):
             return False
-        if kind in ("Gen", "Select"):
+        if kind in (NodeKind.GEN, NodeKind.SELECT):
             return _canonical(params) == _canonical(self.params)
-        if kind == "Text":
+        if kind is NodeKind.TEXT:
             return text == self.text
         return label == self.label  # a role's, a fork's n, a join's mode
 
@@ -48,7 +49,7 @@ class NodeRecord:
 @dataclass
 class ProgramRecord:
     function: str | None
-    status: str
+    status: Status
     text: str
     nodes: list[NodeRecord]
     id: int | None = None  # its program (state) id in that run
@@ -87,8 +88,9 @@ def record_of_state(state) -> ProgramRecord:
     """The record of a ProgramState as it is now (finished, failed, cancelled or held)."""
     nodes = [_node_of_state(state, n) for n in state.nodes
              if n.program == state.id and n.kind not in PROGRAM_NODES]
-    status = ("cancelled" if state.cancelled else "error" if state._error is not None
-              else "done" if state._finished or state.parent is not None else "running")
+    status = (Status.CANCELLED if state.cancelled else Status.ERROR if state._error is not None
+              else Status.DONE if state._finished or state.parent is not None
+              else Status.RUNNING)
     call = {} if state.call is None else state.call.attrs()
     return ProgramRecord(getattr(state, "function", None), status, state._text, nodes,
                          state.id, repr(state._error) if state._error else None, call)
@@ -103,9 +105,9 @@ def _node_of_state(state, node) -> NodeRecord:
                      node.id, node.file, tuple(node.stack),
                      _usage([ins.usage for ins in node.instructions if ins.usage]),
                      list(state._tokens.get(node.id, ())), seconds)
-    if node.kind == "Text":
+    if node.kind is NodeKind.TEXT:
         rec.text = node.detail.get("text", rec.text)  # what it adds even if it has not run
-    if node.kind == "Fork":
+    if node.kind is NodeKind.FORK:
         rec.branches = [record_of_state(c) for c in state._forked.get(node.id, ())]
     return rec
 

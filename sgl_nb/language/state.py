@@ -35,11 +35,12 @@ from sgl_nb.language.rerun import rerun_state
 from sgl_nb.language.token_info import TokenInfo, token_info
 from sgl_nb.runtime.compiler.executor import get_executor
 from sgl_nb.runtime.compiler.instructions import Cancelled
-from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.ir import Node, NodeKind, dot
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.passes import run_passes
 from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.status import Status
 
 _state_ids = itertools.count(1)
 
@@ -133,7 +134,7 @@ class ProgramState(ProgramEffects):
         self._has_body = True
         detail = {"function": function, "shared_prefix": shared_prefix, "after": after,
                   "call": call or {}}
-        node = Node("Init", self.id, [], None, detail)
+        node = Node(NodeKind.INIT, self.id, [], None, detail)
         self._record(node)
         return node
 
@@ -157,12 +158,12 @@ class ProgramState(ProgramEffects):
         with self._lock:
             self._buffer.append(node)
             self._payloads[node.id] = payload
-            if node.kind != "Text":  # text may still fuse with what follows
+            if node.kind is not NodeKind.TEXT:  # text may still fuse with what follows
                 self._flush()
 
     def _preds(self) -> list[int]:
         last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
-        return [last.id] if last is not None and last.kind != "Init" else []
+        return [last.id] if last is not None and last.kind is not NodeKind.INIT else []
 
     def _flush(self) -> None:
         """The Nodes recorded since the last flush: passes, lowering, the executor."""
@@ -184,24 +185,24 @@ class ProgramState(ProgramEffects):
 
     def _to_nodes(self, expr):
         if isinstance(expr, str):
-            return [("Text", None, {"text": expr}, expr)]
+            return [(NodeKind.TEXT, None, {"text": expr}, expr)]
         if isinstance(expr, Concat):
             return [n for part in expr.parts for n in self._to_nodes(part)]
         if isinstance(expr, _ScopeMark):
-            return [("VarScope", expr.name, {"begin": expr.begin}, expr)]
+            return [(NodeKind.VAR_SCOPE, expr.name, {"begin": expr.begin}, expr)]
         if isinstance(expr, Gen):
             params = expr.sampling(self.defaults)
             if self.backend is not None and ("regex" in params or "json_schema" in params):
                 # Compiled here, in the program's thread: a bad pattern fails at its line,
                 # before any token is generated.
                 self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
-            return [("Gen", expr.name, params, expr)]
+            return [(NodeKind.GEN, expr.name, params, expr)]
         if isinstance(expr, Select):
             detail = {"choices": expr.choices, "method": expr.method}
             allowed = expr.allowed()
             if len(allowed) < len(expr.choices):  # the gen's grammar ruled some out
                 detail["allowed"] = allowed
-            return [("Select", expr.name, detail, expr)]
+            return [(NodeKind.SELECT, expr.name, detail, expr)]
         if isinstance(expr, RoleBlock):
             out = self._to_nodes(Role(expr.role, True))
             try:
@@ -213,7 +214,8 @@ class ProgramState(ProgramEffects):
             return [*out, *self._to_nodes(Role(expr.role, False))]
         if isinstance(expr, Role):
             self._track_role(expr)
-            return [("RoleBegin" if expr.begin else "RoleEnd", None, {"role": expr.role}, expr)]
+            kind = NodeKind.ROLE_BEGIN if expr.begin else NodeKind.ROLE_END
+            return [(kind, None, {"role": expr.role}, expr)]
         raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
 
     def _track_role(self, mark: Role) -> None:
@@ -284,7 +286,7 @@ class ProgramState(ProgramEffects):
         group._join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
 
     def _fork(self, n: int, caller) -> ForkGroup:
-        node = Node("Fork", self.id, self._preds(), None, {"n": n},
+        node = Node(NodeKind.FORK, self.id, self._preds(), None, {"n": n},
                     caller.f_code.co_filename, caller.f_lineno)
         self._record(node)
         self._wait_node(node)  # the branches start from the text the parent has then
@@ -293,11 +295,10 @@ class ProgramState(ProgramEffects):
     def _wait_node(self, node: Node) -> None:
         """Until the executor has run `node`; raises if it did not run to its end."""
         with self._cond:
-            self._interruptible(lambda: self._cond.wait_for(
-                lambda: node.status not in ("pending", "running")))
-        if node.status == "cancelled" or self._cancelled:
+            self._interruptible(lambda: self._cond.wait_for(lambda: node.status.ended))
+        if node.status is Status.CANCELLED or self._cancelled:
             raise ProgramCancelled(f"program {self.id} was cancelled")
-        if node.status != "done":
+        if node.status is not Status.DONE:
             raise ProgramError(f"{node.kind} did not run: {self._error}")
 
     def _model_name(self) -> str | None:
@@ -524,7 +525,7 @@ class ProgramState(ProgramEffects):
         if self.parent is not None:
             self._flush()
             return
-        self._record(Node("Return", self.id, self._preds()), (error, frame_file))
+        self._record(Node(NodeKind.RETURN, self.id, self._preds()), (error, frame_file))
 
     def _set_error(self, error: BaseException, file: str | None = None) -> None:
         tb = traceback.extract_tb(error.__traceback__)
@@ -536,11 +537,14 @@ class ProgramState(ProgramEffects):
     def error_line(self) -> int | None:
         return self._error_line
 
+    def _end_status(self) -> Status:
+        return Status.CANCELLED if self._cancelled else Status.ERROR if self._error \
+            else Status.DONE
+
     def _end_data(self) -> dict:
         """The program_finished event's data."""
-        status = "cancelled" if self._cancelled else "error" if self._error else "done"
         return {"error": repr(self._error) if self._error else None, "line": self._error_line,
-                "status": status}
+                "status": self._end_status()}
 
     def __repr__(self) -> str:
         return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
@@ -623,7 +627,7 @@ class ForkGroup:
             s._flush()  # every branch Node is queued before the Join that waits for them
         p = self.parent
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        node = Node("Join", p.id, preds, None,
+        node = Node(NodeKind.JOIN, p.id, preds, None,
                     {"mode": mode, "branches": [s.id for s in self.states]},
                     caller.f_code.co_filename, caller.f_lineno)
         p._record(node)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sgl_nb.runtime.compiler.instructions import Op
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 
 
@@ -160,11 +161,11 @@ def _info(state, var: str, node, tokens: list[TokenChoice], i: int) -> TokenInfo
 def _node_of(state, var: str):
     """The Gen Node of this state that last bound `var`."""
     own = [n for n in state.nodes if n.program == state.id and n.name == var]
-    gens = [n for n in own if n.kind == "Gen"]
+    gens = [n for n in own if n.kind is NodeKind.GEN]
     if gens:
         return gens[-1]
     if own:
-        raise ValueError(f"{var!r} was bound by a {own[-1].kind} ({own[-1].label()}), "
+        raise ValueError(f"{var!r} was bound by a {own[-1].kind.value} ({own[-1].label()}), "
                          "not generated token by token: it has no tokens")
     raise KeyError(f"no generated variable {var!r} in program {state.id}; variables with "
                    f"tokens: {_with_tokens(state)}")

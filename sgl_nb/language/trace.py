@@ -9,9 +9,10 @@ from __future__ import annotations
 import inspect
 
 from sgl_nb.language.state import ForkGroup, ProgramState
-from sgl_nb.runtime.compiler.ir import Node, dot
+from sgl_nb.runtime.compiler.ir import Node, NodeKind, dot
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.passes import leading_text
+from sgl_nb.runtime.status import Status
 
 
 class _EndOfStatic(Exception):
@@ -37,15 +38,15 @@ class TraceState(ProgramState):
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         for kind, name, detail, _ in self._to_nodes(expr):
             preds = [self.nodes[-1].id] if self.nodes else []
-            if self.roles is not None and kind in ("RoleBegin", "RoleEnd"):
+            if self.roles is not None and kind in (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
                 detail["text"] = self._role_text(kind, detail["role"])
             self.nodes.append(Node(kind, self.id, preds, name, detail, file, line,
-                                   status="traced"))
+                                   status=Status.TRACED))
 
-    def _role_text(self, kind: str, role: str) -> str:
-        if kind == "RoleEnd":
+    def _role_text(self, kind: NodeKind, role: str) -> str:
+        if kind is NodeKind.ROLE_END:
             return self.roles.suffix[role]
-        first = not any(n.kind == "RoleBegin" for n in self.nodes) and not self.nodes
+        first = not self.nodes
         default = self.roles.default_system if first and role != "system" else ""
         return default + self.roles.prefix[role]
 
@@ -60,7 +61,7 @@ class TraceState(ProgramState):
 
     def _fork(self, n: int, caller=None) -> ForkGroup:
         preds = [self.nodes[-1].id] if self.nodes else []
-        node = Node("Fork", self.id, preds, None, {"n": n}, status="traced")
+        node = Node(NodeKind.FORK, self.id, preds, None, {"n": n}, status=Status.TRACED)
         self.nodes.append(node)
         return _TraceForks(self, [TraceState(self.defaults, self) for _ in range(n)], node)
 
@@ -71,7 +72,8 @@ class _TraceForks(ForkGroup):
         for s in self.states:
             p.nodes.extend(s.nodes)
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        p.nodes.append(Node("Join", p.id, preds, None, {"mode": mode}, status="traced"))
+        p.nodes.append(Node(NodeKind.JOIN, p.id, preds, None, {"mode": mode},
+                            status=Status.TRACED))
 
 
 class ProgramGraph:

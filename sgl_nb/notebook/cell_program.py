@@ -16,6 +16,7 @@ import types
 import sgl_nb.language.expressions as dsl
 from sgl_nb.language.function import SglFunction
 from sgl_nb.language.replay import MISSING
+from sgl_nb.runtime.compiler.ir import NodeKind
 
 # The names a cell body sees without importing anything.
 DSL_NAMES = (
@@ -56,17 +57,17 @@ def parse_args(pairs: list[str]) -> dict:
 SAMPLING_HINT = "temperature=0.8 max_tokens=40 seed=2"
 
 
-def parse_edit(kind: str, value: str, sampling_text: str) -> tuple[object, dict]:
+def parse_edit(kind: NodeKind, value: str, sampling_text: str) -> tuple[object, dict]:
     """What the boxes say as rerun's (value, sampling): a Gen with sampling arguments or an
     empty value is generated again; otherwise the value replaces the Node's output."""
     sampling = {}
-    if kind == "Gen" and sampling_text.strip():
+    if kind is NodeKind.GEN and sampling_text.strip():
         try:
             sampling = parse_args(sampling_text.split())
         except ValueError:
             raise ValueError(f"sampling arguments are key=value pairs separated by spaces, "
                              f"e.g. {SAMPLING_HINT}; got {sampling_text.strip()!r}") from None
-    if sampling or (kind == "Gen" and value == ""):
+    if sampling or (kind is NodeKind.GEN and value == ""):
         return MISSING, sampling
     return value, {}
 
