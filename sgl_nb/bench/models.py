@@ -8,8 +8,8 @@ Llama, our engine through the transformers path (SGL_NB_MODEL_RUNNER=transformer
 transformers' modeling code with our paged attention) against the native runner: what the
 general path costs.
 
-Each side runs `--repeat` rounds and keeps its fastest (noise on a shared machine only
-ever slows a run).
+Each side runs `--repeat` rounds, the two sides taking turns, and keeps its fastest (noise
+on a shared machine only ever slows a run).
 """
 
 from __future__ import annotations
@@ -68,9 +68,15 @@ def hf_in_process(folder, n: int) -> dict:
     return {"seconds": hf_one_stream(hf, ids, n)}
 
 
-def fastest(fn, repeat: int, *args) -> dict:
-    runs = [in_fresh_process(fn, *args) for _ in range(repeat)]
-    return min(runs, key=lambda r: r["seconds"])
+def alternating(repeat: int, *sides: tuple) -> list[dict]:
+    """Each side's fastest of `repeat` rounds, the sides taking turns round by round (a load
+    that comes and goes on a shared machine then falls on both, not on whichever ran last);
+    a side is (function, *args), each run in a fresh process."""
+    runs: list[list[dict]] = [[] for _ in sides]
+    for _ in range(repeat):
+        for side, (fn, *args) in zip(runs, sides, strict=True):
+            side.append(in_fresh_process(fn, *args))
+    return [min(side, key=lambda r: r["seconds"]) for side in runs]
 
 
 def bench_family(family: str, args: argparse.Namespace) -> dict:
@@ -80,8 +86,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     write_random_checkpoint(realistic_config(family), folder)
     print(f"{family}: ours, then transformers ({args.new_tokens} tokens, fp32) ...", flush=True)
-    ours = fastest(ours_in_process, args.repeat, folder, args.new_tokens, "native")
-    hf = fastest(hf_in_process, args.repeat, folder, args.new_tokens)
+    ours, hf = alternating(args.repeat, (ours_in_process, folder, args.new_tokens, "native"),
+                           (hf_in_process, folder, args.new_tokens))
     row = {"ours_tok_s": args.new_tokens / ours["seconds"],
            "hf_tok_s": args.new_tokens / hf["seconds"],
            "speedup": hf["seconds"] / ours["seconds"], "path": ours["path"],
@@ -96,8 +102,9 @@ def bench_general_path(args: argparse.Namespace) -> dict:
     folder = checkpoint_folder("llama")
     write_random_checkpoint(realistic_config("llama"), folder)
     print("llama: the transformers path against native ...", flush=True)
-    native = fastest(ours_in_process, args.repeat, folder, args.new_tokens, "native")
-    general = fastest(ours_in_process, args.repeat, folder, args.new_tokens, "transformers")
+    native, general = alternating(
+        args.repeat, (ours_in_process, folder, args.new_tokens, "native"),
+        (ours_in_process, folder, args.new_tokens, "transformers"))
     return {"native_tok_s": args.new_tokens / native["seconds"],
             "transformers_path_tok_s": args.new_tokens / general["seconds"],
             "transformers_path_over_native": native["seconds"] / general["seconds"],
