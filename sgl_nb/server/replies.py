@@ -43,11 +43,10 @@ def cancel_all(handles: list[Cancellable]) -> None:
 
 
 def default_model_names(runtime) -> list[str]:
-    """The model folder's path (what /v1/models reported before names could be chosen, and
-    what a client reading it finds the tokenizer by), and its base name (what people type,
-    and what traces call the model)."""
-    path = runtime.model_path
-    return list(dict.fromkeys([str(path), path.name]))
+    """The model folder's name (what people type, and what traces call the model), not its
+    path: a client learns nothing of the server's disk from it. /v1/models reports the path
+    as the model's `root`, where a client on the same machine finds the tokenizer."""
+    return [runtime.model_path.name]
 
 
 class Served:
