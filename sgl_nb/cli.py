@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--model", default=None, help="checkpoint folder or .gguf (default model)")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may give, the first one reported "
-                   "(default: the model folder's path and its base name)")
+                   "(default: the model folder's name)")
+    v.add_argument("--clip-max-tokens", action="store_true",
+                   help="lower a max_tokens that passes the context to what fits, instead "
+                   "of answering 400")
     v.add_argument("--kv-pool-tokens", type=int, default=32768)
     v.add_argument("--quiet", action="store_true", help="no line per request")
     v.add_argument("--shutdown-grace", type=float, default=GRACE_SECONDS, metavar="S",

@@ -1,5 +1,9 @@
-"""The FastAPI app of `sgl-nb serve`: OpenAI's /v1 routes, SGLang's native ones, /health
-and Prometheus /metrics, over one Runtime."""
+"""The FastAPI app of `sgl-nb serve`: OpenAI's /v1 routes, vLLM's /tokenize and
+/detokenize, SGLang's native ones, /health and Prometheus /metrics, over one Runtime.
+
+Bodies are read on the event loop and parsed in worker threads (request_body.py), and a
+route's own work (tokenizing, compiling a grammar, submitting) runs in one too: the loop
+only moves bytes, so /health answers whatever the other requests carry."""
 
 from __future__ import annotations
 
@@ -8,13 +12,20 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from sgl_nb.server import openai_routes, sglang_routes
+from sgl_nb.server import openai_routes, sglang_routes, tokenize_routes
 from sgl_nb.server.auth import ApiKeyMiddleware
 from sgl_nb.server.body_limit import BodyLimitMiddleware
 from sgl_nb.server.errors import Json, error_response, install_error_handlers
 from sgl_nb.server.metrics import exposition, metrics_registry
+from sgl_nb.server.prompt_limits import PromptLimits
 from sgl_nb.server.replies import Served, Stream
-from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest
+from sgl_nb.server.request_body import parsed_body
+from sgl_nb.server.requests_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    tokenize_request_kind,
+)
 from sgl_nb.server.requests_sglang import (
     ConcateAndAppendRequest,
     FlushCacheRequest,
@@ -28,11 +39,13 @@ MAX_BODY_BYTES = 32 * 2**20  # a context of token ids is well under 1 MiB
 WORKER_THREADS = 256
 
 
-def build_app(runtime, api_key: str | None = None,
-              model_names: list[str] | None = None) -> FastAPI:
-    """model_names: the names the OpenAI routes answer to, the first reported (default:
-    the model folder's path and its base name)."""
+def build_app(runtime, api_key: str | None = None, model_names: list[str] | None = None,
+              clip_max_tokens: bool = False) -> FastAPI:
+    """model_names: the names the OpenAI routes answer to, the first reported (default: the
+    model folder's name). clip_max_tokens: a max_tokens past the context is lowered to fit
+    (SGLang's --allow-auto-truncate for it) instead of a 400."""
     served = Served(runtime, model_names)
+    limits = PromptLimits.of(runtime, clip_max_tokens)
     app = FastAPI(title="sgl-nb serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served  # the server's stop aborts its requests (runner.py)
     install_error_handlers(app)
@@ -42,8 +55,12 @@ def build_app(runtime, api_key: str | None = None,
     limiter = anyio.CapacityLimiter(WORKER_THREADS)
     registry = metrics_registry(runtime, served.log)
 
-    async def reply(request: Request, route, body) -> Response:
-        out = await submitted(lambda: route(served, body), limiter)
+    async def body_of(request: Request, model, optional: bool = False):
+        return await parsed_body(request, model, limits, limiter, optional)
+
+    async def reply(request: Request, route, model) -> Response:
+        body = await body_of(request, model)
+        out = await submitted(lambda: route(served, body, limits), limiter)
         if isinstance(out, Stream):
             return EventStream(out, limiter)
         return Json(await answer(request, out, limiter))
@@ -63,16 +80,27 @@ def build_app(runtime, api_key: str | None = None,
         return Json(openai_routes.models(served))
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await reply(request, openai_routes.completion, body)
+    async def completions(request: Request) -> Response:
+        return await reply(request, openai_routes.completion, CompletionRequest)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await reply(request, openai_routes.chat_completion, body)
+    async def chat_completions(request: Request) -> Response:
+        return await reply(request, openai_routes.chat_completion, ChatCompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Json:
+        body = await body_of(request, tokenize_request_kind)
+        return Json(await in_thread(tokenize_routes.tokenize, served, body, limits,
+                                    limiter=limiter))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Json:
+        body = await body_of(request, DetokenizeRequest)
+        return Json(await in_thread(tokenize_routes.detokenize, served, body, limiter=limiter))
 
     @app.post("/generate")
-    async def generate(request: Request, body: GenerateRequest) -> Response:
-        return await reply(request, sglang_routes.generate, body)
+    async def generate(request: Request) -> Response:
+        return await reply(request, sglang_routes.generate, GenerateRequest)
 
     # SGLang 0.5.23 names these /model_info and /server_info, and keeps the /get_ names.
     @app.get("/model_info")
@@ -86,8 +114,9 @@ def build_app(runtime, api_key: str | None = None,
         return Json(await in_thread(sglang_routes.server_info, served, limiter=limiter))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(body: FlushCacheRequest | None = None) -> Json:
-        out = sglang_routes.flush_cache(served)  # the body, if any, was checked: no fields
+    async def flush_cache(request: Request) -> Json:
+        await body_of(request, FlushCacheRequest, optional=True)  # no fields: only checked
+        out = sglang_routes.flush_cache(served)
         return Json(await in_thread(out.build, limiter=limiter))
 
     @app.get("/health_generate")
@@ -97,7 +126,8 @@ def build_app(runtime, api_key: str | None = None,
         return error_response(503, "the engine did not generate a token")
 
     @app.post("/concate_and_append_request")
-    async def concate_and_append(body: ConcateAndAppendRequest) -> Json:
+    async def concate_and_append(request: Request) -> Json:
+        body = await body_of(request, ConcateAndAppendRequest)
         return Json(sglang_routes.concate_and_append(body))
 
     @app.api_route("/start_profile", methods=["GET", "POST"])

@@ -14,9 +14,15 @@ from sgl_nb.runtime.grammar import JSON_OBJECT_SCHEMA
 from sgl_nb.server import tool_calls
 from sgl_nb.server.choices import Samples, best_by_logprob
 from sgl_nb.server.errors import BadRequest
+from sgl_nb.server.prompt_limits import PromptLimits
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
-from sgl_nb.server.requests_openai import ChatCompletionRequest, CompletionRequest, Sampling
+from sgl_nb.server.requests_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Sampling,
+    TokenizeChatRequest,
+)
 from sgl_nb.server.tool_calls import (
     ChatTemplate,
     ToolUse,
@@ -26,6 +32,8 @@ from sgl_nb.server.tool_calls import (
     tool_use,
 )
 from sgl_nb.server.tool_parsers import PlainReader, Reader
+
+CHAT_PROMPT = "the prompt (the messages in the model's chat template)"
 
 
 def models(served: Served) -> dict:
@@ -86,7 +94,8 @@ def _include_usage(body: Sampling) -> bool:
 
 # ---- /v1/completions ---------------------------------------------------------------------
 
-def completion(served: Served, body: CompletionRequest) -> Answer | Stream:
+def completion(served: Served, body: CompletionRequest, limits: PromptLimits
+               ) -> Answer | Stream:
     served.check_model(body.model)
     params = sampling(body, body.max_tokens, 16)
     if body.logprobs is not None:
@@ -99,9 +108,13 @@ def completion(served: Served, body: CompletionRequest) -> Answer | Stream:
         raise BadRequest("stream=True takes one prompt in sgl-nb serve")
     rt = served.runtime
     special = True if body.add_special_tokens is None else body.add_special_tokens
-    ids = [p if isinstance(p, list) else rt.tokenizer.encode(p, add_special_tokens=special)
-           for p in prompts]
-    groups = served.sample(ids, params, best_of, stream=body.stream)
+    ids = [p if isinstance(p, list) else limits.encode(
+        rt.tokenizer, p, special, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        for i, p in enumerate(prompts)]
+    asked = "max_tokens" if body.max_tokens is not None else None
+    each = [{**params, "max_tokens": limits.max_tokens(len(p), params["max_tokens"], asked)}
+            for p in ids]
+    groups = served.sample(ids, each, best_of, stream=body.stream)
     head = {"id": f"cmpl-{body.request_id or uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": served.model_name}
     if body.stream:
@@ -208,7 +221,8 @@ class _Usage:
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
 
-def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Stream:
+def chat_completion(served: Served, body: ChatCompletionRequest, limits: PromptLimits
+                    ) -> Answer | Stream:
     served.check_model(body.model)
     # A chat answer gets room to finish (OpenAI's own default is the context's end).
     params = sampling(body, body.max_completion_tokens or body.max_tokens, 512)
@@ -223,10 +237,12 @@ def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Str
                              "output to calls: it cannot be combined with response_format "
                              "or structured outputs")
         params["json_schema"] = tools.schema()
-    prompt = _chat_prompt(rt, body, template, tools)
+    prompt = chat_prompt(rt, body, template, tools)
     special = True if body.add_special_tokens is None else body.add_special_tokens
-    samples = served.sample([rt.tokenizer.encode(prompt, add_special_tokens=special)], params,
-                            body.n, stream=body.stream)[0]
+    ids = limits.encode(rt.tokenizer, prompt, special, CHAT_PROMPT)
+    params["max_tokens"] = limits.max_tokens(len(ids), params["max_tokens"],
+                                             _max_tokens_field(body))
+    samples = served.sample([ids], params, body.n, stream=body.stream)[0]
     head = {"id": f"chatcmpl-{body.request_id or uuid.uuid4().hex}",
             "created": int(time.time()), "model": served.model_name}
     readers = [tool_calls.reader_for(tools, template) for _ in range(body.n)]  # one a choice
@@ -235,8 +251,15 @@ def chat_completion(served: Served, body: ChatCompletionRequest) -> Answer | Str
     return Answer(lambda: _chat_answer(rt, head, samples, readers), [samples])
 
 
-def _chat_prompt(rt, body: ChatCompletionRequest, template: ChatTemplate,
-                 tools: ToolUse | None) -> str:
+def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
+    """The field that set the answer's length (None: the default)."""
+    if body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if body.max_tokens is not None else None
+
+
+def chat_prompt(rt, body: ChatCompletionRequest | TokenizeChatRequest, template: ChatTemplate,
+                tools: ToolUse | None) -> str:
     from jinja2 import TemplateError
 
     listed = template_tools(tools)

@@ -12,9 +12,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     model_validator,
 )
 
+# The validation context key of the server's PromptLimits (request_body.parse passes them).
+LIMITS_CONTEXT = "prompt_limits"
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
@@ -36,14 +39,23 @@ class Strict(BaseModel):
 
 
 class TopLevel(Strict):
-    """A request body: checked for lone surrogates first, so nothing downstream (the
-    tokenizer, the JSON answer) meets a string it cannot encode."""
+    """A request body: its prompts' sizes checked first (a list of token ids longer than the
+    context is refused before anything walks its items), then every string for lone
+    surrogates, so nothing downstream (the tokenizer, the JSON answer) meets a string it
+    cannot encode."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _sizes_then_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        limits = (info.context or {}).get(LIMITS_CONTEXT)
+        if limits is not None and isinstance(data, dict):
+            cls.check_sizes(data, limits)
         _check_text(data, "")
         return data
+
+    @classmethod
+    def check_sizes(cls, data: dict, limits) -> None:
+        """The raw body's prompt sizes against `limits` (a PromptLimits); by default none."""
 
 
 def _check_text(value: Any, path: str) -> None:

@@ -7,7 +7,7 @@ missing instead of getting a different answer than it asked for."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -138,6 +138,10 @@ class CompletionRequest(Sampling):
     logprobs: TopLogprobs | None = None
     prompt_logprobs: TopLogprobs | None = None
 
+    @classmethod
+    def check_sizes(cls, data: dict, limits) -> None:
+        limits.check_id_lists(data.get("prompt"), "prompt")
+
     @field_validator("prompt")
     @classmethod
     def _prompt_list(cls, prompt: Any) -> list[str | list[int]]:
@@ -252,3 +256,65 @@ class ChatCompletionRequest(Sampling):
             "chat_template": self.chat_template is not None,
             "chat_template_kwargs": bool(self.chat_template_kwargs),
             "documents": bool(self.documents), **super().unsupported()}
+
+
+# ---- vLLM's /tokenize and /detokenize --------------------------------------------------------
+
+class TokenizeCompletionRequest(TopLevel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(TopLevel):
+    """The prompt a chat request would have (its template applied), as vLLM tokenizes it."""
+
+    model: str | None = None
+    messages: list[Message]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template writes its own
+    return_token_strs: bool | None = False
+    tools: list[Tool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    # What the tools' checks read off a chat request: the tools are only listed here.
+    tool_choice: ClassVar[None] = None
+    parallel_tool_calls: ClassVar[None] = None
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> TokenizeChatRequest:
+        if not self.messages:
+            raise ValueError("messages must be a non-empty list of {role, content}")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        return self
+
+    def unsupported(self) -> dict[str, bool]:
+        return {"continue_final_message": self.continue_final_message,
+                "chat_template": self.chat_template is not None,
+                "chat_template_kwargs": bool(self.chat_template_kwargs),
+                "mm_processor_kwargs": bool(self.mm_processor_kwargs)}
+
+
+def tokenize_request_kind(data: Any) -> type[TokenizeCompletionRequest | TokenizeChatRequest]:
+    """vLLM's rule: a body with `messages` is a chat, any other a text prompt."""
+    chat = isinstance(data, dict) and "messages" in data
+    return TokenizeChatRequest if chat else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(TopLevel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+    @classmethod
+    def check_sizes(cls, data: dict, limits) -> None:
+        """No sequence of this model is longer than its context (a prompt and its output)."""
+        tokens = data.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > limits.context_len:
+            raise ValueError(f"tokens: {len(tokens)} token ids, more than the model's "
+                             f"context of {limits.context_len} tokens")

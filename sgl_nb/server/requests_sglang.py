@@ -106,6 +106,10 @@ class GenerateRequest(TopLevel):
     data_parallel_rank: int | None = None
     priority: int | None = None  # SGLang's scheduling hint; this engine orders by its own
 
+    @classmethod
+    def check_sizes(cls, data: dict, limits) -> None:
+        limits.check_id_lists(data.get("input_ids"), "input_ids")
+
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):

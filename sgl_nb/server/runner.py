@@ -103,8 +103,9 @@ class Server(uvicorn.Server):
 def make_server(runtime, quiet: bool, api_key: str | None, thread: bool,
                 model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
                 on_ready: Callable[[], None] | None = None,
-                say: Callable[[str], None] | None = None) -> Server:
-    app = build_app(runtime, api_key, model_names)
+                say: Callable[[str], None] | None = None,
+                clip_max_tokens: bool = False) -> Server:
+    app = build_app(runtime, api_key, model_names, clip_max_tokens)
     gate = ShutdownGate(app, app.state.served.log, grace)
     config = uvicorn.Config(
         gate, lifespan="off", access_log=not quiet,
@@ -119,14 +120,15 @@ class ServerThread:
     stops `sgl-nb serve`."""
 
     def __init__(self, runtime, host: str, port: int, quiet: bool, api_key: str | None,
-                 model_names: list[str] | None = None, grace: float = GRACE_SECONDS):
+                 model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
+                 clip_max_tokens: bool = False):
         self.socket = bind(host, port)
         self.url = url_of(self.socket)
         self.socket.listen(2048)
         self._ready = threading.Event()
         self._server = make_server(runtime, quiet, api_key, thread=True,
                                    model_names=model_names, grace=grace,
-                                   on_ready=self._ready.set)
+                                   on_ready=self._ready.set, clip_max_tokens=clip_max_tokens)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self.socket]},
                                         name="sgl-serve", daemon=True)
@@ -159,10 +161,12 @@ class ServerThread:
 def serve_forever(runtime, sock: socket.socket, quiet: bool, api_key: str | None,
                   model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
                   on_ready: Callable[[], None] | None = None,
-                  say: Callable[[str], None] | None = None) -> Stopped:
+                  say: Callable[[str], None] | None = None,
+                  clip_max_tokens: bool = False) -> Stopped:
     """In the foreground until SIGINT or SIGTERM; what the stop did. The socket starts
     listening when uvicorn serves on it (then on_ready is called), not before."""
     server = make_server(runtime, quiet, api_key, thread=False, model_names=model_names,
-                         grace=grace, on_ready=on_ready, say=say)
+                         grace=grace, on_ready=on_ready, say=say,
+                         clip_max_tokens=clip_max_tokens)
     server.run(sockets=[sock])
     return server.stopped()

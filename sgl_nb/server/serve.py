@@ -29,15 +29,16 @@ GRACE_SECONDS = 2.0
 
 def start_in_thread(runtime, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
                     api_key: str | None = None, served_model_names: list[str] | None = None,
-                    shutdown_grace: float = GRACE_SECONDS):
+                    shutdown_grace: float = GRACE_SECONDS, clip_max_tokens: bool = False):
     """Serve `runtime` from a background thread (port 0: a free one). The result has
     `.url` and `.shutdown()` (which stops as SIGTERM stops `sgl-nb serve`, and returns
     what it did). served_model_names: the names the OpenAI routes accept, the first
-    reported (default: the model folder's path and its base name)."""
+    reported (default: the model folder's name). clip_max_tokens: a max_tokens past the
+    context is lowered to fit instead of a 400."""
     from sgl_nb.server.runner import ServerThread
 
     return ServerThread(runtime, host, port, quiet, api_key, served_model_names,
-                        shutdown_grace)
+                        shutdown_grace, clip_max_tokens=clip_max_tokens)
 
 
 def is_loopback(host: str) -> bool:
@@ -89,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         stopped = serve_forever(rt, sock, args.quiet, api_key, names, args.shutdown_grace,
-                                on_ready=ready, say=_say)
+                                on_ready=ready, say=_say,
+                                clip_max_tokens=args.clip_max_tokens)
     except KeyboardInterrupt:  # before uvicorn took over the signals
         return EXIT_FORCED
     finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 from sgl_nb.runtime.engine import EngineError
 from sgl_nb.server.choices import Samples
 from sgl_nb.server.errors import BadRequest
+from sgl_nb.server.prompt_limits import PromptLimits
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
 from sgl_nb.server.requests_sglang import (
@@ -121,6 +122,20 @@ def _params(sp: SGLangSamplingParams) -> dict:
     return out
 
 
+def _fitted_params(sps: list[SGLangSamplingParams], ids: list[list[int]],
+                   limits: PromptLimits) -> list[dict]:
+    """Each prompt's engine params, max_new_tokens checked against the context (SGLang's
+    rule: prompt + max_new_tokens within it)."""
+    out = []
+    for sp, prompt in zip(sps, ids, strict=True):
+        p = _params(sp)
+        if p["max_tokens"] > 0:
+            asked = None if sp.max_new_tokens is None else "sampling_params.max_new_tokens"
+            p["max_tokens"] = limits.max_tokens(len(prompt), p["max_tokens"], asked)
+        out.append(p)
+    return out
+
+
 class _Options:
     """What one /generate asks for besides sampling: logprobs (the prompt's: PromptScore),
     how many alternatives, with text."""
@@ -131,18 +146,19 @@ class _Options:
         self.with_text = body.return_text_in_logprobs
 
 
-def generate(served: Served, body: GenerateRequest) -> Answer | Stream:
+def generate(served: Served, body: GenerateRequest, limits: PromptLimits) -> Answer | Stream:
     refuse_unsupported(body.unsupported())
     rt = served.runtime
     if body.text is not None:
         texts = body.text if body.batch else [body.text]
-        ids = [rt.tokenizer.encode(t) for t in texts]
+        ids = [limits.encode(rt.tokenizer, t, what="text" if not body.batch else f"text[{i}]")
+               for i, t in enumerate(texts)]
     else:
         ids = [list(p) for p in (body.input_ids if body.batch else [body.input_ids])]
     if body.stream and body.batch:
         raise BadRequest("stream=True takes one prompt in sgl-nb serve")
     opts = _Options(body)
-    params = [_params(sp) for sp in body.sampling_for(len(ids))]
+    params = _fitted_params(body.sampling_for(len(ids)), ids, limits)
     if opts.want_lp:
         for p in params:
             p.update(logprobs=True, top_logprobs=opts.top)
