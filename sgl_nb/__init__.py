@@ -32,18 +32,8 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "GenerateOutput", "ProgramCancelled",
-    "ProgramError", "ProgramState", "Runtime", "SamplingParams", "assistant", "assistant_begin",
-    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
-    "get_default_backend", "get_server_info", "greedy_token_selection", "image", "select",
-    "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
-    "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
-    "user_end", "video", "enable_tracing", "disable_tracing", "RuntimeEndpoint",
-    "global_config", "diff", "RunDiff", "__version__",
-    # SGLang's names for what sgl-nb does not have: calling one says what to use instead.
-    "Anthropic", "Crusoe", "Engine", "LiteLLM", "OpenAI", "ServerArgs", "VertexAI",
-]
+# SGLang's names for what sgl-nb does not have are public too: calling one says what to use.
+__all__ = [*_MODULE_OF, "__version__"]
 __version__ = "0.1.0"
 
 
