@@ -33,10 +33,6 @@ TEN_MB_IDS = list(range(1000, 1000 + 1_400_000))  # 11 MB of JSON
 TEN_MB_TEXT = "hello " * 1_700_000
 
 
-def model_tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(str(model_path))
-
-
 def json_post(http: httpx.Client, path: str, body) -> httpx.Response:
     return http.post(path, content=body if isinstance(body, bytes) else json.dumps(body),
                      headers={"Content-Type": "application/json"})
@@ -56,7 +52,7 @@ def test_a_text_over_the_bound_never_fits(model_path):
     context * bytes_per_token bytes has more tokens than the context. Checked on the texts
     that pack the most bytes into a token (the longest vocabulary entries repeated) and on
     mixed text (multi-byte characters, code, runs of spaces)."""
-    tok = model_tokenizer(model_path)
+    tok = AutoTokenizer.from_pretrained(str(model_path))
     per_token = text_bytes_per_token(tok)
     assert per_token is not None
     vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=False)

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import anyio
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 
 from sgl_nb.server.prompt_limits import PromptLimits
 from sgl_nb.server.requests_common import LIMITS_CONTEXT
@@ -31,7 +32,10 @@ Chooser = Callable[[Any], type[BaseModel]]
 async def parsed_body(request: Request, model: type[M] | Chooser, limits: PromptLimits,
                       limiter: anyio.CapacityLimiter, optional: bool = False) -> M | None:
     """The body as `model` (or the model `model(raw)` picks). optional: no body is None."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # nobody reads the answer: a 400, not a logged failure
+        raise HTTPException(400, "the client went away before its body was complete") from None
     content_type = request.headers.get("content-type")
     return await in_thread(parse, raw, content_type, model, limits, optional,
                            limiter=limiter)
