@@ -1,4 +1,6 @@
-"""The one stream of runtime events that tracing and the views consume.
+"""The one stream of runtime events that tracing and the views consume: one frozen
+dataclass per kind, handled by one `match` per consumer (tracing/spans.py,
+tracing/timeline.py). tracing/codec.py alone turns them into a trace's fields and back.
 
 Publishing never blocks the engine: each subscriber gets its own unbounded queue (lossless;
 a view that falls behind coalesces on its side), or a callback that must return at once.
@@ -11,68 +13,225 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, ClassVar
 
-EVENT_KINDS = (
-    "program_started", "program_finished", "node_started", "node_finished",
-    "instruction_started", "instruction_finished", "token", "cache_hit", "cache_insert",
-    "cache_evict", "fork", "join", "paused", "resumed", "preempted", "retracted", "error",
-)
-
-# What each kind carries (the contract tracing/ and the views build on). Every event has
-# kind, ts (time.monotonic_ns), seq (publication order); program / node / request ids where
-# they apply. `data` keys:
-#   program_started   function, priority, model, parent (program id of a fork parent or None)
-#   program_finished  error (repr or None), line (the program line of the error, or None),
-#                     status (done | error | cancelled)
-#   node_started      kind, name, line, file, label, preds (node ids), stack (call stack:
-#                     function names, outermost first)
-#   node_finished     status (done | error | skipped | cancelled), text (what the node added to the
-#                     program's text), value (repr of the variable it bound, if any)
-#   instruction_started / instruction_finished
-#                     kind (Extend | Decode | Score | Fork | Join | Return), index (0-based
-#                     within the node); Decode and Score run on the engine and also carry
-#                     request. Finished Decode/Score add: input_tokens, cached_tokens,
-#                     new_tokens (prompt tokens computed), output_tokens, batch_size (largest
-#                     decode batch it ran in), preempted (times suspended or retracted),
-#                     finish_reason (stop | length | abort | error | score).
-#   token             token (id), text (its characters, may be ""), logprob, forced (True
-#                     when the grammar allowed only this token, or it is a jump-forward
-#                     draft of the grammar's forced text), step (the scheduler's step
-#                     counter: batches scheduled so far), allowed (tokens the grammar
-#                     left at that step, -1 without one), top (when the engine records
-#                     alternatives, EngineConfig.token_alternatives: [[id, text, logprob,
-#                     masked], ...], the step's k most likely tokens before the grammar
-#                     mask, masked = ruled out by it; these logprobs are taken before the
-#                     mask, "logprob" above after it: runtime/token_choice.py);
-#                     program/node/request set
-#   cache_hit         cached_tokens, prompt_tokens           (request, program, node)
-#   cache_insert      tokens (newly added to the radix tree) (request, program, node)
-#   cache_evict       tokens (freed)
-#   fork              n, children (program ids)              (program = the parent)
-#   join              mode, children
-#   paused / resumed  the step controller held / released a program: at ("node" | "decode")
-#                     resumed is also sent when the scheduler resumes a preempted request
-#                     (data reason="scheduler")
-#   preempted         reason, priority: a running decode suspended, KV kept (request, ...)
-#   retracted         reason: a request stopped under memory pressure; its tokens stay in
-#                     the radix tree as evictable cache and it is re-admitted later
-#   error             error (repr), line
+# The kinds and statuses the events carry: tracing/ imports them from here (it imports
+# runtime's event types only).
+from sgl_nb.runtime.compiler.instructions import Op
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.status import Status
 
 
-@dataclass
+class EventKind(StrEnum):
+    PROGRAM_STARTED = "program_started"
+    PROGRAM_FINISHED = "program_finished"
+    NODE_STARTED = "node_started"
+    NODE_FINISHED = "node_finished"
+    INSTRUCTION_STARTED = "instruction_started"
+    INSTRUCTION_FINISHED = "instruction_finished"
+    TOKEN = "token"
+    CACHE_HIT = "cache_hit"
+    CACHE_INSERT = "cache_insert"
+    CACHE_EVICT = "cache_evict"
+    FORK = "fork"
+    JOIN = "join"
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    PREEMPTED = "preempted"
+    RETRACTED = "retracted"
+    ERROR = "error"
+
+
+_EVENT = {"frozen": True, "kw_only": True, "slots": True}
+
+
+@dataclass(**_EVENT)
 class Event:
-    kind: str
+    """What every event has: ids where they apply, a time and its place in the stream."""
+
+    kind: ClassVar[EventKind]
     program: int | None = None  # program state id
     node: int | None = None
     request: int | None = None  # engine request id
-    data: dict = field(default_factory=dict)
     ts: int = field(default_factory=time.monotonic_ns)
     seq: int = 0  # set by the bus: the order events were published in
 
-    def __post_init__(self) -> None:
-        assert self.kind in EVENT_KINDS, self.kind
+
+@dataclass(**_EVENT)
+class ProgramStarted(Event):
+    """A program (or a fork branch: `node` is its parent's Fork) starts."""
+
+    kind: ClassVar[EventKind] = EventKind.PROGRAM_STARTED
+    function: str | None = None
+    priority: str | None = None
+    model: str | None = None
+    parent: int | None = None  # a fork branch's parent program
+    # The call, for a re-run from a trace (sgl_nb/language/rerun.py): where the function
+    # is, its arguments and run options as JSON (args None: not JSON values).
+    module: str | None = None
+    qualname: str | None = None
+    args: str | None = None
+    options: str | None = None
+
+
+@dataclass(**_EVENT)
+class ProgramFinished(Event):
+    kind: ClassVar[EventKind] = EventKind.PROGRAM_FINISHED
+    status: Status | None = None  # DONE | ERROR | CANCELLED (None: ERROR if error, else DONE)
+    error: str | None = None  # repr of the error
+    line: int | None = None  # the program line of the error
+
+
+@dataclass(**_EVENT)
+class NodeStarted(Event):
+    kind: ClassVar[EventKind] = EventKind.NODE_STARTED
+    node_kind: NodeKind | None = None
+    name: str | None = None
+    line: int | None = None
+    file: str | None = None
+    label: str | None = None
+    preds: tuple[int, ...] = ()
+    stack: tuple[str, ...] = ()  # the call stack: function names, outermost first
+    params: str | None = None  # a Gen's or Select's, as JSON: what a re-run compares
+
+
+@dataclass(**_EVENT)
+class NodeFinished(Event):
+    kind: ClassVar[EventKind] = EventKind.NODE_FINISHED
+    status: Status = Status.DONE  # DONE | ERROR | SKIPPED | CANCELLED
+    text: str | None = None  # what the Node added to the program's text
+    value: str | None = None  # repr of the variable it bound, if any
+
+
+@dataclass(**_EVENT)
+class InstructionStarted(Event):
+    """Decode and Score run on the engine and carry their request."""
+
+    kind: ClassVar[EventKind] = EventKind.INSTRUCTION_STARTED
+    op: Op = Op.EXTEND
+    index: int = 0  # its place among its Node's Instructions
+
+
+@dataclass(**_EVENT)
+class InstructionFinished(Event):
+    kind: ClassVar[EventKind] = EventKind.INSTRUCTION_FINISHED
+    op: Op = Op.EXTEND
+    index: int = 0
+    status: Status = Status.DONE  # DONE | ERROR | CANCELLED
+    error: str | None = None
+    # What its request reported: input_tokens, cached_tokens, new_tokens (prompt tokens
+    # computed), output_tokens, batch_size (its largest decode batch), preempted (times
+    # suspended or retracted), finish_reason (stop | length | abort | error | score); a
+    # server's name; a re-run's replayed / edited.
+    usage: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(**_EVENT)
+class Token(Event):
+    kind: ClassVar[EventKind] = EventKind.TOKEN
+    token: int | None = None  # its id (None: a server that sends text only)
+    text: str = ""  # its characters
+    logprob: float | None = None  # after the grammar mask
+    # The grammar allowed only this token, or it is a jump-forward draft of forced text.
+    forced: bool = False
+    step: int | None = None  # the scheduler's step counter: batches scheduled so far
+    allowed: int = -1  # tokens the grammar left at that step (-1: no grammar)
+    # With EngineConfig.token_alternatives: the step's most likely tokens before the mask,
+    # (id, text, logprob, masked) each (runtime/token_choice.py).
+    top: Sequence[Sequence] = ()
+
+
+@dataclass(**_EVENT)
+class CacheHit(Event):
+    kind: ClassVar[EventKind] = EventKind.CACHE_HIT
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(**_EVENT)
+class CacheInsert(Event):
+    kind: ClassVar[EventKind] = EventKind.CACHE_INSERT
+    tokens: int = 0  # newly added to the radix tree
+    total: int | None = None  # the request's tokens the tree holds now
+
+
+@dataclass(**_EVENT)
+class CacheEvict(Event):
+    kind: ClassVar[EventKind] = EventKind.CACHE_EVICT
+    tokens: int = 0  # freed
+
+
+@dataclass(**_EVENT)
+class Forked(Event):
+    """`program` forked into `children` at its Fork Node."""
+
+    kind: ClassVar[EventKind] = EventKind.FORK
+    n: int = 0
+    children: tuple[int, ...] = ()
+
+
+@dataclass(**_EVENT)
+class Joined(Event):
+    kind: ClassVar[EventKind] = EventKind.JOIN
+    mode: str | None = None
+    children: tuple[int, ...] = ()
+
+
+@dataclass(**_EVENT)
+class Paused(Event):
+    """A step controller holds the program: at "node" or "decode"."""
+
+    kind: ClassVar[EventKind] = EventKind.PAUSED
+    at: str | None = None
+    reason: str | None = None
+
+
+@dataclass(**_EVENT)
+class Resumed(Event):
+    """A held program goes on; or (reason "scheduler") a preempted request resumes."""
+
+    kind: ClassVar[EventKind] = EventKind.RESUMED
+    at: str | None = None
+    reason: str | None = None
+
+
+@dataclass(**_EVENT)
+class Preempted(Event):
+    """A running decode suspended, its KV kept."""
+
+    kind: ClassVar[EventKind] = EventKind.PREEMPTED
+    reason: str | None = None
+    priority: str | None = None
+
+
+@dataclass(**_EVENT)
+class Retracted(Event):
+    """A request stopped under memory pressure: its tokens stay in the radix tree as
+    evictable cache, and it is re-admitted later."""
+
+    kind: ClassVar[EventKind] = EventKind.RETRACTED
+    reason: str | None = None
+
+
+@dataclass(**_EVENT)
+class Failed(Event):
+    """A Node failed."""
+
+    kind: ClassVar[EventKind] = EventKind.ERROR
+    error: str | None = None  # repr
+    line: int | None = None
+
+
+CACHE_EVENTS = (CacheHit, CacheInsert, CacheEvict)  # changes of the radix cache
+EVENT_TYPES: dict[EventKind, type[Event]] = {
+    cls.kind: cls for cls in (
+        ProgramStarted, ProgramFinished, NodeStarted, NodeFinished, InstructionStarted,
+        InstructionFinished, Token, CacheHit, CacheInsert, CacheEvict, Forked, Joined, Paused,
+        Resumed, Preempted, Retracted, Failed)
+}
 
 
 class EventBus:
@@ -81,7 +240,7 @@ class EventBus:
         self._lock = threading.Lock()
         self._queues: list[queue.SimpleQueue] = []
         self._callbacks: list[Callable[[Event], None]] = []
-        self.counts: Counter[str] = Counter()  # events emitted by kind, listened to or not
+        self.counts: Counter[EventKind] = Counter()  # emitted by kind, listened to or not
 
     def subscribe(self, callback: Callable[[Event], None] | None = None):
         """A queue of every event from now on; or, with a callback, call it for each one."""
@@ -100,21 +259,46 @@ class EventBus:
                     group.remove(handle)
 
     def publish(self, event: Event) -> None:
+        """Send a copy of `event` numbered by this bus."""
         with self._lock:
-            event.seq = next(self._seq)
+            event = replace(event, seq=next(self._seq))
             queues, callbacks = list(self._queues), list(self._callbacks)
-        for q in queues:
-            q.put(event)
-        for cb in callbacks:
-            cb(event)
+        _send(event, queues, callbacks)
 
     @property
     def active(self) -> bool:
         """Anyone listening? (Skip building costly event data when not.)"""
         return bool(self._queues or self._callbacks)
 
-    def emit(self, kind: str, **fields) -> None:
-        self.counts[kind] += 1
+    def emit(self, cls: type[Event] | str, data: dict | None = None, **fields) -> None:
+        """A `cls` event with these fields, built only when someone listens."""
+        if isinstance(cls, str):  # TRANSITIONAL: the engine's and scheduler's calls
+            cls, fields = _named(cls, data or {}, fields)
+        self.counts[cls.kind] += 1
         if self._queues or self._callbacks:
-            self.publish(Event(kind, **fields))
+            with self._lock:
+                event = cls(seq=next(self._seq), **fields)
+                queues, callbacks = list(self._queues), list(self._callbacks)
+            _send(event, queues, callbacks)
 
+
+def _send(event: Event, queues: list, callbacks: list) -> None:
+    for q in queues:
+        q.put(event)
+    for cb in callbacks:
+        cb(event)
+
+
+def _named(kind: str, data: dict, ids: dict) -> tuple[type[Event], dict]:
+    """TRANSITIONAL, until the engine and the scheduler emit typed events (an engine split
+    is editing them): the event a kind name and its data stand for."""
+    cls = EVENT_TYPES[EventKind(kind)]
+    if cls is InstructionStarted or cls is InstructionFinished:
+        data = dict(data)
+        fields = {"op": Op(data.pop("kind")), "index": data.pop("index", 0)}
+        if cls is InstructionFinished:
+            error = data.pop("error", None)
+            fields.update(usage=data, error=error,
+                          status=Status.DONE if error is None else Status.ERROR)
+        return cls, {**ids, **fields}
+    return cls, {**ids, **data}

@@ -189,12 +189,12 @@ def test_future_cancel_and_events_say_cancelled(runtime):
         runtime.events.unsubscribe(q)
     ours = [e for e in events if e.program == pid]
     end = next(e for e in ours if e.kind == "program_finished")
-    assert end.data["status"] == "cancelled" and "ProgramCancelled" in end.data["error"]
-    finished = [e.data["status"] for e in ours if e.kind == "node_finished"]
+    assert end.status == "cancelled" and "ProgramCancelled" in end.error
+    finished = [e.status for e in ours if e.kind == "node_finished"]
     # The Gen cut short, then the Text, Gen and Select queued after it.
     assert finished == ["done", "cancelled", "cancelled", "cancelled", "cancelled"]
-    decode = [e for e in ours if e.kind == "instruction_finished" and e.data["kind"] == "Decode"]
-    assert decode[-1].data["finish_reason"] == "abort"
+    decode = [e for e in ours if e.kind == "instruction_finished" and e.op == "Decode"]
+    assert decode[-1].usage["finish_reason"] == "abort"
 
 
 def _drain(q) -> list:

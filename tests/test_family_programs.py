@@ -173,14 +173,14 @@ def check_trace(st, seen) -> None:
     assert all(n.status == "done" for n in st.nodes), [(n.kind, n.status) for n in st.nodes]
     assert kinds.count("Gen") == 4 and {"Select", "Fork", "Join"} <= set(kinds), kinds
     programs = {st.id} | {e.program for e in seen if e.kind == "program_started"
-                          and e.data.get("parent") == st.id}
+                          and e.parent == st.id}
     assert len(programs) == 3, programs  # the program and its two branches
     ours = [e for e in seen if e.program in programs]
     # Init and Return are the program's span (program_started / _finished), not Node events.
-    started = [e.data["kind"] for e in ours if e.kind == "node_started"]
+    started = [e.node_kind for e in ours if e.kind == "node_started"]
     assert sorted(started) == sorted(k for k in kinds if k not in ("Init", "Return")), started
-    ended = [e.data["status"] for e in ours if e.kind == "node_finished"]
+    ended = [e.status for e in ours if e.kind == "node_finished"]
     assert ended == ["done"] * len(started), ended
     finished = [e for e in seen if e.kind == "program_finished" and e.program == st.id]
-    assert len(finished) == 1 and finished[0].data["status"] == "done", finished
-    assert finished[0].data["error"] is None
+    assert len(finished) == 1 and finished[0].status == "done", finished
+    assert finished[0].error is None

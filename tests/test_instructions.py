@@ -54,9 +54,9 @@ def test_instruction_events_are_the_listed_instructions(runtime):
     assert st.error() is None
     family = {st.id, *(c.id for c in st._children)}
     events = [e for e in _drain(q) if e.program in family]
-    started = [(e.program, e.node, e.data["kind"], e.data["index"]) for e in events
+    started = [(e.program, e.node, e.op, e.index) for e in events
                if e.kind == "instruction_started"]
-    finished = [(e.program, e.node, e.data["kind"], e.data["index"]) for e in events
+    finished = [(e.program, e.node, e.op, e.index) for e in events
                 if e.kind == "instruction_finished"]
     # What ran, as the state holds it: Init, every Node's Instructions, Return.
     ran = [(i.program, i.node, i.kind, i.index) for n in st.nodes for i in n.instructions]
@@ -74,8 +74,8 @@ def test_instruction_events_are_the_listed_instructions(runtime):
     assert any(n.name == "detail" and n.stack == ("everything", "detail") for n in st.nodes)
     # The engine requests are named by the Instruction they ran.
     decodes = [e for e in events if e.kind == "instruction_finished"
-               and e.data["kind"] == "Decode"]
-    assert all(e.request is not None and e.data["output_tokens"] > 0 for e in decodes)
+               and e.op == "Decode"]
+    assert all(e.request is not None and e.usage["output_tokens"] > 0 for e in decodes)
 
 
 def test_the_static_listing_names_what_will_run():

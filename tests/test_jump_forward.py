@@ -14,6 +14,7 @@ from support.waits import WAIT
 import sgl_nb as sgl
 from sgl_nb import Runtime
 from sgl_nb.runtime.engine_config import EngineConfig
+from sgl_nb.runtime.events import Token
 from sgl_nb.runtime.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
@@ -153,8 +154,8 @@ def _run_recorded(rt, run) -> tuple[object, dict, list]:
     while not q.empty():
         e = q.get()
         if e.kind == "token":
-            tokens[e.request].append(e.data["token"])
-            forced += e.data["forced"]
+            tokens[e.request].append(e.token)
+            forced += e.forced
     delta["forced_events"] = forced
     return result, delta, sorted(tokens.values())
 
@@ -240,23 +241,23 @@ def test_forced_tokens_marked_in_events_and_metrics(default_backend):
     finally:
         rt.events.unsubscribe(q)
     events = _drain_tokens(q)
-    assert [e["token"] for e in events] == out.token_ids
-    forced_text = "".join(e["text"] for e in events if e["forced"])
+    assert [e.token for e in events] == out.token_ids
+    forced_text = "".join(e.text for e in events if e.forced)
     # The keys and the punctuation around them are the grammar's: forced.
     for key in ("name", "age", "role", "address", "city", "zip"):
         assert key in forced_text
     # A jump's tokens come in one step: several token events share a step number.
-    steps = [e["step"] for e in events if e["forced"]]
+    steps = [e.step for e in events if e.forced]
     assert len(set(steps)) < len(steps)
     assert json.loads(out.text)["role"] in ("admin", "user", "guest")
 
 
-def _drain_tokens(q) -> list[dict]:
+def _drain_tokens(q) -> list[Token]:
     out = []
     while not q.empty():
         e = q.get()
-        if e.kind == "token":
-            out.append(e.data)
+        if isinstance(e, Token):
+            out.append(e)
     return out
 
 
@@ -329,8 +330,8 @@ def test_chunks_retraction_and_the_engine_setting(model_path, default_backend):
     assert any(e.kind == "retracted" and e.request in json_rids for e in events)
     per_step = defaultdict(int)
     for e in events:
-        if e.kind == "token" and e.data["forced"]:
-            per_step[e.request, e.data["step"]] += 1
+        if e.kind == "token" and e.forced:
+            per_step[e.request, e.step] += 1
     assert max(per_step.values()) <= 4  # a jump longer than the budget went in chunks
     assert m["running"] == m["waiting"] == m["suspended"] == m["prefilling"] == 0
 

@@ -73,8 +73,8 @@ while left is None and time.monotonic() < deadline:
         e = events.get(timeout=0.05)
     except Exception:
         continue
-    if e.kind == "instruction_finished" and e.data.get("finish_reason") == "abort":
-        left = e.data.get("output_tokens")
+    if e.kind == "instruction_finished" and e.usage.get("finish_reason") == "abort":
+        left = e.usage.get("output_tokens")
 print("aborted", left, flush=True)
 """
 

@@ -14,6 +14,7 @@ from sgl_nb.runtime.compiler.passes import (
     share_fork_prefixes,
     shared_prefix,
 )
+from sgl_nb.runtime.events import InstructionFinished, InstructionStarted
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
 
@@ -117,17 +118,17 @@ def test_batch_items_wait_for_the_first_items_shared_extend(runtime):
     assert all(s.text().startswith(shared.text) for s in states)
     assert first.pass_counts["shared_prefix"] == 3
     ours = {s.id for s in states}
-    seq = {(e.program, e.kind, e.data.get("kind"), e.data.get("index")): e.seq
-           for e in events if e.program in ours and e.kind.startswith("instruction_")}
+    seq = {(e.program, e.kind, e.op, e.index): e.seq for e in events
+           if e.program in ours and isinstance(e, InstructionStarted | InstructionFinished)}
     shared_end = seq[(first.id, "instruction_finished", "Extend", 1)]
     for other in states[1:]:  # each later item's Init starts once the prefix is in
         assert other.nodes[0].instructions[0].after is shared
         assert seq[(other.id, "instruction_started", "Init", 0)] > shared_end
     prefix_tokens = len(runtime.tokenizer.encode(shared.text))
     decodes = [e for e in events if e.program in ours and e.kind == "instruction_finished"
-               and e.data["kind"] == "Decode"]
+               and e.op == "Decode"]
     assert len(decodes) == 3
-    assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
+    assert all(e.usage["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
     runtime.flush_cache()
     off = review.run_batch(items, passes=())
     assert review.last_batch_report is None and off[0].nodes[0].instructions[1:] == []
@@ -153,14 +154,14 @@ def test_a_forks_branches_wait_for_one_shared_extend(runtime):
     assert shared.shared and shared.text == st.text()[: len(shared.text)]
     assert shared.text.endswith("Question: Why is the sky blue?\n")
     started = {e.request for e in events if e.kind == "instruction_started"
-               and e.data["kind"] == "Extend" and e.node == fork.id}
+               and e.op == "Extend" and e.node == fork.id}
     assert started == {shared.request} and shared.request is not None
     prefix_tokens = len(runtime.tokenizer.encode(shared.text))
     branches = {c.id for c in st._children}
     decodes = [e for e in events if e.program in branches and e.kind == "instruction_finished"
-               and e.data["kind"] == "Decode"]
+               and e.op == "Decode"]
     assert len(decodes) == 3
-    assert all(e.data["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
+    assert all(e.usage["cached_tokens"] >= prefix_tokens - 1 for e in decodes)
     runtime.flush_cache()
     off = three_ways.run(q="Why is the sky blue?", passes=())
     assert off.pass_counts == {} and off["a"] == st["a"]
@@ -200,8 +201,8 @@ def test_programs_in_flight_compute_a_common_prefix_once(runtime):
     ours = {s.id for s in states}
     prefix_tokens = len(runtime.tokenizer.encode(
         "You are a helpful assistant who answers in one short sentence. " * 6))
-    cached = sorted(e.data["cached_tokens"] for e in events if e.program in ours
-                    and e.kind == "instruction_finished" and e.data["kind"] == "Decode")
+    cached = sorted(e.usage["cached_tokens"] for e in events if e.program in ours
+                    and e.kind == "instruction_finished" and e.op == "Decode")
     assert len(cached) == 3 and cached[1] >= prefix_tokens - 1  # all but the first
     runtime.flush_cache()
     assert [s["a"] for s in states] == [helper.run(q=q)["a"] for q in qs]

@@ -193,18 +193,18 @@ def test_keyed_view_diffs():
 
 def test_timings_fold_queue_prefill_decode():
     from sgl_nb.notebook.widgets.timing import Timings
-    from sgl_nb.runtime.events import Event
+    from sgl_nb.runtime.events import CacheHit, InstructionFinished, InstructionStarted, Op, Token
 
-    def ev(what, ts, **data):
-        return Event(what, program=1, node=7, request=3, data=data, ts=ts)
+    def ev(cls, ts, **fields):
+        return cls(program=1, node=7, request=3, ts=ts, **fields)
 
     t = Timings()
-    for e in [ev("instruction_started", 1_000, kind="Decode", index=0),
-              ev("cache_hit", 51_000, cached_tokens=3, prompt_tokens=10),
-              ev("token", 2_051_000), ev("token", 3_000_000),
-              ev("cache_hit", 3_500_000, cached_tokens=9, prompt_tokens=12),  # re-admitted
-              ev("instruction_finished", 5_051_000, input_tokens=10, cached_tokens=3,
-                 output_tokens=2)]:
+    for e in [ev(InstructionStarted, 1_000, op=Op.DECODE),
+              ev(CacheHit, 51_000, cached_tokens=3, prompt_tokens=10),
+              ev(Token, 2_051_000), ev(Token, 3_000_000),
+              ev(CacheHit, 3_500_000, cached_tokens=9, prompt_tokens=12),  # re-admitted
+              ev(InstructionFinished, 5_051_000, op=Op.DECODE, usage={
+                  "input_tokens": 10, "cached_tokens": 3, "output_tokens": 2})]:
         t.apply(e)
     n = t.node(7)
     assert n.requests == 1 and n.queue_s == pytest.approx(50e-6)

@@ -165,14 +165,14 @@ def test_events_report_each_request(ep):
     started = {e.request: e for e in events if e.kind == "instruction_started" and e.request}
     finished = {e.request: e for e in events if e.kind == "instruction_finished" and e.request}
     assert started.keys() == finished.keys() and len(started) == 2
-    score = next(e for e in finished.values() if e.data["kind"] == "Score")
-    decode = next(e for e in finished.values() if e.data["kind"] == "Decode")
+    score = next(e for e in finished.values() if e.op == "Score")
+    decode = next(e for e in finished.values() if e.op == "Decode")
     assert score.program == st.id and decode.program == st2.id
     assert score.node == next(n.id for n in st.nodes if n.kind == "Select")
-    assert score.data["input_tokens"] > 0 and decode.data["output_tokens"] == 16
-    assert decode.data["finish_reason"] == "length" and decode.data["server"] == ep.base_url
+    assert score.usage["input_tokens"] > 0 and decode.usage["output_tokens"] == 16
+    assert decode.usage["finish_reason"] == "length" and decode.usage["server"] == ep.base_url
     tokens = [e for e in events if e.kind == "token" and e.request == decode.request]
-    assert "".join(e.data["text"] for e in tokens) == st2["fact"]
+    assert "".join(e.text for e in tokens) == st2["fact"]
 
 
 @sgl.function

@@ -61,12 +61,12 @@ def test_interactive_preempts_batch_and_waits_without_preemption(model_path, run
     seq_start = next(e.seq for e in events if e.kind == "instruction_started" and
                      e.request == rid)
     seq_admit = next(e.seq for e in events if e.kind == "cache_hit" and e.request == rid)
-    batch_steps = {e.data["step"] for e in events if e.kind == "token" and
+    batch_steps = {e.step for e in events if e.kind == "token" and
                    e.request in batch_rids and seq_start < e.seq < seq_admit}
     assert len(batch_steps) <= 4, batch_steps
     preempted = [e for e in events if e.kind == "preempted"]
     assert preempted and all(e.request in batch_rids for e in preempted)
-    assert all(e.data["reason"] and e.data["priority"] == "batch" for e in preempted)
+    assert all(e.reason and e.priority == "batch" for e in preempted)
     assert metrics["preemptions"] == len(preempted) > 0
     assert metrics["resumes"] > 0
 
@@ -164,7 +164,7 @@ def test_batch_job_progresses_under_constant_interactive_work(model_path):
         events = _drain(q)
     assert out.meta["completion_tokens"] == 24
     assert out.meta["preemptions"] > 0, "the interactive stream never preempted the batch job"
-    steps = [e.data["step"] for e in events if e.kind == "token" and e.request == batch.req.rid]
+    steps = [e.step for e in events if e.kind == "token" and e.request == batch.req.rid]
     assert max(b - a for a, b in zip(steps, steps[1:])) <= starvation + 2 * 2 + 4
     interactive_done = [e for e in events if e.kind == "instruction_finished"
                         and e.request != batch.req.rid]
@@ -207,9 +207,9 @@ def test_program_priority_reaches_engine_and_metrics(default_backend):
         default_backend.events.unsubscribe(q)
     events = _drain(q)
     started = [e for e in events if e.kind == "program_started"]
-    assert started[0].data["priority"] == "interactive"
+    assert started[0].priority == "interactive"
     decodes = [e for e in events if e.kind == "instruction_finished" and
-               e.data["kind"] == "Decode" and e.program == state.id]
+               e.op == "Decode" and e.program == state.id]
     assert decodes and all(e.node is not None for e in decodes)
     after = default_backend.metrics()
     assert after["forks"] == before["forks"] + 1 and after["joins"] == before["joins"] + 1
@@ -249,8 +249,8 @@ def test_stepping_and_events_under_preemption(model_path):
             log.append(q.get(timeout=WAIT))  # the program's last event follows its result
     mine = [e for e in log if e.program == st.id]
     preempted = [e for e in mine if e.kind == "preempted"]
-    assert preempted and "interactive" in preempted[0].data["reason"]
-    resumed = [e for e in mine if e.kind == "resumed" and e.data.get("reason") == "scheduler"]
+    assert preempted and "interactive" in preempted[0].reason
+    resumed = [e for e in mine if e.kind == "resumed" and e.reason == "scheduler"]
     assert len(resumed) == len(preempted)
     assert {e.node for e in preempted} == {n.id for n in st.nodes if n.kind == "Gen"}
     assert st.get_meta_info("story")["preemptions"] == len(preempted)

@@ -93,7 +93,7 @@ def test_events_follow_the_program(runtime):
     # Return is the program's, as Init is: an Instruction, no Node in the views.
     ran = [n for n in st.nodes if n.kind not in ("Init", "Return")]
     assert kinds.count("node_started") == kinds.count("node_finished") == len(ran)
-    started = [e.data["kind"] for e in got if e.kind == "instruction_started"]
+    started = [e.op for e in got if e.kind == "instruction_started"]
     assert started == [i.kind for n in st.nodes for i in n.instructions]
     assert started[0] == "Init"
     assert started[-1] == "Return" and len(started) == len(ran) + 2  # one per Node
@@ -111,9 +111,9 @@ def test_cache_events(runtime):
     runtime.generate(prompt, max_tokens=2)
     runtime.events.unsubscribe(events)
     got = _drain(events)
-    hits = [e.data["cached_tokens"] for e in got if e.kind == "cache_hit"]
+    hits = [e.cached_tokens for e in got if e.kind == "cache_hit"]
     assert hits[0] == 0 and hits[1] > 0
-    assert any(e.kind == "cache_insert" and e.data["tokens"] > 0 for e in got)
+    assert any(e.kind == "cache_insert" and e.tokens > 0 for e in got)
 
 
 def test_continue_forgets_a_step_whose_node_has_not_ended():

@@ -15,7 +15,9 @@ from support.waits import WAIT
 
 import sgl_nb as sgl
 from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.events import CACHE_EVENTS
 from sgl_nb.tracing import TraceFormatError, load, load_events, traceparent_for
+from sgl_nb.tracing.codec import event_data
 from sgl_nb.tracing.otlp_json import read_spans
 from sgl_nb.tracing.timeline import Timeline
 
@@ -115,7 +117,7 @@ def test_one_span_per_program_node_and_instruction(traced):
                    if s.attributes["sgl.program.id"] == st.id)
     for n in nodes:
         got = sorted(ins_by_node.get(n.id, []), key=lambda s: s.attributes["sgl.seq"])
-        ran = [e.data["kind"] for e in started if e.node == n.id]
+        ran = [e.op for e in started if e.node == n.id]
         assert [s.name for s in got] == ran and ran, n.label()
         assert set(ran) == {i.kind for i in lower(n)}  # a Select scores each choice apart
         for s in got:  # an instruction under its node
@@ -248,7 +250,7 @@ def test_load_rebuilds_the_live_timeline(traced):
     assert [(e.seq, e.kind, e.program, e.node) for e in replay.events] == \
         [(e.seq, e.kind, e.program, e.node) for e in live.events]
     for a, b in zip(live.events, replay.events):
-        assert _norm(b.data) == _norm(a.data), a.kind
+        assert _norm(event_data(b)) == _norm(event_data(a)), a.kind
     assert live.programs.keys() == replay.programs.keys()
     for pid, p in live.programs.items():
         r = replay.programs[pid]
@@ -391,7 +393,7 @@ def test_events_of_no_program_are_kept_for_replay(default_backend, tmp_path):
         sgl.disable_tracing()
         default_backend.events.unsubscribe(q)
     assert all(st.error() is None for st in states)
-    live = Timeline(e for e in _drain(q) if e.program is not None or e.kind.startswith("cache"))
+    live = Timeline(e for e in _drain(q) if e.program is not None or isinstance(e, CACHE_EVENTS))
     replay = load(path)
     assert replay.cache == live.cache and live.cache["prompt_tokens"] > 0
     assert [e.seq for e in replay.cache_events] == [e.seq for e in live.cache_events]

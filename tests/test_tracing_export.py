@@ -14,23 +14,33 @@ import pytest
 from support.waits import WAIT
 
 import sgl_nb as sgl
-from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.events import (
+    EventBus,
+    InstructionFinished,
+    InstructionStarted,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    ProgramFinished,
+    ProgramStarted,
+    Status,
+    Token,
+)
 from sgl_nb.tracing import session
 
 
 def _hand_program(bus: EventBus) -> None:
     """One small program's events, as the runtime publishes them."""
-    bus.emit("program_started", program=1, data={"function": "f", "priority": "normal"})
-    bus.emit("node_started", program=1, node=7, data={"kind": "Gen", "name": "x", "line": 3,
-                                                      "file": "f.py", "preds": []})
-    bus.emit("instruction_started", program=1, node=7, request=9,
-             data={"kind": "Decode", "index": 0})
-    bus.emit("token", program=1, node=7, request=9, data={"token": 5, "text": "hi",
-                                                         "logprob": -0.25, "forced": False})
-    bus.emit("instruction_finished", program=1, node=7, request=9,
-             data={"kind": "Decode", "index": 0, "input_tokens": 4, "output_tokens": 1})
-    bus.emit("node_finished", program=1, node=7, data={"status": "done"})
-    bus.emit("program_finished", program=1, data={"error": None})
+    bus.emit(ProgramStarted, program=1, function="f", priority="normal")
+    bus.emit(NodeStarted, program=1, node=7, node_kind=NodeKind.GEN, name="x", line=3,
+             file="f.py")
+    bus.emit(InstructionStarted, program=1, node=7, request=9, op=Op.DECODE)
+    bus.emit(Token, program=1, node=7, request=9, token=5, text="hi", logprob=-0.25)
+    bus.emit(InstructionFinished, program=1, node=7, request=9, op=Op.DECODE,
+             usage={"input_tokens": 4, "output_tokens": 1})
+    bus.emit(NodeFinished, program=1, node=7, status=Status.DONE)
+    bus.emit(ProgramFinished, program=1)
 
 
 def test_otlp_json_lines_use_hex_ids_and_integer_enums(tmp_path):

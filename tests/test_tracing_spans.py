@@ -7,7 +7,22 @@ from __future__ import annotations
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.events import (
+    CacheEvict,
+    EventBus,
+    InstructionFinished,
+    InstructionStarted,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    Preempted,
+    ProgramFinished,
+    ProgramStarted,
+    Resumed,
+    Retracted,
+    Status,
+)
 from sgl_nb.tracing import session
 from sgl_nb.tracing.load import span_events
 from sgl_nb.tracing.otlp_json import decode, encode
@@ -22,20 +37,19 @@ def _traced(emit) -> list:
     return list(mem.get_finished_spans())
 
 
-def _decode_program(bus: EventBus, finish: dict) -> None:
-    bus.emit("program_started", program=1, data={"function": "f"})
-    bus.emit("node_started", program=1, node=2, data={"kind": "Gen", "name": "g", "line": 9})
-    bus.emit("instruction_started", program=1, node=2, request=3,
-             data={"kind": "Decode", "index": 0})
-    bus.emit("preempted", program=1, node=2, request=3,
-             data={"reason": "priority", "priority": "batch"})
-    bus.emit("resumed", program=1, node=2, request=3, data={"reason": "scheduler"})
-    bus.emit("retracted", program=1, node=2, request=3, data={"reason": "memory"})
-    bus.emit("cache_evict", data={"tokens": 12})
-    bus.emit("instruction_finished", program=1, node=2, request=3,
-             data={"kind": "Decode", "index": 0, "preempted": 2, **finish})
-    bus.emit("node_finished", program=1, node=2, data={"status": finish.get("status", "done")})
-    bus.emit("program_finished", program=1, data={"error": finish.get("error")})
+def _decode_program(bus: EventBus, usage: dict, error: str | None = None) -> None:
+    status = Status.DONE if error is None else Status.ERROR
+    bus.emit(ProgramStarted, program=1, function="f")
+    bus.emit(NodeStarted, program=1, node=2, node_kind=NodeKind.GEN, name="g", line=9)
+    bus.emit(InstructionStarted, program=1, node=2, request=3, op=Op.DECODE)
+    bus.emit(Preempted, program=1, node=2, request=3, reason="priority", priority="batch")
+    bus.emit(Resumed, program=1, node=2, request=3, reason="scheduler")
+    bus.emit(Retracted, program=1, node=2, request=3, reason="memory")
+    bus.emit(CacheEvict, tokens=12)
+    bus.emit(InstructionFinished, program=1, node=2, request=3, op=Op.DECODE,
+             usage={"preempted": 2, **usage}, status=status, error=error)
+    bus.emit(NodeFinished, program=1, node=2, status=status)
+    bus.emit(ProgramFinished, program=1, error=error)
 
 
 def test_preemption_resumption_retraction_are_span_events():
@@ -53,7 +67,7 @@ def test_preemption_resumption_retraction_are_span_events():
 
 def test_errors_set_the_status():
     def run(bus):
-        _decode_program(bus, {"status": "error", "error": "ValueError('x')"})
+        _decode_program(bus, {}, error="ValueError('x')")
 
     spans = {s.name: s for s in _traced(run)}
     assert spans["Decode"].status.status_code == StatusCode.ERROR
@@ -64,8 +78,8 @@ def test_errors_set_the_status():
 
 def test_tracing_switched_on_mid_program_still_builds_a_tree():
     def run(bus):  # program_started came before tracing was on
-        bus.emit("node_started", program=5, node=6, data={"kind": "Text", "line": 1})
-        bus.emit("node_finished", program=5, node=6, data={"status": "done"})
+        bus.emit(NodeStarted, program=5, node=6, node_kind=NodeKind.TEXT, line=1)
+        bus.emit(NodeFinished, program=5, node=6)
 
     spans = {s.name: s for s in _traced(run)}
     prog, text = spans["program 5"], spans["Text"]
@@ -73,5 +87,5 @@ def test_tracing_switched_on_mid_program_still_builds_a_tree():
     assert prog.attributes["sgl.program.implicit"] is True
     # ... and a replay invents no program_started / program_finished for it.
     (req,) = [encode([prog, text])]
-    kinds = sorted(e.kind for s in decode(req) for e in span_events(s))
-    assert kinds == ["node_finished", "node_started"]
+    kinds = sorted(type(e).__name__ for s in decode(req) for e in span_events(s))
+    assert kinds == ["NodeFinished", "NodeStarted"]

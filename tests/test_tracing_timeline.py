@@ -5,78 +5,100 @@ from __future__ import annotations
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import (
+    CacheEvict,
+    CacheHit,
+    CacheInsert,
+    Event,
+    Forked,
+    InstructionFinished,
+    InstructionStarted,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    Preempted,
+    ProgramFinished,
+    ProgramStarted,
+    Resumed,
+    Retracted,
+    Status,
+    Token,
+)
 from sgl_nb.tracing.timeline import Timeline
 
 
-def ev(event_kind: str, seq: int, program=None, node=None, request=None, /, **data) -> Event:
-    return Event(event_kind, program, node, request, data, ts=1000 * seq, seq=seq)
+def ev(cls: type[Event], seq: int, program=None, node=None, request=None, /,
+       **fields) -> Event:
+    return cls(program=program, node=node, request=request, ts=1000 * seq, seq=seq, **fields)
 
 
 def test_hand_made_program_folds():
     events = [
-        ev("program_started", 1, 1, function="f", priority=0, model="m", parent=None),
-        ev("node_started", 2, 1, 10, kind="Text", name=None, line=3, file="f.py",
-           label="Text 'Hi'", preds=[], text="Hi"),
-        ev("instruction_started", 3, 1, 10, kind="Extend", index=0),
-        ev("instruction_finished", 4, 1, 10, kind="Extend", index=0),
-        ev("node_finished", 5, 1, 10, status="done"),
-        ev("node_started", 6, 1, 11, kind="Gen", name="x", line=4, preds=[10]),
-        ev("instruction_started", 7, 1, 11, 99, kind="Decode", index=0),
-        ev("cache_hit", 8, 1, 11, 99, cached_tokens=2, prompt_tokens=5),
-        ev("token", 9, 1, 11, 99, token=7, text=" a", logprob=-0.5, forced=False),
-        ev("preempted", 10, 1, 11, 99, reason="priority", priority=1),
-        ev("resumed", 11, 1, 11, 99, reason="scheduler"),
-        ev("token", 12, None, None, 99, token=8, text="b", logprob=-0.1),  # node by request
-        ev("cache_insert", 13, 1, 11, 99, tokens=4),
-        ev("instruction_finished", 14, 1, 11, 99, kind="Decode", index=0, input_tokens=5,
-           cached_tokens=2, new_tokens=3, output_tokens=2, batch_size=1, preempted=1,
-           finish_reason="length"),
-        ev("node_finished", 15, 1, 11, status="done"),
-        ev("cache_evict", 16, tokens=3),
-        ev("program_finished", 17, 1, error=None),
+        ev(ProgramStarted, 1, 1, function="f", priority="normal", model="m"),
+        ev(NodeStarted, 2, 1, 10, node_kind=NodeKind.TEXT, line=3, file="f.py",
+           label="Text 'Hi'"),
+        ev(InstructionStarted, 3, 1, 10, op=Op.EXTEND),
+        ev(InstructionFinished, 4, 1, 10, op=Op.EXTEND),
+        ev(NodeFinished, 5, 1, 10, text="Hi"),
+        ev(NodeStarted, 6, 1, 11, node_kind=NodeKind.GEN, name="x", line=4, preds=(10,)),
+        ev(InstructionStarted, 7, 1, 11, 99, op=Op.DECODE),
+        ev(CacheHit, 8, 1, 11, 99, cached_tokens=2, prompt_tokens=5),
+        ev(Token, 9, 1, 11, 99, token=7, text=" a", logprob=-0.5),
+        ev(Preempted, 10, 1, 11, 99, reason="priority", priority="batch"),
+        ev(Resumed, 11, 1, 11, 99, reason="scheduler"),
+        ev(Token, 12, None, None, 99, token=8, text="b", logprob=-0.1),  # node by request
+        ev(CacheInsert, 13, 1, 11, 99, tokens=4),
+        ev(InstructionFinished, 14, 1, 11, 99, op=Op.DECODE, usage={
+            "input_tokens": 5, "cached_tokens": 2, "new_tokens": 3, "output_tokens": 2,
+            "batch_size": 1, "preempted": 1, "finish_reason": "length"}),
+        ev(NodeFinished, 15, 1, 11),
+        ev(CacheEvict, 16, tokens=3),
+        ev(ProgramFinished, 17, 1),
     ]
     tl = Timeline(events)
     p = tl.programs[1]
-    assert (p.function, p.status, p.nodes, p.model) == ("f", "done", [10, 11], "m")
+    assert (p.function, p.status, p.nodes, p.model) == ("f", Status.DONE, [10, 11], "m")
     text, gen = tl.nodes[10], tl.nodes[11]
-    assert (text.kind, text.line, text.file, text.status) == ("Text", 3, "f.py", "done")
+    assert (text.kind, text.line, text.file, text.status) == \
+        (NodeKind.TEXT, 3, "f.py", Status.DONE)
     assert gen.preds == [10] and gen.start_ns == 6000 and gen.end_ns == 15000
     (dec,) = gen.instructions
-    assert (dec.kind, dec.request, dec.status, dec.index) == ("Decode", 99, "done", 0)
+    assert (dec.kind, dec.request, dec.status, dec.index) == (Op.DECODE, 99, Status.DONE, 0)
     assert dec.attrs["output_tokens"] == 2 and dec.attrs["finish_reason"] == "length"
-    assert [m[0] for m in dec.marks] == ["preempted", "resumed"]
+    assert [type(m) for m in dec.marks] == [Preempted, Resumed]
     assert [(t.token, t.text, t.seq) for t in gen.tokens] == [(7, " a", 9), (8, "b", 12)]
     assert tl.cache == {"hits": 1, "cached_tokens": 2, "prompt_tokens": 5, "inserted": 4,
                         "evicted": 3}
-    assert [e.kind for e in tl.cache_events] == ["cache_hit", "cache_insert", "cache_evict"]
+    assert [type(e) for e in tl.cache_events] == [CacheHit, CacheInsert, CacheEvict]
     assert tl.program_text(1) == "Hi a" + "b"
     assert tl.node_steps() == [2, 6] and tl.instruction_steps() == [3, 7]
 
     back = tl.upto(9)
-    assert back.programs[1].status == "running" and back.nodes[11].status == "running"
+    assert back.programs[1].status is Status.RUNNING
+    assert back.nodes[11].status is Status.RUNNING
     assert len(back.nodes[11].tokens) == 1 and back.nodes[11].instructions[0].end_ns is None
     assert back.cache["inserted"] == 0
 
 
 def test_preempted_program_is_suspended_until_resumed():
-    tl = Timeline([ev("program_started", 1, 1, function="f"),
-                   ev("node_started", 2, 1, 5, kind="Gen"),
-                   ev("instruction_started", 3, 1, 5, 42, kind="Decode", index=0),
-                   ev("retracted", 4, 1, 5, 42, reason="memory")])
-    assert tl.programs[1].status == "suspended"
-    assert tl.nodes[5].instructions[0].marks[0][0] == "retracted"
-    tl.apply(ev("resumed", 5, 1, 5, 42, reason="scheduler"))
-    assert tl.programs[1].status == "running"
+    tl = Timeline([ev(ProgramStarted, 1, 1, function="f"),
+                   ev(NodeStarted, 2, 1, 5, node_kind=NodeKind.GEN),
+                   ev(InstructionStarted, 3, 1, 5, 42, op=Op.DECODE),
+                   ev(Retracted, 4, 1, 5, 42, reason="memory")])
+    assert tl.programs[1].status is Status.SUSPENDED
+    assert isinstance(tl.nodes[5].instructions[0].marks[0], Retracted)
+    tl.apply(ev(Resumed, 5, 1, 5, 42, reason="scheduler"))
+    assert tl.programs[1].status is Status.RUNNING
 
 
 def test_fork_children_and_out_of_order_events():
     tl = Timeline()
-    tl.apply(ev("program_started", 1, 1, function="f"))
-    tl.apply(ev("fork", 3, 1, 20, n=2, children=[2, 3]))
-    tl.apply(ev("node_started", 2, 1, 20, kind="Fork"))  # published earlier, handed later
-    tl.apply(ev("program_started", 4, 2, function="f", parent=1))
-    tl.apply(ev("node_started", 5, 3, 30, kind="Gen"))  # branch 3 never announced itself
+    tl.apply(ev(ProgramStarted, 1, 1, function="f"))
+    tl.apply(ev(Forked, 3, 1, 20, n=2, children=(2, 3)))
+    tl.apply(ev(NodeStarted, 2, 1, 20, node_kind=NodeKind.FORK))  # published earlier
+    tl.apply(ev(ProgramStarted, 4, 2, function="f", parent=1))
+    tl.apply(ev(NodeStarted, 5, 3, 30, node_kind=NodeKind.GEN))  # branch 3 never announced
     assert [e.seq for e in tl.events] == [1, 2, 3, 4, 5]
     assert tl.programs[1].children == [2, 3]
     assert tl.programs[2].parent == 1 and tl.programs[3].parent == 1

@@ -386,7 +386,7 @@ def _trace(rt) -> tuple[dict, Counter]:
     while not events.empty():
         e = events.get()
         if e.program == st.id:
-            seen[(e.kind, e.data.get("kind"), e.data.get("token"))] += 1
+            seen[(e.kind, getattr(e, "op", None), getattr(e, "token", None))] += 1
     return {k: st[k] for k in ("number", "colour", "sentence")}, seen
 
 

@@ -4,12 +4,25 @@ CLI's errors, and the replay cursor over hand-made events driven through the rea
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from sgl_nb.cli import main
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import (
+    CacheHit,
+    Event,
+    InstructionFinished,
+    InstructionStarted,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    ProgramFinished,
+    ProgramStarted,
+    Token,
+)
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.app import DebuggerApp
 from sgl_nb.tui.program_file import load_program, parse_args, split_target
@@ -56,26 +69,24 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
 
 def _events() -> list[Event]:
     """A program of a Text and a Gen of two tokens, as the runtime reports it."""
+    text, gen = {"program": 7, "node": 70}, {"program": 7, "node": 71}
     ev = [
-        Event("program_started", 7, data={"function": "tiny", "parent": None}),
-        Event("node_started", 7, 70, data={"kind": "Text", "label": "Text 'Hi'", "line": 3,
-                                           "text": "Hi", "preds": []}),
-        Event("instruction_started", 7, 70, data={"kind": "Extend", "index": 0}),
-        Event("instruction_finished", 7, 70, data={"kind": "Extend", "index": 0}),
-        Event("node_finished", 7, 70, data={"status": "done"}),
-        Event("node_started", 7, 71, data={"kind": "Gen", "name": "x", "label": "Gen x",
-                                           "line": 4, "preds": [70]}),
-        Event("instruction_started", 7, 71, 5, data={"kind": "Decode", "index": 0}),
-        Event("cache_hit", 7, 71, 5, data={"cached_tokens": 0, "prompt_tokens": 1}),
-        Event("token", 7, 71, 5, data={"token": 1, "text": " there"}),
-        Event("token", 7, 71, 5, data={"token": 2, "text": "!"}),
-        Event("instruction_finished", 7, 71, 5, data={"kind": "Decode", "index": 0}),
-        Event("node_finished", 7, 71, data={"status": "done"}),
-        Event("program_finished", 7, data={"error": None}),
+        ProgramStarted(program=7, function="tiny"),
+        NodeStarted(**text, node_kind=NodeKind.TEXT, label="Text 'Hi'", line=3),
+        InstructionStarted(**text, op=Op.EXTEND),
+        InstructionFinished(**text, op=Op.EXTEND),
+        NodeFinished(**text, text="Hi"),
+        NodeStarted(**gen, node_kind=NodeKind.GEN, name="x", label="Gen x", line=4,
+                    preds=(70,)),
+        InstructionStarted(**gen, request=5, op=Op.DECODE),
+        CacheHit(**gen, request=5, cached_tokens=0, prompt_tokens=1),
+        Token(**gen, request=5, token=1, text=" there"),
+        Token(**gen, request=5, token=2, text="!"),
+        InstructionFinished(**gen, request=5, op=Op.DECODE),
+        NodeFinished(**gen),
+        ProgramFinished(program=7),
     ]
-    for i, e in enumerate(ev, 1):
-        e.seq = i
-    return ev
+    return [replace(e, seq=i) for i, e in enumerate(ev, 1)]
 
 
 def test_replay_cursor_forward_and_back():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,16 @@ from support.waits import WAIT
 from textual.geometry import Region
 
 import sgl_nb as sgl
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import (
+    Event,
+    Forked,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    ProgramFinished,
+    ProgramStarted,
+    Token,
+)
 from sgl_nb.tracing import load
 from sgl_nb.tracing.timeline import Timeline, fork_children
 from sgl_nb.tui.app import DebuggerApp
@@ -150,42 +160,42 @@ def check_current(app) -> None:
 
 # ---- hand-made events: branch 1 starts and decodes first -----------------------------------
 
-def _fork_events() -> list[Event]:
-    def ev(event_kind, program, node=None, **data):
-        return Event(event_kind, program, node, data=data)
+def _numbered(events: list[Event]) -> list[Event]:
+    return [replace(e, seq=seq) for seq, e in enumerate(events, 1)]
 
-    def node(program, nid, kind, label, text=None, name=None, preds=()):
-        extra = {"text": text} if text is not None else {}
-        return ev("node_started", program, nid, kind=kind, label=label, name=name, line=3,
-                  preds=list(preds), **extra)
+
+def _fork_events() -> list[Event]:
+    def node(program, nid, kind, label, name=None, preds=()):
+        return NodeStarted(program=program, node=nid, node_kind=kind, label=label, name=name,
+                           line=3, preds=tuple(preds))
+
+    def done(program, nid, text=None):
+        return NodeFinished(program=program, node=nid, text=text)
+
+    def start(program, fork, function):
+        return ProgramStarted(program=program, node=fork, function=function, parent=1)
 
     out = [
-        ev("program_started", 1, function="ideas", parent=None),
-        node(1, 10, "Text", "Text 'Q:'", text="Q:"), ev("node_finished", 1, 10),
-        node(1, 11, "Fork", "Fork n=2", preds=[10]),
-        ev("fork", 1, 11, n=2, children=[2, 3]),
-        ev("program_started", 3, 11, function="branch 1", parent=1),
-        ev("program_started", 2, 11, function="branch 0", parent=1),
-        ev("node_finished", 1, 11),
-        node(3, 31, "Text", "Text ' Idea 1:'", text=" Idea 1:", preds=[11]),
-        ev("node_finished", 3, 31),
-        node(2, 21, "Text", "Text ' Idea 0:'", text=" Idea 0:", preds=[11]),
-        ev("node_finished", 2, 21),
-        node(3, 32, "Gen", "Gen idea", name="idea", preds=[31]),
-        node(2, 22, "Gen", "Gen idea", name="idea", preds=[21]),
+        ProgramStarted(program=1, function="ideas"),
+        node(1, 10, NodeKind.TEXT, "Text 'Q:'"), done(1, 10, "Q:"),
+        node(1, 11, NodeKind.FORK, "Fork n=2", preds=[10]),
+        Forked(program=1, node=11, n=2, children=(2, 3)),
+        start(3, 11, "branch 1"), start(2, 11, "branch 0"),
+        done(1, 11),
+        node(3, 31, NodeKind.TEXT, "Text ' Idea 1:'", preds=[11]), done(3, 31, " Idea 1:"),
+        node(2, 21, NodeKind.TEXT, "Text ' Idea 0:'", preds=[11]), done(2, 21, " Idea 0:"),
+        node(3, 32, NodeKind.GEN, "Gen idea", name="idea", preds=[31]),
+        node(2, 22, NodeKind.GEN, "Gen idea", name="idea", preds=[21]),
     ]
     for k in range(3):
-        out += [ev("token", 3, 32, token=k, text=f" b{k}"), ev("token", 2, 22, token=k,
-                                                             text=f" a{k}")]
-    out += [ev("node_finished", 3, 32), ev("node_finished", 2, 22),
-            node(1, 12, "Join", "Join mode=gather_variable", preds=[22, 32]),
-            ev("node_finished", 1, 12),
-            node(1, 13, "Text", "Text ' The end.'", text=" The end.", preds=[12]),
-            ev("node_finished", 1, 13), ev("program_finished", 3), ev("program_finished", 2),
-            ev("program_finished", 1)]
-    for seq, e in enumerate(out, 1):
-        e.seq = seq
-    return out
+        out += [Token(program=3, node=32, token=k, text=f" b{k}"),
+                Token(program=2, node=22, token=k, text=f" a{k}")]
+    out += [done(3, 32), done(2, 22),
+            node(1, 12, NodeKind.JOIN, "Join mode=gather_variable", preds=[22, 32]),
+            done(1, 12),
+            node(1, 13, NodeKind.TEXT, "Text ' The end.'", preds=[12]), done(1, 13, " The end."),
+            ProgramFinished(program=3), ProgramFinished(program=2), ProgramFinished(program=1)]
+    return _numbered(out)
 
 
 def test_fork_children_in_branch_order():
@@ -255,29 +265,32 @@ def test_decode_cursor_in_its_lane():
 
 def _nested_events() -> list[Event]:
     """Branch 0 forks again; branch 1 starts first; then a second Fork of one branch."""
-    def ev(event_kind, program, node=None, **data):
-        return Event(event_kind, program, node, data=data)
-
     def node(program, nid, kind, text=None, preds=()):
-        extra = {"text": text} if text is not None else {}
-        return [ev("node_started", program, nid, kind=kind, label=kind, name="g", line=1,
-                   preds=list(preds), **extra), ev("node_finished", program, nid)]
+        return [NodeStarted(program=program, node=nid, node_kind=kind, label=kind.value,
+                            name="g", line=1, preds=tuple(preds)),
+                NodeFinished(program=program, node=nid, text=text)]
 
     def gen(program, nid, token):
-        return [ev("node_started", program, nid, kind="Gen", label="Gen g", name="g", line=1),
-                ev("token", program, nid, token=1, text=token), ev("node_finished", program, nid)]
+        return [NodeStarted(program=program, node=nid, node_kind=NodeKind.GEN, label="Gen g",
+                            name="g", line=1),
+                Token(program=program, node=nid, token=1, text=token),
+                NodeFinished(program=program, node=nid)]
 
-    out = [ev("program_started", 1, function="nested", parent=None), *node(1, 10, "Text", "T"),
-           *node(1, 11, "Fork"), ev("fork", 1, 11, children=[2, 3]),
-           ev("program_started", 2, 11, parent=1), ev("program_started", 3, 11, parent=1),
-           *gen(3, 31, "z"), *node(2, 21, "Text", "U"), *node(2, 22, "Fork"),
-           ev("fork", 2, 22, children=[4, 5]), *gen(5, 51, "y"), *gen(4, 41, "x"),
-           *node(2, 23, "Join"), *node(1, 12, "Join"), *node(1, 13, "Fork"),
-           ev("fork", 1, 13, children=[6]), *gen(6, 61, "w"), *node(1, 14, "Join"),
-           ev("program_finished", 1)]
-    for seq, e in enumerate(out, 1):
-        e.seq = seq
-    return out
+    def fork(program, nid, children):
+        return Forked(program=program, node=nid, children=tuple(children))
+
+    def start(program, fork):
+        return ProgramStarted(program=program, node=fork, parent=1)
+
+    text, fork_kind, join = NodeKind.TEXT, NodeKind.FORK, NodeKind.JOIN
+    out = [ProgramStarted(program=1, function="nested"), *node(1, 10, text, "T"),
+           *node(1, 11, fork_kind), fork(1, 11, [2, 3]), start(2, 11), start(3, 11),
+           *gen(3, 31, "z"), *node(2, 21, text, "U"), *node(2, 22, fork_kind),
+           fork(2, 22, [4, 5]), *gen(5, 51, "y"), *gen(4, 41, "x"),
+           *node(2, 23, join), *node(1, 12, join), *node(1, 13, fork_kind),
+           fork(1, 13, [6]), *gen(6, 61, "w"), *node(1, 14, join),
+           ProgramFinished(program=1)]
+    return _numbered(out)
 
 
 def test_nested_forks_and_a_second_fork():

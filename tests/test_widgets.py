@@ -15,7 +15,7 @@ import sgl_nb as sgl
 from sgl_nb.notebook.widgets import CacheTreeView, EventPump, ProgramWidget, Throttle
 from sgl_nb.notebook.widgets.stepper import parse_breakpoint
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
-from sgl_nb.runtime.events import Event, EventBus
+from sgl_nb.runtime.events import EventBus, ProgramFinished, Token
 
 slow = pytest.mark.slow
 
@@ -271,11 +271,11 @@ def test_pump_coalesces_events_and_renders_the_final_state():
     bus = EventBus()
     q = bus.subscribe()
     seen, renders = [], []
-    done = lambda: any(e.kind == "program_finished" for e in seen)  # noqa: E731
+    done = lambda: any(isinstance(e, ProgramFinished) for e in seen)  # noqa: E731
     pump = EventPump(q, seen.extend, lambda: renders.append(len(seen)), done, rate=30).start()
     for i in range(2000):
-        bus.emit("token", program=1, node=1, data={"token": i, "text": "x"})
-    bus.publish(Event("program_finished", program=1))
+        bus.emit(Token, program=1, node=1, token=i, text="x")
+    bus.publish(ProgramFinished(program=1))
     assert pump.join(WAIT)
     assert len(seen) == 2001 and renders[-1] == 2001  # lossless, and the last render saw all
     assert len(renders) < 2001  # many events per render

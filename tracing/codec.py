@@ -1,9 +1,23 @@
-"""Event fields <-> span attributes: what a span must carry so that a replay can rebuild
-the Events that made it. One flat key per field: `<prefix><name>`."""
+"""Events <-> span attributes: what a span must carry so that a replay can rebuild the
+Events that made it. An event's fields become a dict (`event_data`) and come back
+(`event_from`) here only; one flat attribute per field: `<prefix><name>`."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
+from enum import Enum
+from types import MappingProxyType
+
+from sgl_nb.runtime.events import (
+    EVENT_TYPES,
+    Event,
+    EventKind,
+    InstructionFinished,
+    NodeKind,
+    Op,
+    Status,
+)
 
 # The trace format this version writes and reads (an instrumentation-scope attribute).
 FORMAT_VERSION = 1
@@ -21,6 +35,8 @@ EVENT_KIND = "sgl.event"  # on a standalone event span: the event's kind
 DATA = "sgl.data."  # prefix of an event's data fields on span events
 
 _PRIMITIVES = (bool, int, float, str)
+_BASE = ("program", "node", "request", "ts", "seq")  # what every Event has
+_KINDS = frozenset(k.value for k in EventKind)
 
 
 def attr_value(v):
@@ -62,3 +78,68 @@ def id_attrs(program: int | None, node: int | None, request: int | None) -> dict
     if request is not None:
         out[REQUEST] = request
     return out
+
+
+# ---- events <-> their fields in a trace ------------------------------------------------
+
+# An event's fields under other names in a trace: the Node's and the Instruction's kind.
+_WIRE_NAME = {"node_kind": "kind", "op": "kind"}
+_ENUMS = {"status": Status, "node_kind": NodeKind, "op": Op}
+_TUPLES = ("preds", "stack", "children")
+_OWN = {cls: tuple(f.name for f in fields(cls) if f.name not in _BASE)
+        for cls in EVENT_TYPES.values()}
+
+
+def event_name(e: Event) -> str:
+    return e.kind.value
+
+
+def is_event_name(name: str) -> bool:
+    return name in _KINDS
+
+
+def event_data(e: Event) -> dict:
+    """An event's own fields (its ids and times apart) by their names in a trace, kinds and
+    statuses by their names. A finished Instruction's usage figures are fields of their
+    own, and its status is said only when it failed."""
+    if isinstance(e, InstructionFinished):
+        out = {"kind": e.op.value, "index": e.index, **e.usage}
+        if e.error is not None:
+            out.update(status=e.status.value, error=e.error)
+        return out
+    out = {}
+    for name in _OWN[type(e)]:
+        v = getattr(e, name)
+        out[_WIRE_NAME.get(name, name)] = v.value if isinstance(v, Enum) else v
+    return out
+
+
+def event_from(name: str, ids: tuple, data: dict, ts: int, seq: int) -> Event:
+    """The Event a trace recorded as `name` with these fields (event_data's form): fields
+    this version does not know are left out, those the trace lacks take their defaults.
+    ValueError or TypeError for a value of the wrong kind."""
+    cls = EVENT_TYPES[EventKind(name)]
+    program, node, request = ids
+    data = dict(data)
+    own = {}
+    if cls is InstructionFinished:
+        own["status"] = data.pop("status", Status.DONE)
+        own["error"] = data.pop("error", None)
+    wire = {_WIRE_NAME.get(k, k): k for k in _OWN[cls]}
+    for k in list(data):
+        if k in wire:
+            own[wire[k]] = data.pop(k)
+    if cls is InstructionFinished:
+        own["usage"] = MappingProxyType(data)
+    return cls(program=program, node=node, request=request, ts=ts, seq=seq,
+               **{k: _field(k, v) for k, v in own.items() if v is not None})
+
+
+def _field(name: str, v):
+    if name in _ENUMS:
+        return _ENUMS[name](v)
+    if name in _TUPLES:
+        return tuple(v)
+    if name == "top" and isinstance(v, str):  # a span event holds it as JSON text
+        return json.loads(v)
+    return v

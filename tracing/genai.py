@@ -4,17 +4,19 @@ Arize Phoenix reads to show an LLM span with its token counts."""
 
 from __future__ import annotations
 
-LLM_KINDS = ("Gen", "Select")
-OPERATION = {"Gen": "text_completion", "Select": "text_completion"}
+from sgl_nb.runtime.events import NodeKind
+
+OPERATION = {NodeKind.GEN: "text_completion", NodeKind.SELECT: "text_completion"}
+LLM_KINDS = frozenset(OPERATION)  # the Nodes that are an LLM call
 PROVIDER = "sgl-nb"
 
 
-def node_span_name(data: dict) -> str:
-    kind, name = data.get("kind") or "Node", data.get("name")
-    return f"{kind} {name}" if name else kind
+def node_span_name(kind: NodeKind | None, name: str | None) -> str:
+    word = kind.value if kind is not None else "Node"
+    return f"{word} {name}" if name else word
 
 
-def node_llm_attrs(kind: str | None, model: str | None) -> dict:
+def node_llm_attrs(kind: NodeKind | None, model: str | None) -> dict:
     if kind not in LLM_KINDS:
         return {}
     out = {"gen_ai.operation.name": OPERATION[kind], "gen_ai.provider.name": PROVIDER,

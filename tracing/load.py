@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-from sgl_nb.runtime.events import EVENT_KINDS, Event
+from sgl_nb.runtime.events import Event
 from sgl_nb.tracing import codec
 from sgl_nb.tracing.otlp_json import MALFORMED, SpanRecord, TraceFormatError, read_spans
 from sgl_nb.tracing.timeline import Timeline
@@ -65,24 +65,23 @@ def span_events(s: SpanRecord) -> list[Event]:
     ids = (a.get(codec.PROGRAM), a.get(codec.NODE), a.get(codec.REQUEST))
     out: list[Event] = []
     if kind == "event":
-        out.append(_event(a[codec.EVENT_KIND], ids, codec.from_attrs(a, codec.DATA), s.start,
-                          a[codec.SEQ]))
+        out.append(codec.event_from(a[codec.EVENT_KIND], ids, codec.from_attrs(a, codec.DATA),
+                                    s.start, a[codec.SEQ]))
     elif kind in _OPEN_CLOSE:
         open_kind, close_kind, start_data, end_data = _OPEN_CLOSE[kind](a)
         open_ids = ids
         if kind == "program":  # a branch's program_started names its parent's Fork node
             ids, open_ids = (ids[0], None, None), (ids[0], a.get("sgl.program.fork_node"), None)
         if codec.SEQ in a:
-            out.append(_event(open_kind, open_ids, start_data, s.start, a[codec.SEQ]))
+            out.append(codec.event_from(open_kind, open_ids, start_data, s.start,
+                                        a[codec.SEQ]))
         if codec.END_SEQ in a:
-            out.append(_event(close_kind, ids, end_data, s.end, a[codec.END_SEQ]))
+            out.append(codec.event_from(close_kind, ids, end_data, s.end, a[codec.END_SEQ]))
     for name, ts, ea in s.events:
-        if codec.SEQ in ea and name in EVENT_KINDS:
+        if codec.SEQ in ea and codec.is_event_name(name):
             eids = (ea.get(codec.PROGRAM), ea.get(codec.NODE), ea.get(codec.REQUEST))
-            data = codec.from_attrs(ea, codec.DATA)
-            if name == "token":
-                _token_top(data)
-            out.append(_event(name, eids, data, ts, ea[codec.SEQ]))
+            out.append(codec.event_from(name, eids, codec.from_attrs(ea, codec.DATA), ts,
+                                        ea[codec.SEQ]))
     if "sgl.tokens.seq" in a:
         out.extend(_tokens(a, ids, s.start))
     return out
@@ -109,19 +108,6 @@ def _instruction(a: dict):
 _OPEN_CLOSE = {"program": _program, "node": _node, "instruction": _instruction}
 
 
-def _event(kind: str, ids: tuple, data: dict, ts: int, seq: int) -> Event:
-    program, node, request = ids
-    return Event(kind, program, node, request, data, ts=ts, seq=seq)
-
-
-def _token_top(data: dict) -> None:
-    """A token event's "top" ([[id, text, logprob, masked], ...]) is not one primitive
-    type, so the span event holds it as JSON text (codec.attr_value): back to the list."""
-    top = data.get("top")
-    if isinstance(top, str):
-        data["top"] = json.loads(top)
-
-
 def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:
     program, node, _ = ids
     cols = [a.get(f"sgl.tokens.{k}") or [] for k in ("id", "text", "logprob", "forced",
@@ -132,5 +118,5 @@ def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:
         data = {"token": None if tok < 0 else tok, "text": text,
                 "logprob": None if math.isnan(logprob) else logprob, "forced": forced,
                 **json.loads(more)}
-        out.append(Event("token", program, node, None, data, ts=start + dt, seq=seq))
+        out.append(codec.event_from("token", (program, node, None), data, start + dt, seq))
     return out

@@ -13,15 +13,32 @@ import time
 from collections import OrderedDict
 
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+from opentelemetry.trace import Link, SpanContext, StatusCode
+from opentelemetry.trace import Status as SpanStatus
 
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import (
+    Event,
+    Failed,
+    Forked,
+    InstructionFinished,
+    InstructionStarted,
+    Joined,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    ProgramFinished,
+    ProgramStarted,
+    Status,
+    Token,
+)
 from sgl_nb.tracing import codec
-from sgl_nb.tracing.genai import instruction_usage, node_llm_attrs, node_span_name
+from sgl_nb.tracing.genai import LLM_KINDS, instruction_usage, node_llm_attrs, node_span_name
 
 # A token's own columns at the default level; its other fields (step, and the top
 # alternatives and allowed count of runtime/token_choice.py) go in "sgl.tokens.extra".
 _TOKEN_KEYS = ("token", "text", "logprob", "forced")
+_ENGINE_OPS = (Op.DECODE, Op.SCORE)
 _MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
 
 
@@ -41,9 +58,10 @@ class _Open:
 
     __slots__ = ("span", "kind", "usage", "tokens", "start_ts", "program")
 
-    def __init__(self, span, kind: str | None = None, start_ts: int = 0, program=None):
+    def __init__(self, span, kind: NodeKind | Op | None = None, start_ts: int = 0,
+                 program=None):
         self.span, self.kind, self.start_ts, self.program = span, kind, start_ts, program
-        self.usage: list[dict] = []  # instruction_finished data of the node's Decode/Score
+        self.usage: list[dict] = []  # what the node's Decode/Score instructions reported
         self.tokens: list[tuple] = []  # (id, text, logprob, forced, seq, ts, extra)
 
 
@@ -57,7 +75,7 @@ class SpanRecorder:
         # Event ts is time.monotonic_ns(); spans want epoch ns: one offset, taken now.
         self.offset = time.time_ns() - time.monotonic_ns()
         self._lock = threading.Lock()
-        self._pending: dict[int, Event] = {}  # program_started, span not opened yet
+        self._pending: dict[int, ProgramStarted] = {}  # span not opened yet
         self._programs: dict[int, _Open] = {}
         self._nodes: dict[int, _Open] = {}
         self._instructions: dict[tuple, _Open] = {}  # (node, index, request)
@@ -72,14 +90,34 @@ class SpanRecorder:
 
     def __call__(self, e: Event) -> None:
         t0 = time.thread_time_ns() if self.measure else 0
-        handler = getattr(self, f"_on_{e.kind}", None)
         with self._lock:
-            if handler is not None:
-                handler(e)
-            else:
-                self._span_event(e)
+            self._record(e)
             if self.measure:
                 self.cpu_ns += time.thread_time_ns() - t0
+
+    def _record(self, e: Event) -> None:
+        match e:
+            case ProgramStarted():
+                if e.program is not None:
+                    self._pending[e.program] = e
+            case ProgramFinished():
+                self._program_finished(e)
+            case Forked():
+                self._fork(e)
+            case Joined():
+                self._join(e)
+            case NodeStarted():
+                self._node_started(e)
+            case NodeFinished():
+                self._node_finished(e)
+            case InstructionStarted():
+                self._instruction_started(e)
+            case InstructionFinished():
+                self._instruction_finished(e)
+            case Token():
+                self._token(e)
+            case _:
+                self._span_event(e)
 
     def traceparent(self, node_id: int) -> str | None:
         with self._lock:
@@ -141,7 +179,7 @@ class SpanRecorder:
         if o is not None or ("program", pid) in self._ended:
             return o
         started = self._pending.pop(pid, None)
-        d = dict(started.data) if started is not None else {}
+        d = codec.event_data(started) if started is not None else {}
         fork = self._fork_ctx.get(pid)
         parent = d.get("parent", fork[0] if fork else None)
         parent_ctx = fork[1] if fork else self._ctx("program", parent)
@@ -165,21 +203,17 @@ class SpanRecorder:
 
     # ---- programs ----------------------------------------------------------------------
 
-    def _on_program_started(self, e: Event) -> None:
-        if e.program is not None:
-            self._pending[e.program] = e
-
-    def _on_program_finished(self, e: Event) -> None:
+    def _program_finished(self, e: ProgramFinished) -> None:
         o = self._program(e.program)
         if o is None:
             return
-        err, status = e.data.get("error"), e.data.get("status")
+        err, status = e.error, e.status
         if status:
-            o.span.set_attribute("sgl.program.status", status)
+            o.span.set_attribute("sgl.program.status", status.value)
         if err:
             o.span.set_attribute("sgl.program.error", str(err))
-            if status != "cancelled":  # a cancel was asked for: not a fault
-                o.span.set_status(Status(StatusCode.ERROR, str(err)))
+            if status is not Status.CANCELLED:  # a cancel was asked for: not a fault
+                o.span.set_status(SpanStatus(StatusCode.ERROR, str(err)))
         self._end_children(e.program, e.ts)
         self._end(self._programs, e.program, e.ts, e.seq)
 
@@ -189,69 +223,69 @@ class SpanRecorder:
             self._end_children(child, ts)
             self._end(self._programs, child, ts)
 
-    def _on_fork(self, e: Event) -> None:
+    def _fork(self, e: Forked) -> None:
         ctx = self._ctx("node", e.node) or self._ctx("program", e.program)
         if ctx is None:
             self._program(e.program)
             ctx = self._ctx("program", e.program)
-        for child in e.data.get("children") or []:
+        for child in e.children:
             self._fork_ctx[child] = (e.program, ctx)
         self._span_event(e)
 
-    def _on_join(self, e: Event) -> None:
+    def _join(self, e: Joined) -> None:
         self._span_event(e)
-        for child in e.data.get("children") or []:
+        for child in e.children:
             self._end_children(child, e.ts)
             self._end(self._programs, child, e.ts)
 
     # ---- nodes -------------------------------------------------------------------------
 
-    def _on_node_started(self, e: Event) -> None:
+    def _node_started(self, e: NodeStarted) -> None:
         if e.node is None:
             return
         prog = self._program(e.program)
-        d = e.data
         attrs = {codec.SPAN_TYPE: "node", codec.SEQ: e.seq,
-                 **codec.id_attrs(e.program, e.node, None), **codec.to_attrs(d, "sgl.node.")}
-        if d.get("line") is not None:
-            attrs["code.lineno"] = d["line"]
-        if d.get("file"):
-            attrs["code.filepath"] = d["file"]
+                 **codec.id_attrs(e.program, e.node, None),
+                 **codec.to_attrs(codec.event_data(e), "sgl.node.")}
+        if e.line is not None:
+            attrs["code.lineno"] = e.line
+        if e.file:
+            attrs["code.filepath"] = e.file
         model = self._models.get(e.program) or self.model
-        attrs.update(node_llm_attrs(d.get("kind"), model))
+        attrs.update(node_llm_attrs(e.node_kind, model))
         links = self._join_links(e)
         parent = prog.span.get_span_context() if prog is not None else None
-        span = self._start(node_span_name(d), e.ts, parent, attrs, links)
-        self._nodes[e.node] = _Open(span, d.get("kind"), e.ts, e.program)
+        span = self._start(node_span_name(e.node_kind, e.name), e.ts, parent, attrs, links)
+        self._nodes[e.node] = _Open(span, e.node_kind, e.ts, e.program)
         if e.program is not None:
             self._last_node[e.program] = span.get_span_context()
 
-    def _join_links(self, e: Event) -> list[Link]:
+    def _join_links(self, e: NodeStarted) -> list[Link]:
         """A Join links to each branch's last span (its predecessors)."""
-        if e.data.get("kind") != "Join":
+        if e.node_kind is not NodeKind.JOIN:
             return []
-        ctxs = [self._ctx("node", p) for p in e.data.get("preds") or []]
+        ctxs = [self._ctx("node", p) for p in e.preds]
         if not any(ctxs):
             ctxs = [self._last_node.get(c) for c in self._children.get(e.program, [])]
         return [Link(c, {"sgl.link": "join"}) for c in ctxs if c is not None]
 
-    def _on_node_finished(self, e: Event) -> None:
+    def _node_finished(self, e: NodeFinished) -> None:
         o = self._nodes.get(e.node)
         if o is None:
             return
         span = o.span
-        for k, v in codec.to_attrs(e.data, "sgl.node.finished.").items():
+        for k, v in codec.to_attrs(codec.event_data(e), "sgl.node.finished.").items():
             span.set_attribute(k, v)
-        if e.data.get("status") == "error":
-            span.set_status(Status(StatusCode.ERROR))
-        if o.usage or o.kind in ("Gen", "Select"):
+        if e.status is Status.ERROR:
+            span.set_status(SpanStatus(StatusCode.ERROR))
+        if o.usage or o.kind in LLM_KINDS:
             for k, v in instruction_usage(o.usage, len(o.tokens)).items():
                 span.set_attribute(k, v)
         if o.tokens:
             self._set_tokens(o)
-        if e.data.get("text") is not None:  # the node's own output, when reported
-            span.set_attribute("output.value", str(e.data["text"]))
-            span.set_attribute("sgl.output", str(e.data["text"]))
+        if e.text is not None:  # the node's own output, when reported
+            span.set_attribute("output.value", e.text)
+            span.set_attribute("sgl.output", e.text)
         self._end(self._nodes, e.node, e.ts, e.seq)
 
     def _set_tokens(self, o: _Open) -> None:
@@ -276,32 +310,30 @@ class SpanRecorder:
 
     # ---- instructions ------------------------------------------------------------------
 
-    def _on_instruction_started(self, e: Event) -> None:
+    def _instruction_started(self, e: InstructionStarted) -> None:
         # A program's own Instructions (Init, Return) have no Node: they go under its span.
         host = self._nodes.get(e.node) if e.node is not None else self._program(e.program)
         if host is None:
             return
-        index = e.data.get("index", 0)
         attrs = {codec.SPAN_TYPE: "instruction", codec.SEQ: e.seq,
                  **codec.id_attrs(e.program, e.node, e.request),
-                 **codec.to_attrs(e.data, "sgl.instruction.")}
-        attrs.setdefault("sgl.instruction.index", index)
-        span = self._start(str(e.data.get("kind")), e.ts, host.span.get_span_context(), attrs)
+                 **codec.to_attrs(codec.event_data(e), "sgl.instruction.")}
+        span = self._start(e.op.value, e.ts, host.span.get_span_context(), attrs)
         # Keyed by request too: a Select scores each choice as its own request.
-        key = (e.node, index, e.request)
-        self._instructions[key] = _Open(span, e.data.get("kind"), e.ts, e.program)
+        key = (e.node, e.index, e.request)
+        self._instructions[key] = _Open(span, e.op, e.ts, e.program)
         if e.request is not None:
             self._by_request[e.request] = key
 
-    def _instruction_key(self, e: Event) -> tuple | None:
-        key = (e.node, e.data.get("index", 0), e.request)
+    def _instruction_key(self, e: InstructionFinished) -> tuple | None:
+        key = (e.node, e.index, e.request)
         if key in self._instructions:
             return key
         if e.request is not None and e.request in self._by_request:
             return self._by_request[e.request]
         return next((k for k in reversed(self._instructions) if k[0] == e.node), None)
 
-    def _on_instruction_finished(self, e: Event) -> None:
+    def _instruction_finished(self, e: InstructionFinished) -> None:
         key = self._instruction_key(e)
         o = self._instructions.get(key) if key is not None else None
         if o is None:
@@ -310,18 +342,18 @@ class SpanRecorder:
         if e.request is not None:
             span.set_attribute(codec.REQUEST, e.request)
             self._by_request.pop(e.request, None)
-        for k, v in codec.to_attrs(e.data, "sgl.instruction.").items():
+        for k, v in codec.to_attrs(codec.event_data(e), "sgl.instruction.").items():
             span.set_attribute(k, v)
-        if e.data.get("status") == "error":
-            span.set_status(Status(StatusCode.ERROR))
+        if e.status is Status.ERROR:
+            span.set_status(SpanStatus(StatusCode.ERROR))
         node = self._nodes.get(key[0])
-        if node is not None and o.kind in ("Decode", "Score"):
-            node.usage.append(e.data)
+        if node is not None and o.kind in _ENGINE_OPS:
+            node.usage.append(dict(e.usage))
         self._end(self._instructions, key, e.ts, e.seq)
 
     # ---- everything else: span events --------------------------------------------------
 
-    def _on_token(self, e: Event) -> None:
+    def _token(self, e: Token) -> None:
         key = self._by_request.get(e.request) if e.request is not None else None
         nid = e.node if e.node is not None else (key[0] if key else None)
         node = self._nodes.get(nid) if nid is not None else None
@@ -330,10 +362,9 @@ class SpanRecorder:
         if self.level == "token":
             self._span_event(e, node.program, nid)
             return
-        d = e.data
-        extra = {k: v for k, v in d.items() if k not in _TOKEN_KEYS} or None
-        node.tokens.append((d.get("token"), d.get("text") or "", d.get("logprob"),
-                            bool(d.get("forced", False)), e.seq, e.ts, extra))
+        extra = {k: v for k, v in codec.event_data(e).items()
+                 if k not in _TOKEN_KEYS and v is not None and v != () and v != []} or None
+        node.tokens.append((e.token, e.text or "", e.logprob, e.forced, e.seq, e.ts, extra))
 
     def _host(self, e: Event, program: int | None, node: int | None) -> _Open | None:
         """The span an event belongs on: its request's instruction, its node, or its
@@ -350,19 +381,20 @@ class SpanRecorder:
         program = e.program if program is None else program
         node = e.node if node is None else node
         attrs = {codec.SEQ: e.seq, **codec.id_attrs(program, node, e.request),
-                 **codec.to_attrs(e.data, codec.DATA)}
+                 **codec.to_attrs(codec.event_data(e), codec.DATA)}
         host = self._host(e, program, node)
         if host is None:
             self._event_span(e, program, attrs)
             return
-        host.span.add_event(e.kind, attrs, timestamp=self._epoch(e.ts))
-        if e.kind == "error":
-            host.span.set_status(Status(StatusCode.ERROR, str(e.data.get("error"))))
+        host.span.add_event(codec.event_name(e), attrs, timestamp=self._epoch(e.ts))
+        if isinstance(e, Failed):
+            host.span.set_status(SpanStatus(StatusCode.ERROR, str(e.error)))
 
     def _event_span(self, e: Event, program: int | None, attrs: dict) -> None:
         """An event with no live span to sit on (its program already ended, or it has
         none): a zero-length span of its own, so that a replay loses nothing."""
         parent = self._ctx("program", program)
-        span = self._start(e.kind, e.ts, parent, {codec.SPAN_TYPE: "event",
-                                                  codec.EVENT_KIND: e.kind, **attrs})
+        name = codec.event_name(e)
+        span = self._start(name, e.ts, parent, {codec.SPAN_TYPE: "event",
+                                                codec.EVENT_KIND: name, **attrs})
         span.end(end_time=self._epoch(e.ts))

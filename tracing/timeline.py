@@ -10,10 +10,28 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sgl_nb.runtime.compiler.instructions import Op
-from sgl_nb.runtime.compiler.ir import NodeKind
-from sgl_nb.runtime.events import Event
-from sgl_nb.runtime.status import Status
+from sgl_nb.runtime.events import (
+    CacheEvict,
+    CacheHit,
+    CacheInsert,
+    Event,
+    Failed,
+    Forked,
+    InstructionFinished,
+    InstructionStarted,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    Paused,
+    Preempted,
+    ProgramFinished,
+    ProgramStarted,
+    Resumed,
+    Retracted,
+    Status,
+    Token,
+)
 from sgl_nb.runtime.token_choice import TokenChoice
 
 # The Node kinds whose output is part of the program's text.
@@ -56,7 +74,8 @@ class InstructionView:
     start_ns: int | None = None
     end_ns: int | None = None
     attrs: dict = field(default_factory=dict)  # what instruction_finished reported
-    marks: list[tuple[str, int, dict]] = field(default_factory=list)  # (kind, ts, data)
+    # The holds of its request: Preempted, Retracted and Resumed events.
+    marks: list[Event] = field(default_factory=list)
 
 
 @dataclass
@@ -137,9 +156,32 @@ class Timeline:
             bisect.insort(self.events, event, key=lambda e: e.seq)
         else:
             self.events.append(event)
-        handler = getattr(self, f"_on_{event.kind}", None)
-        if handler is not None:
-            handler(event)
+        self._fold(event)
+
+    def _fold(self, e: Event) -> None:
+        match e:
+            case ProgramStarted():
+                self._program_started(e)
+            case ProgramFinished():
+                self._program_finished(e)
+            case NodeStarted():
+                self._node_started(e)
+            case NodeFinished():
+                self._node_finished(e)
+            case InstructionStarted():
+                self._instruction_started(e)
+            case InstructionFinished():
+                self._instruction_finished(e)
+            case Token():
+                self._token(e)
+            case Preempted() | Retracted() | Paused() | Resumed():
+                self._hold(e)
+            case Forked():
+                self._fork(e)
+            case Failed():
+                self._error(e)
+            case CacheHit() | CacheInsert() | CacheEvict():
+                self._cache(e)
 
     def _program(self, pid: int | None) -> ProgramView | None:
         if pid is None:
@@ -166,133 +208,122 @@ class Timeline:
                 p.nodes.append(n.id)
         return n
 
-    def _on_program_started(self, e: Event) -> None:
-        d = e.data
+    def _program_started(self, e: ProgramStarted) -> None:
         p = self._program(e.program)
         if p is None:
             return
-        p.function = d.get("function", p.function)
-        p.priority = d.get("priority", p.priority)
-        p.model = d.get("model", p.model)
+        p.function = e.function or p.function
+        p.priority = e.priority or p.priority
+        p.model = e.model or p.model
         p.start_ns = e.ts
-        p.call.update({k: d[k] for k in CALL_KEYS if d.get(k) is not None})
-        parent = d.get("parent")
-        if parent is not None:
-            p.parent = parent
+        call = {"module": e.module, "qualname": e.qualname, "args": e.args,
+                "options": e.options}
+        p.call.update({k: v for k, v in call.items() if v is not None})
+        if e.parent is not None:
+            p.parent = e.parent
             self._link_child(p)
 
-    def _on_program_finished(self, e: Event) -> None:
+    def _program_finished(self, e: ProgramFinished) -> None:
         p = self._program(e.program)
         if p is None:
             return
-        p.error = e.data.get("error")
-        status = e.data.get("status")
-        p.status = Status(status) if status else Status.ERROR if p.error else Status.DONE
+        p.error = e.error
+        p.status = e.status or (Status.ERROR if p.error else Status.DONE)
         p.end_ns = e.ts
 
-    def _on_node_started(self, e: Event) -> None:
+    def _node_started(self, e: NodeStarted) -> None:
         n = self._node(e)
         if n is None:
             return
-        d = e.data
-        kind = d.get("kind")
-        n.kind, n.name, n.label = NodeKind(kind) if kind else None, d.get("name"), d.get("label")
-        n.line, n.file, n.preds = d.get("line"), d.get("file"), list(d.get("preds") or [])
-        n.text = d.get("text", n.text)
-        n.stack = list(d.get("stack") or [])
-        n.params = _params(d.get("params"))
+        n.kind, n.name, n.label = e.node_kind, e.name, e.label
+        n.line, n.file, n.preds = e.line, e.file, list(e.preds)
+        n.stack = list(e.stack)
+        n.params = _params(e.params)
         n.status, n.start_ns = Status.RUNNING, e.ts
 
-    def _on_node_finished(self, e: Event) -> None:
+    def _node_finished(self, e: NodeFinished) -> None:
         n = self._node(e)
         if n is None:
             return
-        n.status = Status(e.data.get("status", Status.DONE))
-        n.text = e.data.get("text", n.text)
-        n.value = e.data.get("value", n.value)
+        n.status = e.status
+        n.text = e.text if e.text is not None else n.text
+        n.value = e.value if e.value is not None else n.value
         n.end_ns = e.ts
 
-    def _instruction(self, e: Event) -> InstructionView | None:
-        """The instruction an instruction_finished / mark event is about."""
+    def _instruction(self, e: Event, index: int | None = None) -> InstructionView | None:
+        """The instruction an instruction_finished (with its index) or a mark is about."""
         if e.request is not None and e.request in self._by_request:
             return self._by_request[e.request]
         n = self.nodes.get(e.node) if e.node is not None else None
         if n is None or not n.instructions:
             return None
-        index = e.data.get("index") if e.kind.startswith("instruction_") else None
         for ins in reversed(n.instructions):
             if index is None or ins.index == index:
                 return ins
         return n.instructions[-1]
 
-    def _on_instruction_started(self, e: Event) -> None:
+    def _instruction_started(self, e: InstructionStarted) -> None:
         n = self._node(e)
         if n is None:
             return
-        d = e.data
-        index = d.get("index", len(n.instructions))
-        ins = InstructionView(Op(d.get("kind")), n.id, index, e.request, start_ns=e.ts)
+        ins = InstructionView(e.op, n.id, e.index, e.request, start_ns=e.ts)
         n.instructions.append(ins)
         if e.request is not None:
             self._by_request[e.request] = ins
 
-    def _on_instruction_finished(self, e: Event) -> None:
-        ins = self._instruction(e)
+    def _instruction_finished(self, e: InstructionFinished) -> None:
+        ins = self._instruction(e, e.index)
         if ins is None:
             return
-        ins.attrs.update({k: v for k, v in e.data.items() if k not in ("kind", "index")})
-        ins.status = Status.ERROR if e.data.get("status") == Status.ERROR else Status.DONE
+        ins.attrs.update(e.usage)
+        if e.error is not None:
+            ins.attrs.update(status=e.status, error=e.error)
+        ins.status = Status.ERROR if e.status is Status.ERROR else Status.DONE
         ins.end_ns = e.ts
         if e.request is not None:
             ins.request = e.request
             self._by_request.pop(e.request, None)
 
-    def _on_token(self, e: Event) -> None:
+    def _token(self, e: Token) -> None:
         n = self._node(e)
         if n is None and e.request in self._by_request:
             n = self.nodes.get(self._by_request[e.request].node)
         if n is None:
             return  # a bare rt.generate request: no program, no Node
-        d = e.data
-        top = [tuple(a) for a in d.get("top") or ()]
-        n.tokens.append(TokenView(d.get("token"), d.get("text") or "", d.get("logprob"),
-                                  bool(d.get("forced", False)), e.seq, top,
-                                  d.get("allowed", -1)))
+        top = [tuple(a) for a in e.top]
+        n.tokens.append(TokenView(e.token, e.text or "", e.logprob, e.forced, e.seq, top,
+                                  e.allowed))
 
-    def _mark(self, e: Event) -> None:
-        ins = self._instruction(e)
-        if ins is not None:
-            ins.marks.append((e.kind, e.ts, dict(e.data)))
-
-    def _on_preempted(self, e: Event) -> None:
-        self._mark(e)
-        self._set_program_status(e.program, Status.SUSPENDED,
-                                 f"preempted: {e.data.get('reason') or 'higher-priority work'}")
-
-    def _on_retracted(self, e: Event) -> None:
-        self._mark(e)
-        self._set_program_status(e.program, Status.SUSPENDED,
-                                 f"retracted: {e.data.get('reason') or 'KV pool full'}")
-
-    def _on_paused(self, e: Event) -> None:
-        self._set_program_status(e.program, Status.SUSPENDED,
-                                 f"held by the step controller at a {e.data.get('at')}")
-
-    def _on_resumed(self, e: Event) -> None:
-        if e.data.get("reason") == "scheduler" or e.request is not None:
-            self._mark(e)
-        self._set_program_status(e.program, Status.RUNNING)
+    def _hold(self, e: Preempted | Retracted | Paused | Resumed) -> None:
+        """A request or a program suspended or going on: the program's status, and a mark
+        on the instruction a request's hold is about."""
+        by_request = isinstance(e, Resumed) and (e.request is not None
+                                                 or e.reason == "scheduler")
+        if isinstance(e, Preempted | Retracted) or by_request:
+            ins = self._instruction(e)
+            if ins is not None:
+                ins.marks.append(e)
+        if isinstance(e, Resumed):
+            self._set_program_status(e.program, Status.RUNNING)
+            return
+        if isinstance(e, Preempted):
+            why = f"preempted: {e.reason or 'higher-priority work'}"
+        elif isinstance(e, Retracted):
+            why = f"retracted: {e.reason or 'KV pool full'}"
+        else:
+            why = f"held by the step controller at a {e.at}"
+        self._set_program_status(e.program, Status.SUSPENDED, why)
 
     def _set_program_status(self, pid: int | None, status: Status, reason: str | None = None):
         p = self.programs.get(pid) if pid is not None else None
         if p is not None and not p.status.ended:
             p.status, p.reason = status, reason
 
-    def _on_fork(self, e: Event) -> None:
-        if e.node is not None and e.data.get("children"):
-            self._forks[e.node] = list(e.data["children"])
+    def _fork(self, e: Forked) -> None:
+        if e.node is not None and e.children:
+            self._forks[e.node] = list(e.children)
         p = self._program(e.program)
-        for child in e.data.get("children") or []:
+        for child in e.children:
             self._fork_parent[child] = e.program
             c = self.programs.get(child)
             if c is not None and c.parent is None:
@@ -300,27 +331,23 @@ class Timeline:
             if p is not None and child not in p.children:
                 p.children.append(child)
 
-    def _on_error(self, e: Event) -> None:
+    def _error(self, e: Failed) -> None:
         n = self.nodes.get(e.node) if e.node is not None else None
         if n is not None:
-            n.error = e.data.get("error")
+            n.error = e.error
         p = self.programs.get(e.program) if e.program is not None else None
         if p is not None and p.error is None:
-            p.error = e.data.get("error")
+            p.error = e.error
 
-    def _on_cache_hit(self, e: Event) -> None:
-        cached = e.data.get("cached_tokens") or 0
-        self.cache["hits"] += 1 if cached > 0 else 0
-        self.cache["cached_tokens"] += cached
-        self.cache["prompt_tokens"] += e.data.get("prompt_tokens") or 0
-        self.cache_events.append(e)
-
-    def _on_cache_insert(self, e: Event) -> None:
-        self.cache["inserted"] += e.data.get("tokens") or 0
-        self.cache_events.append(e)
-
-    def _on_cache_evict(self, e: Event) -> None:
-        self.cache["evicted"] += e.data.get("tokens") or 0
+    def _cache(self, e: CacheHit | CacheInsert | CacheEvict) -> None:
+        if isinstance(e, CacheHit):
+            self.cache["hits"] += 1 if e.cached_tokens > 0 else 0
+            self.cache["cached_tokens"] += e.cached_tokens
+            self.cache["prompt_tokens"] += e.prompt_tokens
+        elif isinstance(e, CacheInsert):
+            self.cache["inserted"] += e.tokens
+        else:
+            self.cache["evicted"] += e.tokens
         self.cache_events.append(e)
 
     # ---- reading -----------------------------------------------------------------------
@@ -331,11 +358,11 @@ class Timeline:
 
     def node_steps(self) -> list[int]:
         """The seq of every node_started event: the stops of stepping by Node."""
-        return [e.seq for e in self.events if e.kind == "node_started"]
+        return [e.seq for e in self.events if isinstance(e, NodeStarted)]
 
     def instruction_steps(self) -> list[int]:
         """The seq of every instruction_started event: the stops of stepping by Instruction."""
-        return [e.seq for e in self.events if e.kind == "instruction_started"]
+        return [e.seq for e in self.events if isinstance(e, InstructionStarted)]
 
     def fork_children(self) -> dict[int, list[int]]:
         """Fork Node id -> the program ids of its branches, in branch order (branch 0
@@ -378,5 +405,5 @@ def _params(raw) -> dict:
 def fork_children(events: Iterable[Event]) -> dict[int, list[int]]:
     """Fork Node id -> the program ids of its branches in branch order, from the fork
     events (the same for a live run and a replay; a Timeline's `events` will do)."""
-    return {e.node: list(e.data["children"]) for e in events
-            if e.kind == "fork" and e.node is not None and e.data.get("children")}
+    return {e.node: list(e.children) for e in events
+            if isinstance(e, Forked) and e.node is not None and e.children}

@@ -12,11 +12,13 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Footer, Header, Static
 
+from sgl_nb.language.rerun import EDITABLE
 from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.status import Status
 from sgl_nb.tui.cache_pane import CachePane
 from sgl_nb.tui.graph_pane import GraphPane
 from sgl_nb.tui.rerun_screens import DIALOG_CSS, RerunScreen, TokenScreen
-from sgl_nb.tui.rows import NodeRow, Position
+from sgl_nb.tui.rows import NodeRow, Position, Where
 from sgl_nb.tui.session import Session
 from sgl_nb.tui.source_pane import SourcePane
 from sgl_nb.tui.state_pane import StatePane
@@ -137,7 +139,7 @@ class DebuggerApp(App):
             f"  ·  {self.message}" if self.message else "")
         self.query_one("#status", Static).update(Text(self.status_text))  # not markup
         bp_lines = {r.line for r in rows if r.line and any(bp.hits(r) for bp in s.breakpoints)}
-        error_line = s.error_line() if position.where == "error" or _failed(s) else None
+        error_line = s.error_line() if position.where is Where.ERROR or _failed(s) else None
         self.query_one(SourcePane).show(s.source_file(), current.line if current else None,
                                         bp_lines, error_line)
         self.query_one(GraphPane).show(rows, position, s.breakpoints)
@@ -192,7 +194,7 @@ class DebuggerApp(App):
 
     def action_rerun(self) -> None:
         row = self.query_one(GraphPane).selected_row()
-        if row is None or row.kind not in ("Gen", "Select", "Text"):
+        if row is None or row.kind not in EDITABLE:
             self._did("select a gen, a select or a text Node to re-run from")
             return
         node = self.session.timeline.nodes.get(row.id)
@@ -229,7 +231,7 @@ class DebuggerApp(App):
 def _failed(s: Session) -> bool:
     root = s.root_program()
     p = s.timeline.programs.get(root) if root is not None else None
-    return p is not None and p.status == "error"
+    return p is not None and p.status is Status.ERROR
 
 
 def describe(position: Position, row: NodeRow | None) -> str:
@@ -237,12 +239,12 @@ def describe(position: Position, row: NodeRow | None) -> str:
     node = f"#{row.number} {row.label}" if row else "a Node"
     line = f" (line {row.line})" if row and row.line else ""
     return {
-        "start": "starting",
-        "node": f"held before {node}{line}",
-        "instruction": f"before an Instruction of {node}{line}",
-        "decode": f"before token {row.tokens + 1 if row else '?'} of {node}{line}",
-        "running": f"running {node}{line}" if row else "running",
-        "done": "finished",
-        "error": "failed",
-        "cancelled": "cancelled",
-    }.get(position.where, position.where)
+        Where.START: "starting",
+        Where.NODE: f"held before {node}{line}",
+        Where.INSTRUCTION: f"before an Instruction of {node}{line}",
+        Where.DECODE: f"before token {row.tokens + 1 if row else '?'} of {node}{line}",
+        Where.RUNNING: f"running {node}{line}" if row else "running",
+        Where.DONE: "finished",
+        Where.ERROR: "failed",
+        Where.CANCELLED: "cancelled",
+    }.get(position.where, position.where.value)

@@ -7,6 +7,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from sgl_nb.runtime.events import CacheEvict, CacheHit, CacheInsert
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import NodeRow
 
@@ -43,12 +44,11 @@ def _changes(tl: Timeline, rows: list[NodeRow]) -> Text:
         t.append("no cache changes yet", style="dim")
     for e in tl.cache_events[-MAX_CHANGES:]:
         where = f"  #{numbers[e.node]}" if e.node in numbers else ""
-        if e.kind == "cache_hit":
-            cached, prompt = e.data.get("cached_tokens", 0), e.data.get("prompt_tokens", "?")
-            t.append(f"hit     {cached}/{prompt} tokens{where}\n",
-                     style="green" if cached else "")
-        elif e.kind == "cache_insert":
-            t.append(f"insert  +{e.data.get('tokens', 0)} tokens{where}\n", style="cyan")
-        else:
-            t.append(f"evict   -{e.data.get('tokens', 0)} tokens\n", style="yellow")
+        if isinstance(e, CacheHit):
+            t.append(f"hit     {e.cached_tokens}/{e.prompt_tokens} tokens{where}\n",
+                     style="green" if e.cached_tokens else "")
+        elif isinstance(e, CacheInsert):
+            t.append(f"insert  +{e.tokens} tokens{where}\n", style="cyan")
+        elif isinstance(e, CacheEvict):
+            t.append(f"evict   -{e.tokens} tokens\n", style="yellow")
     return t

@@ -11,7 +11,7 @@ from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
-from sgl_nb.tui.rows import NodeRow, Position
+from sgl_nb.tui.rows import NodeRow, Position, Where
 
 GLYPH = {"pending": "○", "running": "◐", "done": "✓", "error": "✗", "skipped": "–",
          "cancelled": "⊘"}
@@ -78,7 +78,7 @@ class GraphPane(Vertical):
             text.append(f"#{row.number} {row.label}\n", style="bold")
             for ins in row.instructions:
                 text.append(f"  {ins}\n", style=_ins_style(ins))
-            if row.id == position.node and position.where == "decode":
+            if row.id == position.node and position.where is Where.DECODE:
                 text.append(f"  ▶ next: token {row.tokens + 1}\n", style="bold yellow")
             if row.tokens:
                 text.append(f"  {row.tokens} tokens\n", style="dim")

@@ -15,10 +15,11 @@ from sgl_nb.language.replay import MISSING
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, Node
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import CacheEvict, Event, Forked, ProgramStarted
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.program_file import ProgramFile
-from sgl_nb.tui.rows import NodeRow, Position, number_rows, ordered_rows, started_rows
+from sgl_nb.tui.rows import NodeRow, Position, Where, number_rows, ordered_rows, started_rows
 from sgl_nb.tui.session import error_line_in
 
 BATCH_S = 1 / 30  # events that arrive within this long reach the app as one message
@@ -71,12 +72,12 @@ class LiveSession:
 
     def _is_ours(self, e: Event) -> bool:
         if e.program is None:
-            return e.kind == "cache_evict"  # the one cache change no request owns
+            return isinstance(e, CacheEvict)  # the one cache change no request owns
         if e.program in self._ours:
-            if e.kind == "fork":
-                self._ours.update(e.data.get("children") or [])
+            if isinstance(e, Forked):
+                self._ours.update(e.children)
             return True
-        if e.kind == "program_started" and e.data.get("parent") in self._ours:
+        if isinstance(e, ProgramStarted) and e.parent in self._ours:
             self._ours.add(e.program)
             return True
         return False
@@ -96,12 +97,12 @@ class LiveSession:
     def position(self) -> Position:
         p = self.timeline.programs.get(self.state.id)
         last = next(reversed(self.timeline.nodes), None)
-        if p is not None and p.status in ("done", "error", "cancelled"):
-            return Position(p.status, last)
+        if p is not None and p.status.ended:
+            return Position(Where.of(p.status), last)
         waiting, current = self.debug.waiting_at, self.debug.current
-        if waiting in ("node", "decode") and current is not None:
-            return Position(waiting, current.id)
-        return Position("running" if self.timeline.events else "start", last)
+        if waiting is not None and current is not None:  # "node" or "decode"
+            return Position(Where(waiting), current.id)
+        return Position(Where.RUNNING if self.timeline.events else Where.START, last)
 
     def rows(self) -> list[NodeRow]:
         rows = started_rows(self.timeline)
@@ -110,7 +111,7 @@ class LiveSession:
         # fork branch's are in the branch's state until the Join: of those, the one held.
         held = self.debug.current
         for n in [*list(self.state.nodes), *([held] if held is not None else [])]:
-            if n.status == "pending" and n.id not in seen and n.kind not in PROGRAM_NODES:
+            if n.status is Status.PENDING and n.id not in seen and n.kind not in PROGRAM_NODES:
                 rows.append(_pending(n))
                 seen.add(n.id)
         return number_rows(ordered_rows(rows, self.timeline.fork_children()))
@@ -190,5 +191,5 @@ class LiveSession:
 
 def _pending(n: Node) -> NodeRow:
     return NodeRow(id=n.id, program=n.program, kind=n.kind, name=n.name, label=n.label(),
-                   line=n.line, file=n.file, status="pending", preds=list(n.preds),
-                   instructions=[f"{i.kind}[{k}] pending" for k, i in enumerate(lower(n))])
+                   line=n.line, file=n.file, status=Status.PENDING, preds=list(n.preds),
+                   instructions=[f"{i.op.value}[{k}] pending" for k, i in enumerate(lower(n))])

@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
+from sgl_nb.runtime.events import InstructionStarted, NodeStarted, Token
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import (
     NodeRow,
     Position,
+    Where,
     number_rows,
     ordered_rows,
     pending_row,
@@ -20,13 +23,14 @@ from sgl_nb.tui.rows import (
 )
 from sgl_nb.tui.session import error_line_in
 
-_STOP_KINDS = {"node_started": "node", "instruction_started": "instruction", "token": "decode"}
+_STOPS = ((NodeStarted, Where.NODE), (InstructionStarted, Where.INSTRUCTION),
+          (Token, Where.DECODE))
 
 
 @dataclass(frozen=True)
 class Stop:
     seq: int  # the view holds the events before this one
-    where: str
+    where: Where
     node: int | None
 
 
@@ -51,14 +55,15 @@ class ReplaySession:
         node_of_request: dict[int, int] = {}
         stops = []
         for e in self.full.events:
-            if e.kind == "instruction_started" and e.request is not None and e.node is not None:
+            if isinstance(e, InstructionStarted) and e.request is not None \
+                    and e.node is not None:
                 node_of_request[e.request] = e.node
-            where = _STOP_KINDS.get(e.kind)
+            where = next((w for cls, w in _STOPS if isinstance(e, cls)), None)
             node = e.node if e.node is not None else node_of_request.get(e.request)
             if where is not None and node in self.full.nodes:
                 stops.append(Stop(e.seq, where, node))
         end = self.full.events[-1].seq + 1  # after everything: the whole run
-        return [*stops, Stop(end, "end", None)]
+        return [*stops, Stop(end, Where.END, None)]
 
     def _view(self) -> Timeline:
         stop = self._stops[self._i]
@@ -76,11 +81,12 @@ class ReplaySession:
 
     def position(self) -> Position:
         stop = self._stops[self._i]
-        if stop.where != "end":
+        if stop.where is not Where.END:
             return Position(stop.where, stop.node)
         p = self.full.programs.get(self._root) if self._root is not None else None
         last = next(reversed(self.full.nodes), None)
-        return Position("error" if p is not None and p.status == "error" else "done", last)
+        failed = p is not None and p.status is Status.ERROR
+        return Position(Where.ERROR if failed else Where.DONE, last)
 
     def rows(self) -> list[NodeRow]:
         # Every Node of the trace, ordered by the whole run's forks: a row keeps its place
@@ -109,7 +115,7 @@ class ReplaySession:
         return next((j for j in order if want(self._stops[j])), None)
 
     def next_node(self) -> str:
-        j = self._next(lambda s: s.where in ("node", "end"))
+        j = self._next(lambda s: s.where in (Where.NODE, Where.END))
         return "at the end of the trace" if j is None else self._move(j, "next Node")
 
     def next_instruction(self) -> str:
@@ -118,7 +124,7 @@ class ReplaySession:
         return self._move(self._i + 1, "next Instruction")
 
     def back_node(self) -> str:
-        j = self._next(lambda s: s.where == "node", forward=False)
+        j = self._next(lambda s: s.where is Where.NODE, forward=False)
         return "at the first Node" if j is None else self._move(j, "previous Node")
 
     def back_instruction(self) -> str:
@@ -129,13 +135,13 @@ class ReplaySession:
     def continue_(self) -> str:
         def hit(s: Stop) -> bool:
             node = self.full.nodes.get(s.node)
-            return s.where == "end" or (s.where == "node" and node is not None
+            return s.where is Where.END or (s.where is Where.NODE and node is not None
                                         and any(bp.hits(node) for bp in self.breakpoints))
 
         j = self._next(hit)
         if j is None:
             return "at the end of the trace"
-        return self._move(j, "at a breakpoint" if self._stops[j].where == "node" else "end")
+        return self._move(j, "at a breakpoint" if self._stops[j].where is Where.NODE else "end")
 
     def pause(self) -> str:
         return "nothing runs in a replay: n/s step forward, N/S back, c to the next breakpoint"

@@ -13,6 +13,7 @@ from textual.widgets import Input, Label, Static
 
 from sgl_nb.language.token_info import choice_table
 from sgl_nb.notebook.cell_program import parse_edit
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.tracing.timeline import TokenView
 from sgl_nb.tui.rows import NodeRow
 
@@ -39,7 +40,7 @@ class RerunScreen(ModalScreen):
             yield Label(Text(f"Re-run from #{self.row.number} {self.row.label}"))
             yield Label("New value (leave as it is to keep it; empty: generate again):")
             yield Input(self.current, id="value")
-            if self.row.kind == "Gen":
+            if self.row.kind is NodeKind.GEN:
                 yield Label("Sampling arguments, e.g. temperature=0.8 max_tokens=40 seed=2:")
                 yield Input(id="sampling")
             yield Static(id="error")

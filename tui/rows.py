@@ -4,39 +4,54 @@ program stands (Position) and one row per Node, started or still to come (NodeRo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import InstructionView, NodeView, Timeline
 
-# Position.where:
-#   "node"         held before `node` starts
-#   "instruction"  (replay) before one of `node`'s Instructions starts
-#   "decode"       held inside a Gen or Select, before its next token
-#   "running"      the program runs (live)
-#   "done" / "error" / "cancelled"  the program has finished
-#   "start"        nothing known yet (live, before the first event)
+
+class Where(StrEnum):
+    START = "start"  # nothing known yet (live, before the first event)
+    RUNNING = "running"  # the program runs (live)
+    NODE = "node"  # held before `node` starts
+    INSTRUCTION = "instruction"  # (replay) before one of `node`'s Instructions starts
+    DECODE = "decode"  # held inside a Gen or Select, before its next token
+    DONE = "done"  # the program has finished ...
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    END = "end"  # (a replay's last stop) after every event
+
+    @classmethod
+    def of(cls, status: Status) -> Where:
+        """Where a program that has ended stands."""
+        return cls(status.value)
+
+
+_FINISHED = frozenset({Where.DONE, Where.ERROR, Where.CANCELLED})
 
 
 @dataclass(frozen=True)
 class Position:
-    where: str
+    where: Where
     node: int | None = None
 
     @property
     def finished(self) -> bool:
-        return self.where in ("done", "error", "cancelled")
+        return self.where in _FINISHED
 
 
 @dataclass
 class NodeRow:
     id: int
     program: int | None
-    kind: str
+    kind: NodeKind | None
     name: str | None
     label: str
     line: int | None
     file: str | None
-    status: str  # pending | running | done | error | skipped | cancelled
+    status: Status
     depth: int = 0  # fork branches are indented under their parent
     branch: int | None = None  # its place among its Fork's branches (0 first), if in one
     preds: list[int] = field(default_factory=list)
@@ -73,7 +88,7 @@ def ordered_rows(rows: list[NodeRow], forks: dict[int, list[int]]) -> list[NodeR
         for r in by_program.get(pid, ()):
             r.depth, r.branch = depth, branch
             out.append(r)
-            for i, cid in enumerate(forks.get(r.id, ()) if r.kind == "Fork" else ()):
+            for i, cid in enumerate(forks.get(r.id, ()) if r.kind is NodeKind.FORK else ()):
                 if cid not in walked:
                     walk(cid, depth + 1, i)
 
@@ -88,8 +103,8 @@ def ordered_rows(rows: list[NodeRow], forks: dict[int, list[int]]) -> list[NodeR
 def pending_row(n: NodeView, tl: Timeline) -> NodeRow:
     """A Node known from a full replay timeline that has not started at the cursor."""
     row = _row(n, tl)
-    row.status, row.tokens, row.error = "pending", 0, None
-    row.instructions = [f"{ins.kind}[{ins.index}] pending" for ins in n.instructions]
+    row.status, row.tokens, row.error = Status.PENDING, 0, None
+    row.instructions = [f"{ins.kind.value}[{ins.index}] pending" for ins in n.instructions]
     return row
 
 
@@ -100,9 +115,9 @@ def number_rows(rows: list[NodeRow]) -> list[NodeRow]:
 
 
 def _row(n: NodeView, tl: Timeline) -> NodeRow:
-    kind = n.kind or "?"
+    kind = n.kind.value if n.kind is not None else "?"
     return NodeRow(
-        id=n.id, program=n.program, kind=kind, name=n.name,
+        id=n.id, program=n.program, kind=n.kind, name=n.name,
         label=n.label or f"{kind} {n.name or ''}".rstrip(), line=n.line, file=n.file,
         status=n.status, depth=program_depth(tl, n.program), preds=list(n.preds),
         instructions=[describe_instruction(i) for i in n.instructions],
@@ -125,10 +140,10 @@ _ATTRS = (("input_tokens", "in"), ("cached_tokens", "cached"), ("new_tokens", "n
 
 
 def describe_instruction(ins: InstructionView) -> str:
-    parts = [f"{ins.kind}[{ins.index}] {ins.status}"]
+    parts = [f"{ins.kind.value}[{ins.index}] {ins.status.value}"]
     parts += [f"{short}={ins.attrs[k]}" for k, short in _ATTRS if ins.attrs.get(k) is not None]
     marks: dict[str, int] = {}
-    for kind, _ts, _data in ins.marks:
-        marks[kind] = marks.get(kind, 0) + 1
+    for e in ins.marks:
+        marks[e.kind.value] = marks.get(e.kind.value, 0) + 1
     parts += [f"{k}×{v}" for k, v in marks.items()]
     return " ".join(parts)

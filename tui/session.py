@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
+from sgl_nb.runtime.events import Failed, ProgramFinished
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import NodeRow, Position
 
@@ -55,7 +56,7 @@ def error_line_in(tl: Timeline, program: int | None) -> int | None:
     """The line an error event of the program (or, failing that, any program) named."""
     fallback = None
     for e in reversed(tl.events):
-        line = e.data.get("line") if e.kind in ("error", "program_finished") else None
+        line = e.line if isinstance(e, Failed | ProgramFinished) else None
         if line is None:
             continue
         if e.program == program:

@@ -7,6 +7,8 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
 from sgl_nb.tui.rows import NodeRow, Position
 
@@ -94,11 +96,11 @@ def _variables(tl: Timeline, root: int | None) -> list[str]:
         where = "" if pid == root else f" (branch {_branch(tl, pid)})"
         for nid in tl.programs[pid].nodes:
             n = tl.nodes[nid]
-            if not n.name or n.kind not in ("Gen", "Select"):
+            if not n.name or n.kind not in (NodeKind.GEN, NodeKind.SELECT):
                 continue
             value = _node_text(n)
             shown = "?" if value is None else repr(value)  # a choice the events did not carry
-            done = "" if n.status == "done" else " …"
+            done = "" if n.status is Status.DONE else " …"
             out.append(f"{n.name} = {shown}{done}{where}")
     return out
 
@@ -119,14 +121,14 @@ def _messages(tl: Timeline, root: int | None) -> list[str]:
     p = tl.programs.get(root) if root is not None else None
     for nid in p.nodes if p else []:
         n = tl.nodes[nid]
-        if n.kind == "RoleBegin":
+        if n.kind is NodeKind.ROLE_BEGIN:
             role, parts = (n.label or "RoleBegin ?").split()[-1], []
-        elif n.kind == "RoleEnd" and role is not None:
+        elif n.kind is NodeKind.ROLE_END and role is not None:
             out.append(f"{role}: {''.join(parts)!r}")
             role = None
         elif role is not None:
             text = _node_text(n)
-            parts.append(text if text is not None else f"<{n.label or n.kind}>")
+            parts.append(text if text is not None else f"<{n.label or n.kind or '?'}>")
     if role is not None:
         out.append(f"{role}: {''.join(parts)!r} …")
     return out

@@ -20,8 +20,9 @@ from textual.containers import VerticalScroll
 from textual.geometry import Region
 from textual.widgets import Static
 
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.tracing.timeline import NodeView, Timeline
-from sgl_nb.tui.rows import NodeRow, Position
+from sgl_nb.tui.rows import NodeRow, Position, Where
 
 SHADES = ("on #2a2f3a", "on #3b3450")
 LANE_STYLE = "cyan"
@@ -102,7 +103,7 @@ class _Stream:
         for pid, p in self.tl.programs.items():
             if pid not in self._walked and p.nodes:
                 out.append(self._lane(pid, p.function or f"program {pid}"))
-        if self.position.where == "decode" and not self._cursor:
+        if self.position.where is Where.DECODE and not self._cursor:
             out.append(Text("▮", style="bold yellow"))  # its Node is not in the events yet
         return _tidy(out)
 
@@ -113,7 +114,7 @@ class _Stream:
         for nid in self.tl.programs[pid].nodes:
             n = self.tl.nodes[nid]
             self._node(text, n)
-            children = self.forks.get(nid, []) if n.kind == "Fork" else []
+            children = self.forks.get(nid, []) if n.kind is NodeKind.FORK else []
             if children:
                 out.append(text)
                 out += [self._lane(cid, f"branch {i}") for i, cid in enumerate(children)
@@ -128,7 +129,7 @@ class _Stream:
         if pid not in self.tl.programs:  # named by its fork, no event of its own yet
             self._walked.add(pid)
             return Lane(label, current=current)
-        ended = self.tl.programs[pid].status in ("done", "error", "cancelled")
+        ended = self.tl.programs[pid].status.ended
         return Lane(label, _tidy(self._program(pid)), current=current, ended=ended)
 
     def _node(self, text: Text, n: NodeView) -> None:
@@ -145,7 +146,7 @@ class _Stream:
             self.count += len(n.tokens)
         elif n.text:
             text.append(_visible(n.text), style="dim")
-        if current and self.position.where == "decode":
+        if current and self.position.where is Where.DECODE:
             text.append("▮", style="bold yellow")  # where the next token goes
             self._cursor = True
 

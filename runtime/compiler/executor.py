@@ -28,6 +28,7 @@ from typing import Protocol
 from sgl_nb.runtime.compiler.instructions import Cancelled, Instruction, Op
 from sgl_nb.runtime.compiler.ir import Node, NodeKind
 from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.events import Event, InstructionFinished, InstructionStarted
 from sgl_nb.runtime.status import Status
 
 log = logging.getLogger("sgl_nb.executor")
@@ -41,8 +42,9 @@ class ProgramHost(Protocol):
     id: int
     debug: StepController | None
 
-    def emit(self, kind: str, node: int | None = None, request: int | None = None,
-             data: dict | None = None) -> None: ...
+    def emit(self, cls: type[Event], **fields) -> None:
+        """Publish a `cls` event of this program (runtime/events.py)."""
+        ...
 
     def node_started(self, node: Node) -> str:
         """Called as the Node is about to start: "run", or "skipped" / "cancelled" (it does
@@ -174,7 +176,7 @@ class Executor:
         ins.status = Status.RUNNING
         track.running.add(ins)
         if not ins.on_engine:
-            host.emit("instruction_started", node=ins.node, data=_ids(ins))
+            host.emit(InstructionStarted, node=ins.node, op=ins.op, index=ins.index)
 
         def done(error: BaseException | None, usage: dict | None = None) -> None:
             self.post(lambda: self._finish(track, ins, error, usage))
@@ -184,8 +186,8 @@ class Executor:
         except BaseException as e:  # noqa: BLE001 - the Instruction fails, not the executor
             done(e)
         if ins.on_engine:  # named by its request, so token events find it
-            host.emit("instruction_started", node=ins.node, request=ins.request,
-                      data=_ids(ins))
+            host.emit(InstructionStarted, node=ins.node, request=ins.request, op=ins.op,
+                      index=ins.index)
 
     def _start_scores(self, track: _Track, group: list) -> None:
         for ins in group:
@@ -205,8 +207,8 @@ class Executor:
                 done(e)
         for ins, rid in zip(group, rids):
             ins.request = rid
-            track.host.emit("instruction_started", node=ins.node, request=rid,
-                            data=_ids(ins))
+            track.host.emit(InstructionStarted, node=ins.node, request=rid, op=ins.op,
+                            index=ins.index)
 
     def _finish(self, track: _Track, ins: Instruction, error: BaseException | None,
                 usage: dict | None) -> None:
@@ -216,10 +218,9 @@ class Executor:
             track.error = error
             track.todo.clear()  # the rest of a failed Node does not run
         ins.usage = usage or {}
-        data = {**_ids(ins), **ins.usage}
-        if error is not None:
-            data.update(status=ins.status, error=repr(error))
-        track.host.emit("instruction_finished", node=ins.node, request=ins.request, data=data)
+        track.host.emit(InstructionFinished, node=ins.node, request=ins.request, op=ins.op,
+                        index=ins.index, status=ins.status, usage=ins.usage,
+                        error=None if error is None else repr(error))
 
     def _finish_node(self, track: _Track) -> None:
         node, error = track.node, track.error
@@ -227,10 +228,6 @@ class Executor:
         track.host.node_finished(node, error)
         if track.host.debug is not None:
             track.host.debug.after_node(node)
-
-
-def _ids(ins: Instruction) -> dict:
-    return {"kind": ins.kind, "index": ins.index}
 
 
 def _status(error: BaseException | None) -> Status:

@@ -20,7 +20,15 @@ from sgl_nb.backends.remote.handle import RemoteHandle, ScoreShare, usage_of
 from sgl_nb.backends.remote.http import HttpClient, RemoteError, RemoteFeatureError, Timeouts
 from sgl_nb.backends.remote.openai_api import OpenAIApi
 from sgl_nb.backends.remote.sglang_api import SGLangApi
-from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.events import (
+    Event,
+    EventBus,
+    InstructionFinished,
+    InstructionStarted,
+    Op,
+    Status,
+    Token,
+)
 from sgl_nb.runtime.grammar import GrammarError
 from sgl_nb.runtime.request import GenerateOutput
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -218,7 +226,7 @@ class RuntimeEndpoint:
         stream = stream and not (sp.logprobs or sp.top_logprobs)
         got = _Received()
         emit = self._emit if report else _silent
-        emit("instruction_started", h.rid, program, node, {"kind": "Decode", "index": 0})
+        emit(InstructionStarted, h.rid, program, node, op=Op.DECODE)
         try:
             with _naming(request):  # the model name may be asked for first
                 body = self.api.generate_body(prompt, sp, stream)
@@ -227,14 +235,14 @@ class RuntimeEndpoint:
             out.logprobs, out.top_logprobs = got.logprobs
         except BaseException as e:
             if not h.cancelled:
-                emit("instruction_finished", h.rid, program, node,
-                     {"kind": "Decode", "index": 0, "error": repr(e)})
+                emit(InstructionFinished, h.rid, program, node, op=Op.DECODE,
+                     status=Status.ERROR, error=repr(e), usage=self._server)
                 raise
             # Cancelled: the connection was shut on purpose; keep what had arrived.
             out = self._output(h, "".join(got.pieces), got.acc.get("token_ids", []),
                                {**got.acc.get("meta", {}), "finish_reason": "abort"})
-        emit("instruction_finished", h.rid, program, node,
-             {"kind": "Decode", "index": 0, **usage_of(out.meta)})
+        emit(InstructionFinished, h.rid, program, node, op=Op.DECODE,
+             usage={**usage_of(out.meta), **self._server})
         return out
 
     def _send_stream(self, h: RemoteHandle, path: str, body: dict, request: str,
@@ -245,8 +253,7 @@ class RuntimeEndpoint:
             if delta:
                 got.pieces.append(delta)
                 h.push(delta)
-                self._emit("token", h.rid, program, node,
-                           {"token": None, "text": delta, "logprob": None})
+                self._emit(Token, h.rid, program, node, text=delta)
         meta = got.acc.get("meta", {})
         if meta.get("finish_reason") is None:
             raise RemoteError(self.base_url, request, "the stream ended without a finish reason")
@@ -314,7 +321,7 @@ class RuntimeEndpoint:
         path = "/v1/completions" if self.api_name == "openai" else "/generate"
         request = f"POST {path} (select, request {rid}{_where(program, node)})"
         emit = self._emit if report else _silent
-        emit("instruction_started", rid, program, node, {"kind": "Score", "index": 0})
+        emit(InstructionStarted, rid, program, node, op=Op.SCORE)
         try:
             with _naming(request):
                 body = self.api.score_body(pre, ids)
@@ -322,12 +329,12 @@ class RuntimeEndpoint:
             scores, usage = self.api.parse_score(obj, pre, ids, request)
             self.token_usage.add(usage.get("prompt_tokens"), 0)
         except BaseException as e:
-            emit("instruction_finished", rid, program, node,
-                 {"kind": "Score", "index": 0, "error": repr(e)})
+            emit(InstructionFinished, rid, program, node, op=Op.SCORE, status=Status.ERROR,
+                 error=repr(e), usage=self._server)
             raise
-        emit("instruction_finished", rid, program, node,
-             {"kind": "Score", "index": 0, **usage_of({**usage, "completion_tokens": 0,
-                                                       "finish_reason": "score"})})
+        figures = usage_of({**usage, "completion_tokens": 0, "finish_reason": "score"})
+        emit(InstructionFinished, rid, program, node, op=Op.SCORE,
+             usage={**figures, **self._server})
         return scores, usage
 
     def _ids(self, text: str | list[int]) -> list[int]:
@@ -339,10 +346,14 @@ class RuntimeEndpoint:
 
     # ---- events -------------------------------------------------------------------------
 
-    def _emit(self, kind: str, rid: int, program: int | None, node: int | None,
-              data: dict) -> None:
-        self.events.emit(kind, program=program, node=node, request=rid,
-                         data={**data, "request": rid, "server": self.base_url})
+    def _emit(self, cls: type[Event], rid: int, program: int | None, node: int | None,
+              **fields) -> None:
+        self.events.emit(cls, program=program, node=node, request=rid, **fields)
+
+    @property
+    def _server(self) -> dict:
+        """What an instruction_finished event says of where its request ran."""
+        return {"server": self.base_url}
 
 
 class _Received:
@@ -363,7 +374,7 @@ def _naming(request: str):
         raise type(e)(e.server, f"{request}, at {e.request}", e.problem, e.status) from e
 
 
-def _silent(*_args) -> None:
+def _silent(*_args, **_fields) -> None:
     """A request the executor reports: no events of its own."""
 
 

@@ -20,6 +20,7 @@ from sgl_nb.bench import add_model_argument
 SETUP = """
 import time
 import sgl_nb as sgl
+from sgl_nb.runtime.events import InstructionFinished
 rt = sgl.Runtime({model!r})
 sgl.set_default_backend(rt)
 events = rt.events.subscribe()
@@ -44,7 +45,7 @@ while left is None and time.monotonic() < deadline:
         e = events.get(timeout=0.05)
     except Exception:
         continue
-    if e.kind == "instruction_finished" and e.data.get("finish_reason") == "abort":
+    if isinstance(e, InstructionFinished) and e.usage.get("finish_reason") == "abort":
         left = e.ts / 1e9
 m = rt.metrics()
 print("left", left, "busy", m["running"] + m["waiting"] + m["prefilling"] + m["suspended"],

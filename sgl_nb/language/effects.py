@@ -20,6 +20,15 @@ from sgl_nb.language.select_scoring import choose
 from sgl_nb.runtime.compiler.executor import Done
 from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
 from sgl_nb.runtime.compiler.ir import Node, NodeKind, node_params
+from sgl_nb.runtime.events import (
+    Event,
+    Failed,
+    Forked,
+    Joined,
+    NodeFinished,
+    NodeStarted,
+    ProgramStarted,
+)
 from sgl_nb.runtime.status import Status
 
 # A fork's shared Extend runs only when at least this much of the branches' common text is
@@ -32,18 +41,16 @@ class ProgramEffects(ReplayEffects):
 
     # ---- the executor's host interface ------------------------------------------------
 
-    def emit(self, kind: str, node: int | None = None, request: int | None = None,
-             data: dict | None = None) -> None:
+    def emit(self, cls: type[Event], **fields) -> None:
         if self.events is not None:
-            self.events.emit(kind, program=self.id, node=node, request=request,
-                             data=data or {})
+            self.events.emit(cls, program=self.id, **fields)
 
     def node_started(self, node: Node) -> str:
         if node.kind is NodeKind.INIT:  # its Instruction runs even for a program cancelled at once
             node.status = Status.RUNNING
-            self.emit("program_started", data={
-                "function": node.detail["function"], "priority": self.priority,
-                "parent": None, "model": self._model_name(), **node.detail.get("call", {})})
+            self.emit(ProgramStarted, function=node.detail["function"],
+                      priority=self.priority, model=self._model_name(),
+                      **node.detail.get("call", {}))
             return "run"
         if node.kind is NodeKind.RETURN:
             return "run"  # a cancelled or failed program still ends
@@ -94,8 +101,7 @@ class ProgramEffects(ReplayEffects):
             self._node_end(node, error)
         elif node.status is Status.CANCELLED:
             node.output, node.end_ns = "", time.monotonic_ns()
-            self.emit("node_finished", node=node.id, data={"status": Status.CANCELLED,
-                                                           "text": ""})
+            self.emit(NodeFinished, node=node.id, status=Status.CANCELLED, text="")
         with self._cond:
             self._pending -= 1
             self._cond.notify_all()
@@ -104,11 +110,12 @@ class ProgramEffects(ReplayEffects):
 
     def _node_started_event(self, node: Node) -> None:
         node.start_ns = time.monotonic_ns()
-        data = {"kind": node.kind, "name": node.name, "line": node.line, "file": node.file,
-                "label": node.label(), "preds": list(node.preds), "stack": list(node.stack)}
+        params = None
         if node.kind in (NodeKind.GEN, NodeKind.SELECT):  # what a re-run or a diff compares it by
-            data["params"] = json.dumps(node_params(node), default=repr, sort_keys=True)
-        self.emit("node_started", node=node.id, data=data)
+            params = json.dumps(node_params(node), default=repr, sort_keys=True)
+        self.emit(NodeStarted, node=node.id, node_kind=node.kind, name=node.name,
+                  line=node.line, file=node.file, label=node.label(), preds=tuple(node.preds),
+                  stack=tuple(node.stack), params=params)
 
     def _node_end(self, node: Node, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
@@ -118,15 +125,15 @@ class ProgramEffects(ReplayEffects):
             if self._error is None:
                 self._set_error(error, node.file)
                 self._error_line = node.line
-            self.emit("error", node=node.id, data={"error": repr(error), "line": node.line})
+            self.emit(Failed, node=node.id, error=repr(error), line=node.line)
         else:
             node.status = Status.DONE
         node.output = self._text[self._node_start.pop(node.id, 0):]
         node.end_ns = time.monotonic_ns()
-        done = {"status": node.status, "text": node.output}
+        value = None
         if node.name is not None and node.name in self._vars:
-            done["value"] = repr(self._vars[node.name])
-        self.emit("node_finished", node=node.id, data=done)
+            value = repr(self._vars[node.name])
+        self.emit(NodeFinished, node=node.id, status=node.status, text=node.output, value=value)
 
     def _end_program(self, node: Node) -> None:
         body_error, file = self._payloads.get(node.id) or (None, None)
@@ -134,7 +141,7 @@ class ProgramEffects(ReplayEffects):
             if body_error is not None and self._error is None:
                 self._set_error(body_error, file)
         node.status = self._end_status()
-        self.emit("program_finished", data=self._end_data())
+        self._emit_finished()
         with self._cond:
             self._finished = True
             self._cond.notify_all()
@@ -381,11 +388,10 @@ class ProgramEffects(ReplayEffects):
                 c.replay = self.replay.branch(self._steps[node.id].index, i)
         self._children.extend(children)
         self._forked[node.id] = children
-        self.emit("fork", node=node.id, data={"n": ins.n, "children": [c.id for c in children]})
+        self.emit(Forked, node=node.id, n=ins.n, children=tuple(c.id for c in children))
         for i, c in enumerate(children):
-            c.emit("program_started", node=node.id, data={
-                "function": f"branch {i}", "priority": self.priority, "parent": self.id,
-                "model": self._model_name()})
+            c.emit(ProgramStarted, node=node.id, function=f"branch {i}",
+                   priority=self.priority, parent=self.id, model=self._model_name())
 
     def _join_branches(self, node: Node, ins: Join) -> None:
         states = [c for c in self._children if c.id in ins.branches]
@@ -393,23 +399,23 @@ class ProgramEffects(ReplayEffects):
             at = self.nodes.index(node)
             self.nodes[at:at] = [n for s in states for n in s.nodes]
         for s in states:
-            s.emit("program_finished", data=s._end_data())
-        branches = [s.id for s in states]
+            s._emit_finished()
+        branches = tuple(s.id for s in states)
         failed = next((s for s in states if s._error is not None), None)
         if self._cancelled:  # the branches' variables are kept; the program goes no further
             self._gather(states)
-            self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+            self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
             raise self._cancel_error(f"program {self.id} was cancelled")
         if failed is not None:
             self._set_error(failed._error)
             self._error_line = failed._error_line
-            self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+            self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
             raise failed._error
         if ins.mode == "concate_and_append":
             self._append("".join(s._text[s._fork_point:] for s in states))
         else:
             self._gather(states)
-        self.emit("join", node=node.id, data={"mode": ins.mode, "children": branches})
+        self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
 
     def _gather(self, states) -> None:
         """SGLang's gather_variable: a name the parent does not have becomes a list of the

@@ -25,6 +25,7 @@ from sgl_nb.language.state import ProgramState
 from sgl_nb.language.trace import ProgramGraph, static_prefix, trace_program
 from sgl_nb.runtime.compiler.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.events import Paused, Resumed
 from sgl_nb.runtime.priority import parse_priority, priority_name
 
 _default_backend = None
@@ -180,8 +181,8 @@ class SglFunction:
         file = self.func.__code__.co_filename
         if controller is not None:
             controller.on_hold = lambda at, node: state.emit(
-                "paused" if at else "resumed", node=getattr(node, "id", None),
-                data={"at": at, "reason": "step controller"})
+                Paused if at else Resumed, node=getattr(node, "id", None), at=at,
+                reason="step controller")
 
         def body() -> None:
             state._body_thread = threading.current_thread()

@@ -40,6 +40,7 @@ from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.passes import run_passes
 from sgl_nb.runtime.compiler.step_controller import StepController
+from sgl_nb.runtime.events import ProgramFinished
 from sgl_nb.runtime.status import Status
 
 _state_ids = itertools.count(1)
@@ -541,10 +542,9 @@ class ProgramState(ProgramEffects):
         return Status.CANCELLED if self._cancelled else Status.ERROR if self._error \
             else Status.DONE
 
-    def _end_data(self) -> dict:
-        """The program_finished event's data."""
-        return {"error": repr(self._error) if self._error else None, "line": self._error_line,
-                "status": self._end_status()}
+    def _emit_finished(self) -> None:
+        self.emit(ProgramFinished, status=self._end_status(), line=self._error_line,
+                  error=repr(self._error) if self._error else None)
 
     def __repr__(self) -> str:
         return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"

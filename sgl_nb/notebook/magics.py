@@ -26,6 +26,7 @@ from sgl_nb.backends.backend import is_backend
 from sgl_nb.language.function import get_default_backend, set_batch_view, set_default_backend
 from sgl_nb.language.state import ProgramState
 from sgl_nb.notebook.cell_program import compile_cell, parse_args
+from sgl_nb.runtime.events import ProgramFinished
 
 PRIORITIES = ("interactive", "normal", "batch")
 # What a %%sgl cell (and a cell's run_batch) shows: the full widget, one line, or nothing.
@@ -391,7 +392,7 @@ class _ProgramEnd:
             self._unsubscribe()
 
     def _on_event(self, event) -> None:
-        if event.kind != "program_finished":
+        if not isinstance(event, ProgramFinished):
             return
         with self.cond:
             self.ended.add(event.program)

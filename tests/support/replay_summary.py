@@ -54,7 +54,7 @@ def _node(n) -> dict:
 
 def _instruction(i) -> dict:
     return {"kind": i.kind, "index": i.index, "request": i.request, "status": i.status,
-            "attrs": i.attrs, "marks": [m[0] for m in i.marks]}
+            "attrs": i.attrs, "marks": [m.kind for m in i.marks]}
 
 
 def _row(r) -> list:

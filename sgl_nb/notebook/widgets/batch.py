@@ -12,7 +12,6 @@ ones. Nothing is built for the items nobody opens.
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import threading
 import time
@@ -20,7 +19,6 @@ import time
 import ipywidgets as W
 
 from sgl_nb.notebook.widgets.compact import (
-    ENDED,
     StaticCopy,
     Tally,
     cache_text,
@@ -29,7 +27,8 @@ from sgl_nb.notebook.widgets.compact import (
 )
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
-from sgl_nb.runtime.events import Event, EventBus
+from sgl_nb.runtime.events import Event, EventBus, Forked
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
 _LABEL_CHARS = 60
@@ -123,39 +122,42 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
                     continue
                 self.timeline.apply(e)
                 if item in self._replays:  # an opened full widget follows it live
-                    self._replays[item].events.publish(dataclasses.replace(e))
+                    self._replays[item].events.publish(e)
                 self.tallies[item].add(e)
                 changed = True
                 if self._start_ns is None or e.ts < self._start_ns:
                     self._start_ns = e.ts
-                if e.kind == "fork":
-                    for child in e.data.get("children") or []:
+                if isinstance(e, Forked):
+                    for child in e.children:
                         self._root[child] = item
         return changed
 
-    def status(self, i: int) -> str:
-        """Item i's status: its program's end as the events say, else as its future says."""
+    def status(self, i: int) -> Status:
+        """Item i's status: its program's end as the events say, else as its future says
+        (PENDING: queued)."""
         fut = self.futures[i] if i < len(self.futures) else None
         if fut is None:
-            return "queued"
+            return Status.PENDING
         p = self.timeline.programs.get(fut.state.id)
-        if p is not None and p.status in ENDED:
+        if p is not None and p.status.ended:
             return p.status
         if fut.done():
-            return "cancelled" if fut.cancelled() else "error" if fut.state._error else "done"
-        return "running" if p is not None else "queued"
+            return (Status.CANCELLED if fut.cancelled() else Status.ERROR if fut.state._error
+                    else Status.DONE)
+        return Status.RUNNING if p is not None else Status.PENDING
 
     def counts(self) -> dict:
         """How many items are done, running (started or queued), failed and cancelled."""
         with self._lock:
             statuses = [self.status(i) for i in range(self.n)]
-        out = {k: statuses.count(k) for k in ("done", "error", "cancelled")}
-        return {"total": self.n, "done": out["done"], "failed": out["error"],
-                "cancelled": out["cancelled"], "running": self.n - sum(out.values())}
+        done, failed, cancelled = (statuses.count(k) for k in (Status.DONE, Status.ERROR,
+                                                                Status.CANCELLED))
+        return {"total": self.n, "done": done, "failed": failed, "cancelled": cancelled,
+                "running": self.n - done - failed - cancelled}
 
     def _finished(self) -> bool:
         return len(self.futures) == self.n and all(
-            self.status(i) in ENDED for i in range(self.n))
+            self.status(i).ended for i in range(self.n))
 
     # ---- rendering -------------------------------------------------------------------------
 
@@ -233,7 +235,7 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
                 family = {p for p, item in self._root.items() if item == i}
                 for e in list(self.timeline.events):
                     if e.program in family:
-                        replay.events.publish(dataclasses.replace(e))  # its own seq
+                        replay.events.publish(e)  # its own seq
                 self._replays[i] = replay
                 self.full[i] = widget.attach(self.futures[i].state)
             if self._opened == i:
@@ -250,7 +252,9 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
         seconds = gen_seconds(self.timeline, family, time.monotonic_ns())
         tok_s = t.generated / seconds if seconds > 0 else 0.0
         name = f"#{i}" + (f" program {pid}" if pid is not None else "")
-        return program_parts(self.status(i), name, t.generated, tok_s, t.cached, t.prompt)
+        status = self.status(i)
+        word = "queued" if status is Status.PENDING else status.value
+        return program_parts(word, name, t.generated, tok_s, t.cached, t.prompt)
 
     def _render_item(self, i: int) -> None:
         p = (self.timeline.programs.get(self.futures[i].state.id)

@@ -21,10 +21,11 @@ from traitlets import Float, Int, Unicode
 
 from sgl_nb.notebook.widgets.static_view import stop_after_cell
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.events import CacheHit, Event, Forked, Token
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
-ENDED = ("done", "error", "cancelled")
 _COLOURS = {"done": "#15803d", "error": "#b91c1c", "cancelled": "#a16207",
             "running": "#2563eb", "starting": "#6b7280"}
 
@@ -38,11 +39,11 @@ class Tally:
     prompt: int = 0
 
     def add(self, e: Event) -> None:
-        if e.kind == "token":
+        if isinstance(e, Token):
             self.generated += 1
-        elif e.kind == "cache_hit":
-            self.cached += e.data.get("cached_tokens") or 0
-            self.prompt += e.data.get("prompt_tokens") or 0
+        elif isinstance(e, CacheHit):
+            self.cached += e.cached_tokens
+            self.prompt += e.prompt_tokens
 
 
 def gen_seconds(tl: Timeline, pids, now_ns: int) -> float:
@@ -50,7 +51,7 @@ def gen_seconds(tl: Timeline, pids, now_ns: int) -> float:
     spans = [(n.end_ns or now_ns) - n.start_ns
              for pid in pids if pid in tl.programs
              for n in (tl.nodes[i] for i in tl.programs[pid].nodes)
-             if n.kind == "Gen" and n.start_ns is not None]
+             if n.kind is NodeKind.GEN and n.start_ns is not None]
     return sum(spans) / 1e9
 
 
@@ -173,13 +174,13 @@ class CompactView(PumpedView, StaticCopy, W.HTML):
                 self.timeline.apply(e)
                 self.tally.add(e)
                 changed = True
-                if e.kind == "fork" and e.data.get("children"):
-                    self._family.update(e.data["children"])
+                if isinstance(e, Forked):
+                    self._family.update(e.children)
         return changed
 
     def _finished(self) -> bool:
         p = self.timeline.programs.get(self.program_id)
-        return p is not None and p.status in ENDED
+        return p is not None and p.status.ended
 
     def stop(self) -> bool:
         """Cancel the program; False if it had already ended."""
@@ -188,8 +189,8 @@ class CompactView(PumpedView, StaticCopy, W.HTML):
     def render(self) -> None:
         with self._lock:
             p = self.timeline.programs.get(self.program_id)
-            status = "starting" if p is None else p.status
-            if p is not None and p.status == "suspended" and p.reason:
+            status = "starting" if p is None else p.status.value
+            if p is not None and p.status is Status.SUSPENDED and p.reason:
                 status = "held" if p.reason.startswith("held") else "suspended"
             seconds = gen_seconds(self.timeline, self._family, time.monotonic_ns())
             t = self.tally

@@ -36,7 +36,8 @@ from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.notebook.widgets.variables import VariablesPanel
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.events import CACHE_EVENTS, Event, Forked
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
 # While tokens stream, the views beside the stream (stepper, cache tree, variables, call
@@ -133,19 +134,19 @@ class ProgramWidget(PumpedView, W.VBox):
         with self._lock:
             for e in sorted(events, key=lambda e: e.seq):
                 if e.program not in self._family:
-                    changed |= e.kind.startswith("cache_")
+                    changed |= isinstance(e, CACHE_EVENTS)
                     continue
                 self.timeline.apply(e)
                 self.timings.apply(e)
                 changed = True
-                if e.kind == "fork" and e.data.get("children"):
-                    self.forks[e.node] = list(e.data["children"])
-                    self._family.update(e.data["children"])
+                if isinstance(e, Forked) and e.children:
+                    self.forks[e.node] = list(e.children)
+                    self._family.update(e.children)
         return changed
 
     def _finished(self) -> bool:
         p = self.timeline.programs.get(self.program_id)
-        return p is not None and p.status in ("done", "error", "cancelled")
+        return p is not None and p.status.ended
 
     def _hold_changed(self) -> bool:
         c = self.state.debug if self.state is not None else None
@@ -187,7 +188,7 @@ class ProgramWidget(PumpedView, W.VBox):
                 p = tl.programs[pid]
                 debug = self.state.debug
                 is_held = debug is not None and debug.waiting_at is not None and not finished
-                self.status = f"held at a {debug.waiting_at}" if is_held else p.status
+                self.status = f"held at a {debug.waiting_at}" if is_held else p.status.value
                 self.error = self._error_text(p.error) if p.error else ""
                 self.stream.update(model, self.status if not self.error else "error")
                 if self.error:
@@ -367,12 +368,12 @@ class ProgramWidget(PumpedView, W.VBox):
         node = self._live.get(view.id)
         if node is None:
             return None
-        if node.kind == "Select":
+        if node.kind is NodeKind.SELECT:
             value = state._vars.get(node.name) if node.name else None
             return value if isinstance(value, str) else None
         text = node.detail.get("text")
-        first = next((n for n in state.nodes if n.kind != "Init"), None)
-        if (node is first and node.kind == "RoleBegin" and text is not None
+        first = next((n for n in state.nodes if n.kind is not NodeKind.INIT), None)
+        if (node is first and node.kind is NodeKind.ROLE_BEGIN and text is not None
                 and node.detail.get("role") != "system"):
             # A chat that opens without a system turn gets the template's default system
             # prompt before this role's prefix (ProgramState._role_marker); the node's own

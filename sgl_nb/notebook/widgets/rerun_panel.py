@@ -27,6 +27,9 @@ from sgl_nb.language.rerun import EDITABLE, check_edit, resolve_at
 from sgl_nb.language.run_record import record_of_state
 from sgl_nb.notebook.cell_program import SAMPLING_HINT, parse_edit
 from sgl_nb.notebook.widgets.stepper import source_line
+from sgl_nb.runtime.compiler.instructions import Op
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.events import CacheHit
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
@@ -82,15 +85,16 @@ def _prob(logprob: float | None) -> float | None:
 
 
 def _where(tl: Timeline, view: NodeView) -> dict:
-    hits = [e.data for e in tl.cache_events if e.kind == "cache_hit" and e.node == view.id]
-    ins = next((i for i in view.instructions if i.kind == "Decode"),
+    hits = [e for e in tl.cache_events if isinstance(e, CacheHit) and e.node == view.id]
+    ins = next((i for i in view.instructions if i.kind is Op.DECODE),
                view.instructions[-1] if view.instructions else None)
-    return {"label": view.label or view.kind or "?", "kind": view.kind, "name": view.name,
+    kind = view.kind.value if view.kind is not None else None
+    return {"label": view.label or kind or "?", "kind": kind, "name": view.name,
             "line": view.line, "source": source_line(view.file, view.line),
-            "instruction": (f"{ins.kind} #{ins.index} (request {ins.request})"
+            "instruction": (f"{ins.kind.value} #{ins.index} (request {ins.request})"
                             if ins is not None else None),
-            "cached": hits[-1].get("cached_tokens") if hits else None,
-            "prompt": hits[-1].get("prompt_tokens") if hits else None}
+            "cached": hits[-1].cached_tokens if hits else None,
+            "prompt": hits[-1].prompt_tokens if hits else None}
 
 
 # ---- re-run from here ---------------------------------------------------------------------
@@ -101,7 +105,7 @@ def _nodes_of(state) -> dict:
 
 
 def _output(node) -> str:
-    if node.kind == "Text":
+    if node.kind is NodeKind.TEXT:
         return node.detail.get("text") or ""
     return "" if node.output is None else str(node.output)
 
@@ -143,7 +147,7 @@ class RerunPanel(W.VBox):
         self.value.value = _output(node) if editable else ""
         self.sampling.value = ""
         self.value.layout.display = None if editable else "none"
-        self.sampling.layout.display = None if node.kind == "Gen" else "none"
+        self.sampling.layout.display = None if node.kind is NodeKind.GEN else "none"
         self.button.layout.display = None if editable else "none"
         self.message.value = ("" if editable else
                               "<i>a re-run starts at a Gen, a Select or a Text Node</i>")

@@ -19,9 +19,10 @@ from traitlets import Int, List, Unicode
 
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
 from sgl_nb.notebook.widgets.timing import Timings
-from sgl_nb.runtime.compiler.ir import PROGRAM_NODES
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, NodeKind
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.step_controller import Breakpoint, StepController
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
 _CSS = """
@@ -44,11 +45,11 @@ class Row:
     """One Node of the graph, whether it ran (Timeline) or is still queued (live Node)."""
 
     id: int
-    kind: str | None
+    kind: NodeKind | None
     name: str | None
     label: str
     line: int | None
-    status: str
+    status: Status
     preds: list[int] = field(default_factory=list)
     instructions: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -64,16 +65,17 @@ def graph_rows(tl: Timeline, programs: list[int], live_nodes: list,
     started = [tl.nodes[nid] for pid in programs if pid in tl.programs
                for nid in tl.programs[pid].nodes]
     for n in sorted(started, key=lambda n: (n.start_ns or 0, n.id)):
-        ins = [f"{i.kind} [{i.status}]" for i in n.instructions]
+        ins = [f"{i.kind.value} [{i.status.value}]" for i in n.instructions]
         timing = timings.node(n.id).summary() if timings is not None else ""
-        rows.append(Row(n.id, n.kind, n.name, n.label or n.kind or "?", n.line, n.status,
+        label = n.label or (n.kind.value if n.kind is not None else "?")
+        rows.append(Row(n.id, n.kind, n.name, label, n.line, n.status,
                         list(n.preds), ins, len(n.tokens), timing, n.file))
         seen.add(n.id)
     for node in live_nodes:
         if node.id not in seen and node.kind not in PROGRAM_NODES:
             rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
                             node.status, list(node.preds),
-                            [f"{i.kind} [pending]" for i in lower(node)],
+                            [f"{i.op.value} [pending]" for i in lower(node)],
                             file=node.file))
     return rows
 
@@ -104,7 +106,8 @@ def parse_breakpoint(spec: str) -> Breakpoint:
 
 
 def describe(bp: Breakpoint) -> str:
-    return " ".join(f"{k}={v}" for k, v in (("name", bp.name), ("kind", bp.kind),
+    kind = bp.kind.value if bp.kind is not None else None
+    return " ".join(f"{k}={v}" for k, v in (("name", bp.name), ("kind", kind),
                                               ("line", bp.line)) if v is not None)
 
 
@@ -230,7 +233,7 @@ class StepperView(W.VBox):
         held = c.waiting_at if c is not None else None
         current = c.current.id if c is not None and c.current is not None and held else None
         if current is None:
-            running = [r for r in rows if r.status == "running"]
+            running = [r for r in rows if r.status is Status.RUNNING]
             current = running[-1].id if running else None
         self._rows = {r.id: r for r in rows}
         self.waiting_at = held or ""
@@ -300,7 +303,7 @@ class StepperView(W.VBox):
         preds = f" ← {', '.join(f'#{p}' for p in r.preds)}" if len(r.preds) > 1 else ""
         return (f'<div class="sgl-node{cur}" data-node="{r.id}"{sel}>{mark} #{r.id:<4} '
                 f'{html.escape(f"{r.label:<40}")} {line:<8} '
-                f'<span class="sgl-st-{r.status}">[{r.status}]</span>{preds}</div>')
+                f'<span class="sgl-st-{r.status.value}">[{r.status.value}]</span>{preds}</div>')
 
     def _redraw(self) -> None:
         """The selection moved: re-send the rows it marks (two at most)."""

@@ -45,12 +45,19 @@ from dataclasses import dataclass
 import anywidget
 from traitlets import Dict, Float, Int, Unicode
 
+from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.events import CacheHit
+from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
 ORIGINS = ("prompt", "cached", "generated", "forced")
 CODES = {"prompt": "p", "cached": "c", "generated": "g", "forced": "f", "template": "t"}
 ORIGIN_OF = {v: k for k, v in CODES.items()}
-ENDED = ("done", "error", "cancelled")
+# The status words (the `status` trait) of a run that has ended.
+ENDED = frozenset(s.value for s in Status if s.ended)
+# The kinds, as the wire names them ("n"), whose Node binds a variable.
+_BINDING = (NodeKind.GEN.value, NodeKind.SELECT.value)
+_ROLE_KINDS = (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END)
 
 
 def _inline_attr(origin: str) -> str:
@@ -119,12 +126,12 @@ class StreamModel:
         return self._whole()[1]
 
     def nodes(self) -> dict[int, list]:
-        """Node id -> [kind, name, status] of every Node the lanes show."""
+        """Node id -> [kind, name, status] of every Node the lanes show (the wire form)."""
         out = {}
         for pid in self.lanes():
             for nid in self.tl.programs[pid].nodes if pid in self.tl.programs else []:
                 n = self.tl.nodes[nid]
-                out[nid] = [n.kind, n.name, n.status]
+                out[nid] = [n.kind.value if n.kind else None, n.name, n.status.value]
         return out
 
     def html(self) -> str:
@@ -151,15 +158,15 @@ class StreamModel:
         pending: list[tuple[NodeView, list[Piece]]] = []
         for nid in p.nodes:
             n = self.tl.nodes[nid]
-            if n.kind in ("Gen", "Select"):
+            if n.kind in (NodeKind.GEN, NodeKind.SELECT):
                 requests.append((len(text), self._cached_tokens(n)))
             pieces = self._pieces(n, len(text))
             text += "".join(pc.text for pc in pieces)
             pending.append((n, pieces))
         for n, pieces in pending:
-            if n.kind == "Fork":
+            if n.kind is NodeKind.FORK:
                 children = self._fork_children(n, p.children)
-                items.append({"k": "fork", "t": f"[{n.label or n.kind}]", "n": n.id,
+                items.append({"k": "fork", "t": f"[{n.label or n.kind.value}]", "n": n.id,
                               "b": list(children)})
                 for cid in children:
                     self._program_items(cid, prefix + self._text_at(pending, n), lanes)
@@ -184,21 +191,21 @@ class StreamModel:
         return text
 
     def _cached_tokens(self, n: NodeView) -> int:
-        hits = [e.data.get("cached_tokens") or 0 for e in self.tl.cache_events
-                if e.kind == "cache_hit" and e.node == n.id]
+        hits = [e.cached_tokens for e in self.tl.cache_events
+                if isinstance(e, CacheHit) and e.node == n.id]
         return max(hits, default=0)
 
     def _pieces(self, n: NodeView, start: int) -> list[Piece]:
-        if n.tokens and n.kind != "Select":
+        if n.tokens and n.kind is not NodeKind.SELECT:
             return self._token_pieces(n, start)
         text = n.text if n.text is not None else self.node_text(n)
         if not text:
             return []
-        if n.kind == "Select":
+        if n.kind is NodeKind.SELECT:
             return [Piece(start, text, "generated", "chosen by select")]
-        if n.kind == "Gen":  # its text without token events (a backend that sends none)
+        if n.kind is NodeKind.GEN:  # its text without token events (a backend that sends none)
             return [Piece(start, text, "generated")]
-        origin = "template" if n.kind in ("RoleBegin", "RoleEnd") else "prompt"
+        origin = "template" if n.kind in _ROLE_KINDS else "prompt"
         return [Piece(start, text, origin)]
 
     def _token_pieces(self, n: NodeView, start: int) -> list[Piece]:
@@ -232,7 +239,7 @@ class StreamModel:
         text, last = "", ("", [])
         for nid in p.nodes if p else []:
             n = self.tl.nodes[nid]
-            if n.kind == "Gen":
+            if n.kind is NodeKind.GEN:
                 last = (text, [t.token for t in n.tokens if t.token is not None])
             text += "".join(pc.text for pc in self._pieces(n, len(text)))
         return last
@@ -260,13 +267,14 @@ class StreamModel:
 
     def _node_items(self, n: NodeView, pieces: list[Piece]) -> list:
         items: list = [_wire(pc, n.id) for pc in pieces]
-        if n.kind == "RoleBegin":
+        if n.kind is NodeKind.ROLE_BEGIN:
             role = (n.label or "").split(" ")[-1] or "role"
             return [{"k": "role", "t": role, "n": n.id}, *items]
-        if n.kind in ("Gen", "Select") and n.name and n.status != "running":
+        if n.kind in (NodeKind.GEN, NodeKind.SELECT) and n.name \
+                and n.status is not Status.RUNNING:
             items.append({"k": "var", "t": n.name, "n": n.id})  # its name, once it ended
-        elif n.kind == "Join":
-            return [{"k": "mark", "t": f"[{n.label or n.kind}]", "n": n.id}]
+        elif n.kind is NodeKind.JOIN:
+            return [{"k": "mark", "t": f"[{n.label or n.kind.value}]", "n": n.id}]
         if n.error:
             items.append({"k": "err", "t": f" {n.error}", "n": n.id})
         return items
@@ -306,7 +314,7 @@ def render_html(root: int | None, lanes: dict, nodes: dict) -> str:
                 var_node = None
             if isinstance(it, list):
                 kind, name, _status = nodes.get(node, (None, None, None))
-                if var_node is None and name and kind in ("Gen", "Select"):
+                if var_node is None and name and kind in _BINDING:
                     esc = html.escape(name)
                     out.append(f'<span class="sgl-var" title="variable {esc}" '
                                f'data-var="{esc}">')
@@ -350,16 +358,16 @@ def stream_stats(tl: Timeline, program: int, now_ns: int | None = None) -> dict:
     pids = _family(tl, program)
     nodes = [tl.nodes[i] for pid in pids for i in tl.programs[pid].nodes]
     node_ids = {n.id for n in nodes}
-    hits = [e for e in tl.cache_events if e.kind == "cache_hit" and e.node in node_ids]
+    hits = [e for e in tl.cache_events if isinstance(e, CacheHit) and e.node in node_ids]
     generated = sum(len(n.tokens) for n in nodes)
     forced = sum(t.forced for n in nodes for t in n.tokens)
     now = now_ns if now_ns is not None else time.monotonic_ns()
     spans = [((n.end_ns or now) - n.start_ns) for n in nodes
-             if n.kind == "Gen" and n.start_ns is not None]
+             if n.kind is NodeKind.GEN and n.start_ns is not None]
     seconds = sum(spans) / 1e9
     return {
-        "prompt_tokens": sum(e.data.get("prompt_tokens") or 0 for e in hits),
-        "cached_tokens": sum(e.data.get("cached_tokens") or 0 for e in hits),
+        "prompt_tokens": sum(e.prompt_tokens for e in hits),
+        "cached_tokens": sum(e.cached_tokens for e in hits),
         "generated_tokens": generated,
         "forced_tokens": forced,
         "tok_per_s": generated / seconds if seconds > 0 else 0.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sgl_nb.runtime.events import Event
+from sgl_nb.runtime.events import CacheHit, Event, InstructionFinished, InstructionStarted, Token
 
 
 @dataclass
@@ -73,29 +73,28 @@ class Timings:
         if e.request is None:
             return
         r = self._requests.get(e.request)
-        if e.kind == "instruction_started":
+        if isinstance(e, InstructionStarted):
             if r is None:
-                r = self._requests[e.request] = _Request(e.node, e.data.get("kind"))
+                r = self._requests[e.request] = _Request(e.node, e.op)
                 self._by_node.setdefault(e.node, []).append(e.request)
             r.submitted = e.ts
             return
         if r is None:
             return
-        if e.kind == "cache_hit" and r.admitted is None:
+        if isinstance(e, CacheHit) and r.admitted is None:
             r.admitted = e.ts
-            r.cached_tokens = e.data.get("cached_tokens") or 0
-            r.prompt_tokens = e.data.get("prompt_tokens") or 0
-        elif e.kind == "token":
+            r.cached_tokens, r.prompt_tokens = e.cached_tokens, e.prompt_tokens
+        elif isinstance(e, Token):
             if r.first_token is None:
                 r.first_token = e.ts
             r.last_token = e.ts
-        elif e.kind == "instruction_finished":
+        elif isinstance(e, InstructionFinished):
             r.finished = e.ts
-            d = e.data
-            if d.get("input_tokens") is not None:
-                r.prompt_tokens = d["input_tokens"]
-                r.cached_tokens = d.get("cached_tokens") or 0
-            r.output_tokens = d.get("output_tokens") or 0
+            u = e.usage
+            if u.get("input_tokens") is not None:
+                r.prompt_tokens = u["input_tokens"]
+                r.cached_tokens = u.get("cached_tokens") or 0
+            r.output_tokens = u.get("output_tokens") or 0
 
     def node(self, node_id: int) -> NodeTiming:
         reqs = [self._requests[r] for r in self._by_node.get(node_id, [])]

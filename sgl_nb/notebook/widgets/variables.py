@@ -14,6 +14,7 @@ import html
 from dataclasses import dataclass
 
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+from sgl_nb.runtime.compiler.ir import NodeKind
 
 _CSS = """
 .sgl-vars{font-family:monospace;font-size:12px;max-height:240px;overflow:auto;
@@ -31,7 +32,7 @@ class Variable:
     set by code), its value's repr, and its meta in short (key -> value)."""
 
     name: str
-    kind: str | None
+    kind: NodeKind | None
     value: str
     meta: tuple[tuple[str, str], ...] = ()
 
@@ -75,7 +76,8 @@ def variables_of(state) -> list[Variable]:
     if state is None:
         return []
     values, metas = _copy(state._vars), _copy(state._meta)
-    kinds = {n.name: n.kind for n in list(state.nodes) if n.name and n.kind in ("Gen", "Select")}
+    kinds = {n.name: n.kind for n in list(state.nodes)
+             if n.name and n.kind in (NodeKind.GEN, NodeKind.SELECT)}
     return [Variable(name, kinds.get(name), _short(value),
                      tuple(meta_summary(metas.get(name) or {})))
             for name, value in values.items()]
@@ -107,7 +109,7 @@ def _empty() -> Item:
 
 
 def _row(v: Variable) -> Item:
-    kind = f' <span class="sgl-var-kind">{html.escape(v.kind)}</span>' if v.kind else ""
+    kind = f' <span class="sgl-var-kind">{v.kind.value}</span>' if v.kind else ""
     meta = " · ".join(f"{k}={val}" for k, val in v.meta)
     meta_html = f'<div class="sgl-var-meta">{html.escape(meta)}</div>' if meta else ""
     return Item(f"v:{v.name}",
