@@ -20,16 +20,14 @@ not count as urgent: only the debugged program waits while it is held.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.kv_pool import KVPool
-from sgl_nb.runtime.model.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.priority import priority_name
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import EMPTY_SLOTS, Request
+from sgl_nb.runtime.scheduled_batch import ScheduledBatch, make_batch
 
 # Admission keeps room for the tokens running requests are still expected to generate:
 # ratio x (their remaining max_new_tokens). The ratio starts cautious, relaxes a little at
@@ -46,22 +44,6 @@ IN_BATCH_SHARE_MIN = 32
 # first ("lpm"), so requests sharing a prefix run together while it is still cached. Past
 # LPM_MAX_QUEUE the ranking costs more than it saves and the queue goes in arrival order.
 LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
-
-
-@dataclass
-class ScheduledBatch:
-    reqs: list[Request]
-    new_lens: list[int]  # tokens each request computes in this step
-    forward: ForwardBatch
-    # Scoring requests: (request, first scored position, number of rows) in score_rows order.
-    scored: list[tuple[Request, int, int]]
-    # Jump-forward: (request, first row, number of rows) in score_rows order (after the
-    # scored ones) whose logits check its draft tokens (its last row is at logits_at).
-    drafts: list[tuple[Request, int, int]]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.forward.is_decode
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -342,54 +324,11 @@ class Scheduler:
             self.retract(max(self.running, key=lambda r: (r.priority, r.rid)), "KV pool full")
 
     def _make(self, is_decode: bool, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
-        reqs = [r for r, _ in chosen]
-        lens = [n for _, n in chosen]
         if not is_decode:
             for r, n in chosen:
                 if not r.draft_ids:  # a jump's tokens are output, not prompt
                     r.prefill_tokens += n
-        starts = [r.fill_len - n for r, n in chosen]  # slots already include the new ones
-        tokens = [r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, lens)]
-        out_loc = [r.slots[s:] for r, s in zip(reqs, starts)]
-        rows, scored = self._score_rows(reqs, starts, lens)
-        drafts = [] if is_decode else self._draft_rows(reqs, starts, lens, rows)
-        fb = build_batch(
-            is_decode, tokens, starts, [r.slots for r in reqs], out_loc, self.device,
-            rows or None,
-        )
-        return ScheduledBatch(reqs, lens, fb, scored, drafts)
-
-    @staticmethod
-    def _score_rows(reqs, starts, lens) -> tuple[list[int], list]:
-        """Rows (in the flattened step) whose logits score a request's next prompt token."""
-        rows: list[int] = []
-        scored = []
-        offset = 0
-        for r, start, n in zip(reqs, starts, lens):
-            if r.logprob_start is not None:
-                # Position p's logits predict token p + 1; the last token predicts nothing.
-                first = max(start, r.logprob_start - 1)
-                last = min(start + n, r.seq_len - 1)
-                if last > first:
-                    rows.extend(range(offset + first - start, offset + last - start))
-                    scored.append((r, first, last - first))
-            offset += n
-        return rows, scored
-
-    @staticmethod
-    def _draft_rows(reqs, starts, lens, rows: list[int]) -> list[tuple[Request, int, int]]:
-        """Append to rows the rows whose logits check a jump's draft tokens: from its last
-        output token's position to the one before its last new token (that one's logits
-        come anyway). Returns (request, index of its first row in rows, rows)."""
-        drafts = []
-        offset = 0
-        for r, start, n in zip(reqs, starts, lens):
-            first, last = max(start, r.committed_len - 1), start + n - 1
-            if r.draft_ids and last > first:
-                drafts.append((r, len(rows), last - first))
-                rows.extend(range(offset + first - start, offset + last - start))
-            offset += n
-        return drafts
+        return make_batch(is_decode, chosen, self.device)
 
     # ---- after a step -------------------------------------------------------------------
 
