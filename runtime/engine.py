@@ -1,7 +1,7 @@
 """The engine: one background thread that schedules, runs the model and samples, step by step.
 
 `submit` may be called from any thread; a request's progress comes back through its
-RequestHandle (an Event for the final result, a queue of text chunks for streaming).
+RequestHandle (runtime/request_handle.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -29,7 +28,9 @@ from sgl_nb.runtime.model.model_loader import resolve_model_path
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
-from sgl_nb.runtime.request import GenerateOutput, Request
+from sgl_nb.runtime.request import Request
+from sgl_nb.runtime.request_handle import EngineError as EngineError  # its old import path
+from sgl_nb.runtime.request_handle import RequestHandle
 from sgl_nb.runtime.sampler import Sampled, sample, top_alternatives
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
@@ -37,7 +38,6 @@ from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 from sgl_nb.runtime.token_usage import TokenUsage
 
 log = logging.getLogger("sgl_nb.engine")
-_DONE = object()
 _WAKE = object()
 # While every runnable request is held by a step controller, look again this often (a
 # grant also wakes the loop at once).
@@ -86,98 +86,6 @@ def shutdown_all() -> None:
 # a request would otherwise keep the process from exiting); atexit as the fallback.
 _register_exit = getattr(threading, "_register_atexit", atexit.register)
 _register_exit(shutdown_all)
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (the message names the cause)."""
-
-
-class RequestHandle:
-    """A submitted request: `.result()` waits for its output, `.chunks()` streams its text,
-    `.cancel()` aborts it (what it generated so far is kept, finish_reason "abort")."""
-
-    def __init__(self, req: Request, stream: bool, engine: Engine | None = None,
-                 on_chunk: Callable[[str], None] | None = None,
-                 on_done: Callable[[RequestHandle], None] | None = None):
-        """on_chunk / on_done, if given, are called on the engine thread with each text
-        chunk and once at the end: they must return at once (the executor's only post)."""
-        self.req = req
-        self._engine = engine
-        self._done = threading.Event()
-        self._on_chunk, self._on_done = on_chunk, on_done
-        self._chunks: queue.Queue | None = queue.Queue() if stream and not on_chunk else None
-
-    @property
-    def rid(self) -> int:
-        return self.req.rid
-
-    def _push(self, delta: str) -> None:
-        if not delta:
-            return
-        if self._on_chunk is not None:
-            self._on_chunk(delta)
-        elif self._chunks is not None:
-            self._chunks.put(delta)
-
-    def _finish(self) -> None:
-        self._done.set()
-        if self._chunks is not None:
-            self._chunks.put(_DONE)
-        if self._on_done is not None:
-            self._on_done(self)
-
-    def usage(self) -> dict:
-        """What its instruction_finished event reports of the request."""
-        return request_usage(self.req)
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self) -> bool:
-        """Abort the request: it leaves the batch before the engine's next step. False if
-        it had already finished. Does not wait; `.result()` then returns the output so far."""
-        if self._done.is_set() or self._engine is None:
-            return False
-        return self._engine.abort(self.req.rid)
-
-    def result(self, timeout: float | None = None) -> GenerateOutput:
-        """The output once finished. An interrupt while waiting (Ctrl-C, a Jupyter
-        interrupt) aborts the request before it propagates."""
-        try:
-            finished = self._done.wait(timeout)
-        except KeyboardInterrupt:
-            self.cancel()
-            raise
-        if not finished:
-            raise TimeoutError(f"request {self.req.rid} not finished after {timeout} s")
-        if self.req.error is not None:
-            err = self.req.error
-            if isinstance(err, ValueError):  # its own input (a grammar no token continues)
-                raise err
-            raise EngineError(f"request {self.req.rid} failed: {err}") from err
-        return self.req.output()
-
-    def chunks(self) -> Iterator[str]:
-        """Text chunks as they are generated; raises if the request failed. Leaving the
-        loop early (break, an exception, a KeyboardInterrupt, dropping the iterator) aborts
-        the request."""
-        assert self._chunks is not None, "submit(..., stream=True) to stream"
-        try:
-            while (item := self._chunks.get()) is not _DONE:
-                yield item
-        finally:
-            if not self._done.is_set():
-                self.cancel()
-        self.result()
-
-
-def request_usage(req: Request) -> dict:
-    """A finished request's figures, as its instruction_finished event carries them."""
-    return {"input_tokens": len(req.prompt_ids), "cached_tokens": max(req.prompt_cached_tokens, 0),
-            "new_tokens": req.prefill_tokens, "output_tokens": len(req.output_ids),
-            "batch_size": req.max_batch, "preempted": req.preemptions + req.retractions,
-            "finish_reason": req.finish_reason,
-            "error": None if req.error is None else repr(req.error)}
 
 
 def capped_context_len(model_context: int, pool_tokens: int) -> int:
@@ -628,7 +536,7 @@ class Engine:
                              data=data)
         handle = self._handles.get(req.rid)
         if handle is not None:
-            handle._push(req.take_delta())
+            handle.push_text(req.take_delta())
         if req.finished:
             self._finish(req)
 
@@ -664,8 +572,8 @@ class Engine:
             self._emit_instruction("instruction_finished", req)
         handle = self._handles.pop(req.rid, None)
         if handle is not None:
-            handle._push(req.take_delta())
-            handle._finish()
+            handle.push_text(req.take_delta())
+            handle.mark_done()
 
     def _emit_instruction(self, kind: str, req: Request) -> None:
         """A request submitted bare (rt.generate, rt.score: no program's Instruction) is
@@ -673,7 +581,7 @@ class Engine:
         data = {"kind": "Score" if req.logprob_start is not None else "Decode",
                 "index": req.index}
         if kind == "instruction_finished":
-            data.update(request_usage(req))
+            data.update(req.usage())
         self.events.emit(kind, request=req.rid, program=req.program, node=req.node, data=data)
 
     def _fail_all(self, error: BaseException) -> None:

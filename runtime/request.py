@@ -187,6 +187,16 @@ class Request:
         self.sent_len = max(self.sent_len, end)
         return delta
 
+    def usage(self) -> dict:
+        """Its figures as its instruction_finished event carries them (final once it has
+        finished)."""
+        return {"input_tokens": len(self.prompt_ids),
+                "cached_tokens": max(self.prompt_cached_tokens, 0),
+                "new_tokens": self.prefill_tokens, "output_tokens": len(self.output_ids),
+                "batch_size": self.max_batch, "preempted": self.preemptions + self.retractions,
+                "finish_reason": self.finish_reason,
+                "error": None if self.error is None else repr(self.error)}
+
     def output(self) -> GenerateOutput:
         meta = {
             "id": self.rid,

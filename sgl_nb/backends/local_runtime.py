@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sgl_nb.backends.chat_roles import ChatRoles, derive_chat_roles
-from sgl_nb.runtime.engine import Engine, RequestHandle
+from sgl_nb.runtime.engine import Engine
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.priority import parse_priority
 from sgl_nb.runtime.request import GenerateOutput
+from sgl_nb.runtime.request_handle import RequestHandle
 from sgl_nb.runtime.sampling_params import SamplingParams
 
 # SGLang's Runtime takes ServerArgs' names; those with a setting of ours are mapped to it.

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from sgl_nb.runtime.engine import RequestHandle
 from sgl_nb.runtime.request import GenerateOutput
+from sgl_nb.runtime.request_handle import RequestHandle
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.server.metrics import RequestLog
 

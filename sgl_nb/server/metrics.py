@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sgl_nb.runtime.engine import RequestHandle
+from sgl_nb.runtime.request_handle import RequestHandle
 
 PREFIX = "sgl_nb_"
 # Time to first token on a CPU runs from ~50 ms to seconds under load.

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sgl_nb.runtime.engine import RequestHandle
 from sgl_nb.runtime.request import Request
+from sgl_nb.runtime.request_handle import RequestHandle
 from sgl_nb.server.errors import BadRequest
 
 # (logprob or None, token id) -> SGLang's [logprob, token id, text or None]

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sgl_nb.server.errors import error_response
 
 if TYPE_CHECKING:
-    from sgl_nb.runtime.engine import RequestHandle
+    from sgl_nb.runtime.request_handle import RequestHandle
     from sgl_nb.server.metrics import RequestLog
 
 # Once aborted, a request answers within an engine step; this limit only keeps a client
