@@ -1,20 +1,22 @@
-"""The engine: one background thread that schedules, runs the model and samples, step by step.
+"""The engine: one background thread that runs the model, step by step.
 
-`submit` may be called from any thread; a request's progress comes back through its
-RequestHandle (runtime/request_handle.py).
+A step reads as: the scheduler picks a batch (runtime/scheduler.py), the model computes
+its logits (forward), the picker chooses each request's next token (runtime/token_picker.py),
+and the engine applies them (postprocess: the request's text, its token event, its stream,
+its end). `submit` may be called from any thread; a request's progress comes back through
+its RequestHandle (runtime/request_handle.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import queue
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -22,19 +24,20 @@ from transformers import AutoTokenizer
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
-from sgl_nb.runtime.grammar import GrammarCompilerCache, GrammarError
+from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model.load import load_model
 from sgl_nb.runtime.model.model_loader import resolve_model_path
-from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.priority import PRIORITIES
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.runtime.request import Request
+from sgl_nb.runtime.request_factory import RequestFactory
 from sgl_nb.runtime.request_handle import EngineError as EngineError  # its old import path
 from sgl_nb.runtime.request_handle import RequestHandle
-from sgl_nb.runtime.sampler import Sampled, sample, top_alternatives
 from sgl_nb.runtime.sampling_params import SamplingParams
-from sgl_nb.runtime.scheduler import ScheduledBatch, Scheduler
-from sgl_nb.runtime.token_choice import Alternative, TokenChoice
+from sgl_nb.runtime.scheduled_batch import ScheduledBatch
+from sgl_nb.runtime.scheduler import Scheduler
+from sgl_nb.runtime.step_threads import StepThreads
+from sgl_nb.runtime.token_picker import PickRows, TokenPick, TokenPicker
 from sgl_nb.runtime.token_usage import TokenUsage
 
 log = logging.getLogger("sgl_nb.engine")
@@ -88,22 +91,16 @@ _register_exit = getattr(threading, "_register_atexit", atexit.register)
 _register_exit(shutdown_all)
 
 
-def capped_context_len(model_context: int, pool_tokens: int) -> int:
-    """The longest request (prompt + new tokens) the engine takes: the model's context, or
-    the KV pool's capacity where that is smaller (a request must fit the pool), said once."""
-    if model_context <= pool_tokens:
-        return model_context
-    warnings.warn(
-        f"the model's context ({model_context} tokens, max_position_embeddings) is longer "
-        f"than the KV pool ({pool_tokens} tokens): requests are capped at {pool_tokens} "
-        "tokens; raise kv_pool_tokens for longer ones", stacklevel=4,  # the Runtime(...) call
-    )
-    return pool_tokens
+class StepLogits(NamedTuple):
+    """What the model returns for a step."""
+
+    last: torch.Tensor  # [B, vocab]: each request's row at its last new token
+    extra: torch.Tensor | None  # the rows the batch asked for: scored, then draft rows
 
 
 class Engine:
     def __init__(self, settings: EngineConfig | None = None):
-        self.settings = s = settings or EngineConfig()
+        self._settings = s = settings or EngineConfig()
         self.device = s.torch_device
         self.model_path = off_main_thread(lambda: resolve_model_path(s.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
@@ -113,17 +110,15 @@ class Engine:
         self.config = self.model.config
         self.eos_ids = self._eos_ids()
         self.pool = off_main_thread(lambda: self.model.new_kv_pool(s.kv_pool_tokens))
-        self.context_len = capped_context_len(self.config.max_position_embeddings,
-                                              self.pool.capacity)
+        self.requests = RequestFactory(self.config, self.tokenizer, self.eos_ids,
+                                       self.pool.capacity, s)
+        self.context_len = self.requests.context_len
         self.cache = RadixCache(self.pool)
         self.scheduler = Scheduler(self.pool, self.cache, self.device, s)
         self.events = EventBus()
         self.scheduler.events = self.events
-        self._grammars: GrammarCompilerCache | None = None
-        self._grammar_lock = threading.Lock()
-        # Token id -> its text, decoded once: every step names k alternatives (a decode
-        # is ~2 us, a lookup a tenth of that).
-        self._token_texts: dict[int, str] = {}
+        self.picker = TokenPicker(self.tokenizer, self.eos_ids, s, self.events,
+                                  self.scheduler.drop_drafts)
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         # Request ids to abort, added from any thread; the engine thread applies them
@@ -135,35 +130,26 @@ class Engine:
         self._stopping = False
         self.steps = {"extend": 0, "decode": 0}
         self.generated_tokens = 0
-        # Tokens the grammar chose (one allowed, or a jump-forward draft the model agreed
-        # with), draft tokens proposed and taken, and decode steps the jumps saved.
-        self.forced = {"tokens": 0, "drafted": 0, "accepted": 0, "steps_saved": 0}
+        # Tokens the grammar chose: one allowed, or a jump-forward draft the model agreed with.
+        self.forced_tokens = 0
         self.started = time.monotonic()
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
-        # On CPU the torch decode path (~35 small ops per layer, each its own OpenMP region)
-        # ran slower on two threads than on one from a thread other than the main one (81
-        # vs 55 ms per step at batch 1); the fused step (kernels/cpu_decode.cpp) gains from
-        # every core (int4: 24 -> 10 ms). Prefill always does. Where that module runs (its
-        # own threads: every matmul, and the whole decode step) torch gets one thread, as
-        # an OpenMP worker spinning between torch ops took the second core from ours (int4
-        # decode 19 vs 10 ms per step; bf16 16-request workload 6.4 vs 5.8 s, measured).
-        self.extend_threads = torch.get_num_threads()
-        fused = off_main_thread(self.model.fused_decode_ready)
-        default = self.extend_threads if fused else 1
-        self.decode_threads = int(os.environ.get("SGL_NB_DECODE_THREADS", default))
-        self._fused = fused
-        # The C++ module's thread count, set when it changes (not every step).
-        self._kernel_threads = cpu_decode.load() if fused else None
-        self._kernel_threads_now = 0
+        # torch's own count is read before anything sets it: extend steps keep it.
+        self.threads = StepThreads(extend_threads=torch.get_num_threads(),
+                                   fused=off_main_thread(self.model.fused_decode_ready))
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
 
-    def _pool_cap_note(self) -> str:
-        if self.context_len >= self.config.max_position_embeddings:
-            return ""
-        return (f": it can never fit the KV pool of {self.pool.capacity} tokens, which caps "
-                "the context; raise kv_pool_tokens")
+    @property
+    def settings(self) -> EngineConfig:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: EngineConfig) -> None:
+        """token_alternatives and jump_forward take effect from the next request and step
+        (the pool, the model and the scheduler's limits keep what they were built with)."""
+        self._settings = self.requests.settings = self.picker.settings = settings
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -175,54 +161,15 @@ class Engine:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Check a request against the model and the pool; raises ValueError naming the problem."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("empty prompt: give at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size})")
-        if n >= self.context_len:
-            raise ValueError(
-                f"prompt is {n} tokens, longer than the model's context of {self.context_len} "
-                f"tokens (leave room for at least one new token){self._pool_cap_note()}"
-            )
-        if params.top_logprobs > self.config.vocab_size:
-            raise ValueError(f"top_logprobs must be at most the vocabulary size "
-                             f"({self.config.vocab_size}), got {params.top_logprobs}")
-        outside = sorted(t for t in params.logit_bias if t >= self.config.vocab_size)
-        if outside:
-            raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the model's "
-                             f"vocabulary [0, {self.config.vocab_size})")
-        # Trimmed to the model's own context; past the pool's it is an error saying so.
-        max_new = min(params.max_tokens, self.config.max_position_embeddings - n)
-        if n + max_new > self.pool.capacity:
-            raise ValueError(
-                f"request can never fit the KV pool: prompt {n} + max_tokens {max_new} tokens "
-                f"> pool capacity {self.pool.capacity} tokens; lower max_tokens or raise "
-                "kv_pool_tokens"
-            )
-        req = Request(list(prompt_ids), params, max_new)
-        if self.settings.token_alternatives:
-            req.token_choices = []
-        if params.regex is not None or params.json_schema is not None:
-            req.grammar = self.grammars().matcher(params.regex, params.json_schema)
-        return req
-
-    def grammars(self) -> GrammarCompilerCache:
-        """Built on first use: reading the vocabulary into xgrammar takes a moment."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompilerCache(
-                    self.tokenizer, self.config.vocab_size, list(self.eos_ids)
-                )
-            return self._grammars
+        return self.requests.make_request(prompt_ids, params)
 
     def make_score_request(self, ids: list[int], start: int) -> Request:
         """A request that returns the logprob of ids[start:] (each given what precedes it)."""
-        if not 1 <= start < len(ids):
-            raise ValueError(f"scored tokens must start in [1, {len(ids)}), got {start}")
-        req = self.make_request(ids, SamplingParams(max_tokens=1))
-        req.logprob_start = start
-        return req
+        return self.requests.make_score_request(ids, start)
+
+    def grammars(self) -> GrammarCompilerCache:
+        """Built on first use: reading the vocabulary into xgrammar takes a moment."""
+        return self.requests.grammars()
 
     def submit(self, req: Request, stream: bool = False, on_chunk=None,
                on_done=None) -> RequestHandle:
@@ -278,6 +225,10 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
+    def wake(self) -> None:
+        """Re-check held work now (a step controller granted a step)."""
+        self._inbox.put(_WAKE)
+
     # ---- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -303,8 +254,8 @@ class Engine:
             except Exception as e:  # a bug past the forward pass: fail this batch, serve on
                 log.exception("engine step failed")
                 for req in batch.reqs:
-                    # Its KV was computed (a failed forward is handled in _step): nothing to
-                    # give back by hand. (Freeing slots a finished prefill had already put
+                    # Its KV was computed (a failed forward is handled in _forward): nothing
+                    # to give back by hand. (Freeing slots a finished prefill had already put
                     # into the radix tree freed them twice.)
                     if req.rid in self._handles:
                         self._finish(req, error=e)
@@ -350,23 +301,21 @@ class Engine:
             self.aborted += 1
             self._finish(req)
 
-    def _set_threads(self, decode: bool) -> None:
-        want = self.decode_threads if decode else self.extend_threads
-        torch_threads = 1 if self._fused else want
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)
-        if self._kernel_threads is not None and self._kernel_threads_now != want:
-            self._kernel_threads.set_num_threads(want)
-            self._kernel_threads_now = want
-
-    def wake(self) -> None:
-        """Re-check held work now (a step controller granted a step)."""
-        self._inbox.put(_WAKE)
-
     def _step(self, batch: ScheduledBatch) -> None:
+        """One scheduled batch: forward, pick tokens, postprocess."""
+        logits = self._forward(batch)
+        if logits is None:
+            return  # the forward pass failed: its requests finished with the error
+        for pick in self.picker.pick(self._rows_to_pick(batch, logits)):
+            self._postprocess(pick)
+
+    def _forward(self, batch: ScheduledBatch) -> StepLogits | None:
+        """The model's logits for the batch; None when the forward pass failed (each of
+        its requests then finished with the error, the slots of tokens not computed given
+        back)."""
         computed = [r.fill_len - n for r, n in zip(batch.reqs, batch.new_lens)]
         if self.device.type == "cpu":
-            self._set_threads(batch.is_decode)
+            self.threads.use_for(batch.is_decode)
         t0 = time.perf_counter()
         try:
             logits = self.model.forward(batch.forward, self.pool)
@@ -375,15 +324,19 @@ class Engine:
             for req, done in zip(batch.reqs, computed):
                 self.scheduler.drop_uncomputed(req, done)
                 self._finish(req, error=e)
-            return
+            return None
         kind = "decode" if batch.is_decode else "extend"
         self.steps[kind] += 1
         self.step_seconds[kind] += time.perf_counter() - t0
-        last, extra = logits if isinstance(logits, tuple) else (logits, None)
+        return StepLogits(*logits) if isinstance(logits, tuple) else StepLogits(logits, None)
+
+    def _rows_to_pick(self, batch: ScheduledBatch, logits: StepLogits) -> PickRows:
+        """After the forward pass: score rows recorded, computed prompt tokens cached,
+        scoring requests finished; the rows that pick a token. A prompt chunk that is not
+        the last has nothing to pick; a request with drafts (jump-forward) is picked row by
+        row."""
         if batch.scored:
-            self._record_scores(batch, extra)
-        # Requests with draft tokens (jump-forward) are checked row by row; a prompt chunk
-        # that is not the last has nothing to sample.
+            self._record_scores(batch, logits.extra)
         drafted = [(i, r) for i, r in enumerate(batch.reqs) if r.draft_ids]
         ready = []
         for i, r in enumerate(batch.reqs):
@@ -394,144 +347,32 @@ class Engine:
                 self._finish(r)
             else:
                 ready.append((i, r))
-        if ready:
-            self._sample_ready(last, ready)
-        rows_of = {r.rid: (first, n) for r, first, n in batch.drafts}
-        for i, r in drafted:
-            first, n = rows_of.get(r.rid, (0, 0))
-            rows = last[i : i + 1] if n == 0 else torch.cat([extra[first : first + n],
-                                                               last[i : i + 1]])
-            self._take_drafted(r, rows.float().cpu())
+        return PickRows(logits.last, ready, [
+            (r, batch.draft_logits(i, logits.last, logits.extra).float().cpu())
+            for i, r in drafted])
 
-    def _sample_ready(self, last: torch.Tensor, ready: list[tuple[int, Request]]) -> None:
-        """One token for each request from its last row of logits, sampled together."""
-        reqs = [r for _, r in ready]
-        if len(ready) < last.shape[0]:
-            last = last[torch.tensor([i for i, _ in ready], device=last.device)]
-        rows, reqs, top = self._masked_rows(last.float().cpu(), reqs)
-        if not reqs:
-            return
-        sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
-                         all_logprobs=self.events.active)
-        alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
-        for b, (req, s) in enumerate(zip(reqs, sampled)):
-            self._take(req, s, alts[b] if alts else None)
-            self._propose_drafts(req)
-
-    def _take_drafted(self, req: Request, rows: torch.Tensor) -> None:
-        """A request that had draft tokens: rows[j] are the logits after its j-th new token.
-        Each row picks the next token exactly as a decode step would (penalties, grammar
-        mask, sampler, seeded generator in the same order), so the output is the one token
-        by token decoding gives. While the pick is the next draft, the draft is taken
-        (forced); the first pick that differs is taken instead, and the drafts after it are
-        dropped with their KV."""
-        taken = 0
-        for j in range(rows.shape[0]):
-            row, kept, top = self._masked_rows(rows[j : j + 1], [req])
-            if not kept:
-                return  # its penalties or grammar failed: finished with the error
-            s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
-            s.forced = s.token == req.draft_ids[0] if req.draft_ids else False
-            if s.forced:
-                req.draft_ids.pop(0)
-                self.forced["accepted"] += 1
-            else:
-                self.scheduler.drop_drafts(req)
-            self._take(req, s, top.lists(row, [s.token])[0] if top is not None else None)
-            taken += 1
-            if req.finished or not s.forced:
-                break  # the rows after a pick of its own belong to dropped drafts
-        self.forced["steps_saved"] += max(taken - 1, 0)
-        if not req.draft_ids:
-            self._propose_drafts(req)
-
-    def _propose_drafts(self, req: Request) -> None:
-        """Jump-forward: the tokens of the text req's grammar forces next become its drafts,
-        computed by its next step together with its last token."""
-        on = req.params.jump_forward
-        if req.grammar is None or req.finished or not (
-                self.settings.jump_forward if on is None else on):
-            return
-        req.draft_ids = req.grammar.jump_forward(
-            self.tokenizer, req.max_new_tokens - len(req.output_ids))
-        self.forced["drafted"] += len(req.draft_ids)
-
-    # A request whose own logits or grammar go wrong fails alone: the rest of its batch
-    # goes on, and its KV (all computed by then) is released as for any other end.
-
-    def _masked_rows(self, rows: torch.Tensor, reqs: list[Request]):
-        """Penalties, then the top alternatives (TopK, or None when not recorded), then
-        the grammar masks, on each request's row of logits: the rows, requests and
-        alternatives of those that still have a token to sample. The alternatives come
-        between the two so that they show what the model offered, masked or not."""
-        keep = self._rows_that(self._penalize, rows, range(len(reqs)), reqs)
-        k = self.settings.token_alternatives
-        top = top_alternatives(rows, k) if k else None  # the whole batch at once
-        grammars = [i for i in keep if reqs[i].grammar is not None]
-        if grammars:
-            failed = set(grammars) - set(self._rows_that(self._mask, rows, grammars, reqs))
-            keep = [i for i in keep if i not in failed]
-            if top is not None:
-                top.mark_masked(rows)
-        if len(keep) < len(reqs):
-            rows, reqs = rows[keep], [reqs[i] for i in keep]
-            top = top.select(keep) if top is not None else None
-        return rows, reqs, top
-
-    def _rows_that(self, fn, rows: torch.Tensor, which, reqs: list[Request]) -> list[int]:
-        """fn(row, request) for each row in `which`; those it did not fail on (a request
-        whose own logits or grammar go wrong finishes with the error)."""
-        ok = []
-        for i in which:
-            try:
-                fn(rows[i], reqs[i])
-            except Exception as e:  # noqa: BLE001 - handed to the request's caller
-                self._finish(reqs[i], error=e)
-                continue
-            ok.append(i)
-        return ok
-
-    def _penalize(self, row: torch.Tensor, r: Request) -> None:
-        p = r.params
-        if p.adjusts_logits:
-            stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
-            adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
-
-    def _mask(self, row: torch.Tensor, r: Request) -> None:
-        p = r.params
-        if r.grammar is not None:
-            r.grammar.mask(row)
-            if r.grammar.allowed == 0:
-                what = f"regex {p.regex!r}" if p.regex is not None else "JSON schema"
-                raise GrammarError(
-                    f"request {r.rid}: its {what} allows no next token after "
-                    f"{len(r.output_ids)} generated ({r.text[-40:]!r}): no token of the "
-                    "model's vocabulary continues it")
-
-    def _take(self, req: Request, s: Sampled, alts: tuple | None = None) -> None:
-        """One sampled token into its request: text, events, stream, finish. alts: its
-        row of TopK.lists (None when alternatives are not recorded)."""
-        if s.error is not None:  # its own sampling parameters: a ValueError, like bad input
-            self._finish(req, error=ValueError(f"request {req.rid}: {s.error}"))
+    def _postprocess(self, pick: TokenPick) -> None:
+        """One pick into its request: text, events, stream, finish."""
+        req = pick.req
+        if pick.error is not None:
+            self._finish(req, error=pick.error)
             return
         try:
-            req.append(s, self.eos_ids, self.tokenizer)
+            req.append(pick.sampled, self.eos_ids, self.tokenizer)
         except Exception as e:  # noqa: BLE001 - e.g. a grammar that rejects the token
             self._finish(req, error=e)
             return
         self.generated_tokens += 1
-        forced = s.forced or (req.grammar is not None and req.grammar.forced)
-        self.forced["tokens"] += forced
-        allowed = req.grammar.allowed if req.grammar is not None else -1
-        choice = None
-        if alts is not None and req.token_choices is not None:
-            choice = self._choice(s.token, forced, allowed, alts)
-            req.token_choices.append(choice)
+        self.forced_tokens += pick.forced
+        if pick.choice is not None:
+            req.token_choices.append(pick.choice)
         if self.events.active:
-            data = {"token": s.token, "logprob": s.logprob, "step": self.scheduler.step_no,
-                    "text": self._token_text(s.token), "forced": forced, "allowed": allowed}
-            if choice is not None:
-                data["top"] = [a.to_json() for a in choice.top]
+            token = pick.sampled.token
+            data = {"token": token, "logprob": pick.sampled.logprob,
+                    "step": self.scheduler.step_no, "text": self.picker.token_text(token),
+                    "forced": pick.forced, "allowed": pick.allowed}
+            if pick.choice is not None:
+                data["top"] = [a.to_json() for a in pick.choice.top]
             self.events.emit("token", request=req.rid, program=req.program, node=req.node,
                              data=data)
         handle = self._handles.get(req.rid)
@@ -540,21 +381,8 @@ class Engine:
         if req.finished:
             self._finish(req)
 
-    def _choice(self, token: int, forced: bool, allowed: int, alts: tuple) -> TokenChoice:
-        ids, logprobs, masked, chosen = alts
-        text = self._token_text
-        top = [Alternative(t, text(t), lp, m) for t, lp, m in zip(ids, logprobs, masked)]
-        return TokenChoice(token, text(token), chosen, forced, allowed, top)
-
-    def _token_text(self, token: int) -> str:
-        """One token's own text (as the token event has always given it), decoded once."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
-
     def _record_scores(self, batch: ScheduledBatch, scored_logits: torch.Tensor) -> None:
-        n_scored = sum(n for _, _, n in batch.scored)  # jump-forward's rows come after
+        n_scored = sum(s.n for s in batch.scored)  # jump-forward's rows come after
         logp = torch.log_softmax(scored_logits[:n_scored].float(), -1)
         row = 0
         for req, first, n in batch.scored:
@@ -592,7 +420,7 @@ class Engine:
 
     def metrics(self) -> dict:
         """Scheduler figures; read from any thread (list copies are atomic under the GIL)."""
-        sch = self.scheduler
+        sch, jumps = self.scheduler, self.picker.jumps
         queued = list(sch.waiting) + list(sch.suspended)
         busy = sum(self.step_seconds.values())
         return {
@@ -605,10 +433,10 @@ class Engine:
             "retractions": sch.retractions, "aborted": self.aborted,
             "forks": self.events.counts["fork"], "joins": self.events.counts["join"],
             "generated_tokens": self.generated_tokens,
-            "forced_tokens": self.forced["tokens"],
-            "jump_forward_drafted": self.forced["drafted"],
-            "jump_forward_tokens": self.forced["accepted"],
-            "jump_forward_steps_saved": self.forced["steps_saved"],
+            "forced_tokens": self.forced_tokens,
+            "jump_forward_drafted": jumps.drafted,
+            "jump_forward_tokens": jumps.accepted,
+            "jump_forward_steps_saved": jumps.steps_saved,
             "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
             "steps": dict(self.steps), "busy_seconds": round(busy, 3),
             "uptime_seconds": round(time.monotonic() - self.started, 3),

@@ -1,0 +1,224 @@
+"""From a step's logits to each request's next token.
+
+Per row, in this order: the request's penalties and logit bias (runtime/penalties.py),
+the alternatives the model offered (runtime/sampler.py TopK, taken before the mask so they
+show what the model itself preferred), the grammar mask (runtime/grammar.py), the draw
+(runtime/sampler.py sample). A request with jump-forward drafts has one row per draft and
+each row is picked exactly so, so its output is the one token-by-token decoding gives.
+
+The picker decides; the engine applies (Request.append, events, the stream). A request
+whose own logits, grammar or sampling parameters go wrong gets a pick with its error and
+fails alone: the rest of its batch goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from sgl_nb.runtime.engine_config import EngineConfig
+from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.grammar import GrammarError
+from sgl_nb.runtime.penalties import adjust_logits
+from sgl_nb.runtime.request import Request
+from sgl_nb.runtime.sampler import Sampled, TopK, sample, top_alternatives
+from sgl_nb.runtime.token_choice import Alternative, TokenChoice
+
+
+class PickRows(NamedTuple):
+    """The logits of one step that choose a next token."""
+
+    last: torch.Tensor  # [B, vocab]: each request's row at its last computed token
+    ready: list[tuple[int, Request]]  # (row of `last`, request) taking one token
+    # Jump-forward: a request with drafts, and its rows (fp32, CPU): the logits after each
+    # of its new tokens, the last one's row last.
+    drafted: list[tuple[Request, torch.Tensor]]
+
+
+class TokenPick(NamedTuple):
+    """One token for a request, or the error it fails with."""
+
+    req: Request
+    sampled: Sampled | None = None  # None when it fails
+    error: BaseException | None = None
+    # The grammar left only this token, or it is a draft the model's own pick agreed with.
+    forced: bool = False
+    allowed: int = -1  # tokens the grammar left at this step; -1: no grammar
+    choice: TokenChoice | None = None  # None when alternatives are not recorded
+
+
+class MaskedRows(NamedTuple):
+    """Rows after the penalties and the grammar mask: those that still sample a token."""
+
+    rows: torch.Tensor
+    reqs: list[Request]
+    top: TopK | None  # the alternatives of those rows (None when not recorded)
+    failed: list[TokenPick]  # the requests whose penalties or grammar failed, in order
+
+
+@dataclass
+class JumpForwardCounts:
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # drafts the model's own pick agreed with (taken, forced)
+    steps_saved: int = 0  # decode steps those saved
+
+
+class TokenPicker:
+    def __init__(self, tokenizer, eos_ids: tuple[int, ...], settings: EngineConfig,
+                 events: EventBus, drop_drafts: Callable[[Request], None]):
+        """drop_drafts: the scheduler's, which frees the KV a step computed for drafts
+        that the model's pick turned down."""
+        self.tokenizer, self.eos_ids, self.events = tokenizer, eos_ids, events
+        self.settings = settings  # read at each step: the engine may swap it (Engine.settings)
+        self._drop_drafts = drop_drafts
+        self.jumps = JumpForwardCounts()
+        # Token id -> its text, decoded once: every step names k alternatives (a decode
+        # is ~2 us, a lookup a tenth of that).
+        self._token_texts: dict[int, str] = {}
+
+    def pick(self, rows: PickRows) -> Iterator[TokenPick]:
+        """The step's picks, in the order they are to be applied. The caller applies each
+        one (Request.append) before it asks for the next: a draft's next row is penalized
+        and masked from the output and grammar state that the previous pick left, and new
+        drafts are proposed from the state after a request's token."""
+        if rows.ready:
+            yield from self._pick_ready(rows.last, rows.ready)
+        for req, logits in rows.drafted:
+            yield from self._pick_drafted(req, logits)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (as the token event has always given it), decoded once."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def _pick_ready(self, last: torch.Tensor,
+                    ready: list[tuple[int, Request]]) -> Iterator[TokenPick]:
+        """One token for each request from its last row of logits, sampled together."""
+        reqs = [r for _, r in ready]
+        if len(ready) < last.shape[0]:
+            last = last[torch.tensor([i for i, _ in ready], device=last.device)]
+        rows, reqs, top, failed = self._mask_rows(last.float().cpu(), reqs)
+        yield from failed
+        if not reqs:
+            return
+        sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
+                         all_logprobs=self.events.active)
+        alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
+        for b, (req, s) in enumerate(zip(reqs, sampled)):
+            yield self._token_pick(req, s, alts[b] if alts else None)
+            self._propose_drafts(req)
+
+    def _pick_drafted(self, req: Request, rows: torch.Tensor) -> Iterator[TokenPick]:
+        """A request that had draft tokens: rows[j] are the logits after its j-th new token.
+        Each row picks the next token exactly as a decode step would (penalties, grammar
+        mask, sampler, seeded generator in the same order), so the output is the one token
+        by token decoding gives. While the pick is the next draft, the draft is taken
+        (forced); the first pick that differs is taken instead, and the drafts after it are
+        dropped with their KV."""
+        taken = 0
+        for j in range(rows.shape[0]):
+            row, kept, top, failed = self._mask_rows(rows[j : j + 1], [req])
+            yield from failed
+            if not kept:
+                return
+            s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
+            s.forced = s.token == req.draft_ids[0] if req.draft_ids else False
+            if s.forced:
+                req.draft_ids.pop(0)
+                self.jumps.accepted += 1
+            else:
+                self._drop_drafts(req)
+            yield self._token_pick(req, s, top.lists(row, [s.token])[0] if top is not None
+                                   else None)
+            taken += 1
+            if req.finished or not s.forced:
+                break  # the rows after a pick of its own belong to dropped drafts
+        self.jumps.steps_saved += max(taken - 1, 0)
+        if not req.draft_ids:
+            self._propose_drafts(req)
+
+    def _propose_drafts(self, req: Request) -> None:
+        """Jump-forward: the tokens of the text req's grammar forces next become its drafts,
+        computed by its next step together with its last token."""
+        on = req.params.jump_forward
+        if req.grammar is None or req.finished or not (
+                self.settings.jump_forward if on is None else on):
+            return
+        req.draft_ids = req.grammar.jump_forward(
+            self.tokenizer, req.max_new_tokens - len(req.output_ids))
+        self.jumps.drafted += len(req.draft_ids)
+
+    def _mask_rows(self, rows: torch.Tensor, reqs: list[Request]) -> MaskedRows:
+        """Penalties, then the top alternatives, then the grammar masks, on each request's
+        row of logits (in place). The alternatives come between the two so that they show
+        what the model offered, masked or not."""
+        failed: list[TokenPick] = []
+        keep = self._rows_that(self._penalize, rows, range(len(reqs)), reqs, failed)
+        k = self.settings.token_alternatives
+        top = top_alternatives(rows, k) if k else None  # the whole batch at once
+        grammars = [i for i in keep if reqs[i].grammar is not None]
+        if grammars:
+            masked = set(self._rows_that(self._mask, rows, grammars, reqs, failed))
+            keep = [i for i in keep if i in masked or reqs[i].grammar is None]
+            if top is not None:
+                top.mark_masked(rows)
+        if len(keep) < len(reqs):
+            rows, reqs = rows[keep], [reqs[i] for i in keep]
+            top = top.select(keep) if top is not None else None
+        return MaskedRows(rows, reqs, top, failed)
+
+    @staticmethod
+    def _rows_that(fn: Callable[[torch.Tensor, Request], None], rows: torch.Tensor,
+                   which: Iterable[int], reqs: list[Request],
+                   failed: list[TokenPick]) -> list[int]:
+        """fn(row, request) for each row in `which`; those it did not fail on. A failure
+        goes to `failed` as that request's pick."""
+        ok = []
+        for i in which:
+            try:
+                fn(rows[i], reqs[i])
+            except Exception as e:  # noqa: BLE001 - handed to the request's caller
+                failed.append(TokenPick(reqs[i], error=e))
+                continue
+            ok.append(i)
+        return ok
+
+    def _penalize(self, row: torch.Tensor, r: Request) -> None:
+        p = r.params
+        if p.adjusts_logits:
+            stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
+            adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
+
+    @staticmethod
+    def _mask(row: torch.Tensor, r: Request) -> None:
+        p = r.params
+        r.grammar.mask(row)
+        if r.grammar.allowed == 0:
+            what = f"regex {p.regex!r}" if p.regex is not None else "JSON schema"
+            raise GrammarError(
+                f"request {r.rid}: its {what} allows no next token after "
+                f"{len(r.output_ids)} generated ({r.text[-40:]!r}): no token of the "
+                "model's vocabulary continues it")
+
+    def _token_pick(self, req: Request, s: Sampled, alts: tuple | None) -> TokenPick:
+        """alts: its row of TopK.lists (None when alternatives are not recorded)."""
+        if s.error is not None:  # its own sampling parameters: a ValueError, like bad input
+            return TokenPick(req, error=ValueError(f"request {req.rid}: {s.error}"))
+        grammar = req.grammar
+        forced = s.forced or (grammar is not None and grammar.forced)
+        allowed = grammar.allowed if grammar is not None else -1
+        choice = None
+        if alts is not None and req.token_choices is not None:
+            choice = self._choice(s.token, forced, allowed, alts)
+        return TokenPick(req, s, None, forced, allowed, choice)
+
+    def _choice(self, token: int, forced: bool, allowed: int, alts: tuple) -> TokenChoice:
+        ids, logprobs, masked, chosen = alts
+        text = self.token_text
+        top = [Alternative(t, text(t), lp, m) for t, lp, m in zip(ids, logprobs, masked)]
+        return TokenChoice(token, text(token), chosen, forced, allowed, top)
