@@ -1,15 +1,17 @@
 // int4 and int8 weight-only matmuls on the CPU, y = x @ w.T, for one row (decode) or many
 // (prefill, batched decode): the same kernel at every size.
 //
-// int4 weights in groups of 32 inputs: w = (q - 8) * scale + zero, q in 0..15, scale and
-// zero in bf16 (the values torch's int4 kernel computes with; the group minimum
-// zero - 8 scale is computed in fp32, as rounding it to bf16 costs accuracy in groups with an
-// outlier). Our own layout: per row, 16 bytes per group, byte i holding input i in its low
-// nibble and input i + 16 in its high one, so that one shift and one mask give the group's
-// 32 values in order; scale and zero [N, G] beside it, G rounded up to 8 with zeros (whole
-// vectors only: a scalar tail of 2 groups at K = 576 cost a third of the time, measured).
+// int4 weights in groups of 32 inputs: w = q * scale + min, q in 0..15, scale and min in
+// fp16: GGUF's Q4_1 block {d, m} as the file holds it (Q4_0's w = d (q - 8) is min = -8 d,
+// exact in fp16), so a GGUF's Q4_0 / Q4_1 weights are computed with as they are; our own
+// quantization of other weights keeps the same two values per group. Our own layout: per
+// row, 16 bytes per group, byte i holding input i in its low nibble and input i + 16 in its
+// high one (ggml's block order), so that one shift and one mask give the group's 32 values
+// in order; scale and min [N, G] beside it, G rounded up to 8 with zeros (whole vectors
+// only: a scalar tail of 2 groups at K = 576 cost a third of the time, measured).
 //
-// int8 weights: [N, K] values with a bf16 scale per output row.
+// int8 weights: [N, K] values with an fp32 scale per output row (our own quantization) or
+// an fp16 scale per group of 32 inputs [N, K / 32] (GGUF's Q8_0 blocks).
 //
 // Both keep the weight rows interleaved in panels of 8 rows by units of 32 bytes (int8: one
 // group; int4: two groups, so K must be a multiple of 64), [N / 8][K bytes / 32][8][32]
@@ -18,10 +20,12 @@
 // streams of K bytes and the hardware prefetcher never got going: at one row of x, int8
 // streamed 10-12 GB/s from memory, interleaved 19-24 (measured).
 //
-// As llama.cpp does on CPUs without wider integer dot products, each row of x is quantized
-// per group of 32 to int8 (xq * dx, dx = max|x| / 127), so that one group of one output is
-// a u8 x s8 dot product (maddubs): y = sum_g scale_g dx_g (q . xq)_g + (zero_g - 8 scale_g)
-// sum_g(x).
+// Two paths, by the activations' dtype. bf16: as llama.cpp does on CPUs without wider
+// integer dot products, each row of x is quantized per group of 32 to int8 (xq * dx,
+// dx = max|x| / 127), so that one group of one output is a u8 x s8 dot product (maddubs):
+// y = sum_g scale_g dx_g (q . xq)_g + min_g sum_g(x). fp32: the exact path (FloatRows,
+// below), x as it is, the weights turned to fp32 in registers: y differs from x @ w.T with
+// the dequantized weight by fp32 rounding only.
 //
 // Blocks of up to 4 rows of x times NC weight rows share their loads: each weight group is
 // loaded (int4: and unpacked) once per block. Every output is the same sequence of
@@ -31,6 +35,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -48,6 +53,43 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kRowPanel = 8;  // weight rows per interleaved panel
 // Rows of x per block: 4 (8 accumulators with 2 weight rows; 5 or 6 spill, measured slower).
 constexpr int kMaxRowBlock = 4;
+
+// An fp16 value (its bits) as fp32, exactly.
+inline float half_bits_to_float(uint16_t v) {
+#ifdef __F16C__
+  return _cvtsh_ss(v);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(v);
+#endif
+}
+
+#ifdef SGL_NB_AVX2
+// Eight fp16 values as fp32.
+inline __m256 load8_half(const uint16_t* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_bits_to_float(p[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+
+// The two fp16 values at p as [p0 x 4, p1 x 4] in fp32: the factors of int4_block's pair of
+// groups.
+inline __m256 spread_half_pair(const uint16_t* p) {
+#ifdef __F16C__
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  const __m128i spread = _mm_shuffle_epi8(
+      _mm_cvtsi32_si128(pair), _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
+  return _mm256_cvtph_ps(spread);
+#else
+  const float a = half_bits_to_float(p[0]), b = half_bits_to_float(p[1]);
+  return _mm256_setr_ps(a, a, a, a, b, b, b, b);
+#endif
+}
+#endif
 
 // x rounded per row and group of 32: xq int8 [rows, k]; dx and the sum of the rounded
 // values (dx * sum xq) [rows, stride], stride = groups rounded up to 8, zero beyond. The
@@ -166,9 +208,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRow
 #ifdef SGL_NB_AVX2
 // NR rows of xq (row stride k, in pair_halves order) against NC int4 weight rows, two groups
 // at a time: row c's groups 2p and 2p + 1 are the 32 bytes at w + c * cs + p * ps.
-// out[r * NC + c] = sum_g scale_cg dx_rg (q_c . xq_r)_g + xsum_rg (zero_cg - 8 scale_cg);
-// scale, zero (weight rows) and xsum (rows of x) have row stride fs, dx2 (QuantizedRows::
-// dx_pairs) 4 fs.
+// out[r * NC + c] = sum_g scale_cg dx_rg (q_c . xq_r)_g + xsum_rg min_cg; scale, min (fp16,
+// weight rows) and xsum (rows of x) have row stride fs, dx2 (QuantizedRows::dx_pairs) 4 fs.
 //
 // The 32 bytes give, masked, inputs 0-15 of both groups and, shifted, inputs 16-31: the two
 // products with x add as 16-bit values (at most 2 x 3810), so one widening sum gives group
@@ -182,11 +223,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRow
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
                        const float* dx2, int64_t fs, const uint16_t* scale,
-                       const uint16_t* zero, const float* xsum, float* out) {
+                       const uint16_t* min, const float* xsum, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  // A pair of bf16 scales [s0 | s1 << 16] in every lane -> [s0 x 4, s1 x 4] as fp32.
-  const __m256i shift = _mm256_setr_epi32(16, 16, 16, 16, 0, 0, 0, 0);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -196,10 +234,7 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
       const __m256i lo = _mm256_and_si256(b, mask);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-      int32_t pair;
-      std::memcpy(&pair, scale + c * fs + 2 * p, sizeof pair);
-      const __m256 s2 = _mm256_castsi256_ps(
-          _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(pair), shift), high));
+      const __m256 s2 = spread_half_pair(scale + c * fs + 2 * p);
       for (int r = 0; r < NR; ++r) {
         const auto* xp = reinterpret_cast<const __m256i*>(xq + r * k + p * 2 * kGroup);
         const __m256i sum16 =
@@ -213,8 +248,7 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
   }
   for (int64_t g = 0; g < fs; g += 8) {
     for (int c = 0; c < NC; ++c) {
-      const __m256 low = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), load8(scale + c * fs + g),
-                                          load8(zero + c * fs + g));
+      const __m256 low = load8_half(min + c * fs + g);
       for (int r = 0; r < NR; ++r) {
         acc[r][c] = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + r * fs + g), acc[r][c]);
       }
@@ -225,11 +259,13 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
 }
 
 // NR rows of xq against NC int8 weight rows (row c's group g at w + c * cs + g * gs):
-// out[r * NC + c] = sum_g dx[r][g] (w_c . xq_r)_g. maddubs takes one unsigned operand: |w|
+// out[r * NC + c] = sum_g dx[r][g] (w_c . xq_r)_g, and with Blocks each group also times
+// its weight scale (fp16, row c's at ws + c * wss). maddubs takes one unsigned operand: |w|
 // times x carrying w's sign (w is never -128).
-template <int NR, int NC>
+template <int NR, int NC, bool Blocks>
 inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
-                       const float* dx, int64_t ds, float* out) {
+                       const float* dx, int64_t ds, const uint16_t* ws, int64_t wss,
+                       float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
@@ -241,13 +277,16 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
     for (int c = 0; c < NC; ++c) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + g * gs));
       const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      __m256 d = _mm256_set1_ps(1.f);
+      if constexpr (Blocks) d = _mm256_set1_ps(half_bits_to_float(ws[c * wss + g]));
       for (int r = 0; r < NR; ++r) {
         const __m256i x =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + g * kGroup));
         const __m256i dot =
             _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, wv)), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(dx + r * ds + g),
-                                    acc[r][c]);
+        __m256 f = _mm256_broadcast_ss(dx + r * ds + g);
+        if constexpr (Blocks) f = _mm256_mul_ps(f, d);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[r][c]);
       }
     }
   }
@@ -258,7 +297,7 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 template <int NR, int NC>
 inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
                        const float* dx2, int64_t fs, const uint16_t* scale,
-                       const uint16_t* zero, const float* xsum, float* out) {
+                       const uint16_t* min, const float* xsum, float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
@@ -268,30 +307,218 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
         const int8_t* x = xq + r * k + (g / 2) * 2 * kGroup + (g % 2) * 16;
         int32_t dot = 0;
         for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[32 + i];
-        const float f = bf16_bits_to_float(scale[c * fs + g]) *
+        const float f = half_bits_to_float(scale[c * fs + g]) *
                         dx2[r * 4 * fs + (g / 2) * 8 + (g % 2) * 4];
         y += static_cast<float>(dot) * f;
       }
-      for (int64_t g = 0; g < fs; ++g) {
-        const float low = bf16_bits_to_float(zero[c * fs + g]) -
-                          8.f * bf16_bits_to_float(scale[c * fs + g]);
-        y += xsum[r * fs + g] * low;
-      }
+      for (int64_t g = 0; g < fs; ++g) y += xsum[r * fs + g] * half_bits_to_float(min[c * fs + g]);
       out[r * NC + c] = y;
     }
   }
 }
 
-template <int NR, int NC>
+template <int NR, int NC, bool Blocks>
 inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq, int64_t k,
-                       const float* dx, int64_t ds, float* out) {
+                       const float* dx, int64_t ds, const uint16_t* ws, int64_t wss,
+                       float* out) {
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < NC; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
         int32_t dot = 0;
         for (int i = 0; i < kGroup; ++i) dot += w[c * cs + g * gs + i] * xq[r * k + g * kGroup + i];
-        y += static_cast<float>(dot) * dx[r * ds + g];
+        float f = dx[r * ds + g];
+        if constexpr (Blocks) f *= half_bits_to_float(ws[c * wss + g]);
+        y += static_cast<float>(dot) * f;
+      }
+      out[r * NC + c] = y;
+    }
+  }
+}
+#endif
+
+// fp32 activations, as they are: the exact path. Each output is the fp32 dot product of x
+// with the dequantized weight, rearranged as y = sum_g scale_g (q_g . x_g) + sum_g min_g
+// sum(x_g), so that it differs from the fp32 model's matmul by fp32 rounding in another
+// order only. (Rounding x to int8, the path above, moves a logit of the default model by up
+// to ~1, which turns greedy output at its near-ties.)
+struct FloatRows {
+  int64_t rows = 0, k = 0, groups = 0, stride = 0;
+  const float* x = nullptr;
+  std::vector<float> xsum;  // per row and group of 32, [rows, stride], zero beyond
+  // int4 (pairs): each row in int4_block_exact's order, [rows, k] (see lane_order).
+  std::vector<float> xp;
+};
+
+// Inputs of groups 2p and 2p + 1 (64 values at x) in the order int4_block_exact multiplies
+// them: its 32 weight bytes read as eight int32 lanes (lanes 0-3: group 2p's bytes, 4-7:
+// group 2p + 1's), vector v = 2 m + h holds in lane j the nibble h (0: low, 1: high) of
+// byte m of the lane, masked in place: input 4 (j % 4) + m + 16 h of its group, times
+// 2^(8 m). So x goes in times 2^(-8 m): exact, and no weight byte is shuffled.
+inline void lane_order(const float* x, float* out) {
+  constexpr float kUnscale[4] = {1.f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
+  for (int m = 0; m < 4; ++m) {
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 8; ++j) {
+        out[(2 * m + h) * 8 + j] = x[(j / 4) * kGroup + 4 * (j % 4) + m + 16 * h] * kUnscale[m];
+      }
+    }
+  }
+}
+
+// The sum of a group's 32 values (in a fixed order, whatever the batch).
+inline float group_sum(const float* x) {
+#ifdef SGL_NB_AVX2
+  const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+  const __m256 b = _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24));
+  return hsum(_mm256_add_ps(a, b));
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) s += x[i];
+  return s;
+#endif
+}
+
+inline void float_rows(const float* x, int64_t rows, int64_t k, bool pairs, FloatRows& f) {
+  f.rows = rows;
+  f.k = k;
+  f.groups = k / kGroup;
+  f.stride = (f.groups + 7) / 8 * 8;
+  f.x = x;
+  f.xsum.assign(rows * f.stride, 0.f);
+  if (pairs) f.xp.resize(rows * k);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < f.groups; ++g) {
+      f.xsum[r * f.stride + g] = group_sum(x + r * k + g * kGroup);
+    }
+    for (int64_t i = 0; pairs && i + 2 * kGroup <= k; i += 2 * kGroup) {
+      lane_order(x + r * k + i, f.xp.data() + r * k + i);
+    }
+  }
+}
+
+#ifdef SGL_NB_AVX2
+// NR rows of x (in lane_order, row stride k) against NC int4 weight rows laid out as
+// int4_block's: out[r * NC + c] = sum_g scale_cg (q_cg . x_rg) + sum_g min_cg xsum_rg. Per
+// two groups: 32 weight bytes, one shift, eight masks, eight conversions to fp32 (exact:
+// at most 4 bits times a power of 2), and per row of x eight multiply-adds and one by
+// [scale_2p x 4, scale_2p+1 x 4]. No shuffle: widening bytes to int32 lanes (vpmovzxbd)
+// takes the one shuffle port of Intel's cores, and bound this path at 1.4-2.9x the bf16
+// path's time at one row (measured); with masks it is 1.3-1.9x.
+template <int NR, int NC>
+inline void int4_block_exact(const uint8_t* w, int64_t cs, int64_t ps, const float* xp,
+                             int64_t k, int64_t fs, const uint16_t* scale,
+                             const uint16_t* min, const float* xsum, float* out) {
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  if (k < 2 * kGroup) __builtin_unreachable();
+  for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
+      const __m256i bh = _mm256_srli_epi32(b, 4);
+      const __m256 s2 = spread_half_pair(scale + c * fs + 2 * p);
+      __m256 a[NR];
+      for (int v = 0; v < 8; ++v) {
+        const __m256i mask = _mm256_set1_epi32(0xF << (8 * (v / 2)));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v % 2 ? bh : b, mask));
+        for (int r = 0; r < NR; ++r) {
+          const __m256 xv = _mm256_loadu_ps(xp + r * k + p * 2 * kGroup + 8 * v);
+          a[r] = v ? _mm256_fmadd_ps(q, xv, a[r]) : _mm256_mul_ps(q, xv);
+        }
+      }
+      for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], s2, acc[r][c]);
+    }
+  }
+  for (int64_t g = 0; g < fs; g += 8) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256 low = load8_half(min + c * fs + g);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + r * fs + g), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+}
+
+// NR rows of x against NC int8 weight rows (row c's group g at w + c * cs + g * gs), each
+// group's dot product times its fp16 scale (Blocks, row c's at ws + c * wss) or not (a row
+// scale, applied after): out[r * NC + c] = sum_g d_cg (w_cg . x_rg).
+template <int NR, int NC, bool Blocks>
+inline void int8_block_exact(const int8_t* w, int64_t cs, int64_t gs, const float* x,
+                             int64_t k, const uint16_t* ws, int64_t wss, float* out) {
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  if (k < kGroup) __builtin_unreachable();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    for (int c = 0; c < NC; ++c) {
+      const int8_t* wg = w + c * cs + g * gs;
+      __m256 wv[4];
+      for (int i = 0; i < 4; ++i) {
+        wv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wg + 8 * i))));
+      }
+      const __m256 d = Blocks ? _mm256_set1_ps(half_bits_to_float(ws[c * wss + g]))
+                              : _mm256_setzero_ps();
+      for (int r = 0; r < NR; ++r) {
+        const float* xg = x + r * k + g * kGroup;
+        if constexpr (Blocks) {
+          __m256 a = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xg));
+          for (int i = 1; i < 4; ++i) a = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xg + 8 * i), a);
+          acc[r][c] = _mm256_fmadd_ps(a, d, acc[r][c]);
+        } else {
+          for (int i = 0; i < 4; ++i) {
+            acc[r][c] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xg + 8 * i), acc[r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+}
+#else
+template <int NR, int NC>
+inline void int4_block_exact(const uint8_t* w, int64_t cs, int64_t ps, const float* xp,
+                             int64_t k, int64_t fs, const uint16_t* scale,
+                             const uint16_t* min, const float* xsum, float* out) {
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      float y = 0.f;
+      for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
+        const uint8_t* b = w + c * cs + p * ps;
+        const float* x = xp + r * k + p * 2 * kGroup;
+        float dot[2] = {0.f, 0.f};  // groups 2p, 2p + 1 (lanes 0-3, 4-7 of lane_order)
+        for (int v = 0; v < 8; ++v) {
+          const int m = v / 2, h = v % 2;
+          for (int j = 0; j < 8; ++j) {
+            const int q = (b[4 * j + m] >> (4 * h)) & 15;
+            dot[j / 4] += std::ldexp(static_cast<float>(q), 8 * m) * x[8 * v + j];
+          }
+        }
+        y += dot[0] * half_bits_to_float(scale[c * fs + 2 * p]) +
+             dot[1] * half_bits_to_float(scale[c * fs + 2 * p + 1]);
+      }
+      for (int64_t g = 0; g < fs; ++g) y += xsum[r * fs + g] * half_bits_to_float(min[c * fs + g]);
+      out[r * NC + c] = y;
+    }
+  }
+}
+
+template <int NR, int NC, bool Blocks>
+inline void int8_block_exact(const int8_t* w, int64_t cs, int64_t gs, const float* x,
+                             int64_t k, const uint16_t* ws, int64_t wss, float* out) {
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      float y = 0.f;
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        float dot = 0.f;
+        for (int i = 0; i < kGroup; ++i) {
+          dot += static_cast<float>(w[c * cs + g * gs + i]) * x[r * k + g * kGroup + i];
+        }
+        y += Blocks ? dot * half_bits_to_float(ws[c * wss + g]) : dot;
       }
       out[r * NC + c] = y;
     }
@@ -311,10 +538,10 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 }
 
-// int4 weights in our layout against quantized rows (pairs); scale and zero [N, x.stride].
+// int4 weights in our layout against quantized rows (pairs); scale and min fp16 [N, x.stride].
 struct Int4Weights {
   const uint8_t* nib;
-  const uint16_t *scale, *zero;
+  const uint16_t *scale, *min;
   const QuantizedRows& x;
 
   // The panel holding weight row j0, all of it (see quant_matmul).
@@ -328,15 +555,18 @@ struct Int4Weights {
     constexpr int64_t unit = kGroup;  // two groups of 16 bytes
     int4_block<NR, NC>(nib + panel_row_offset(j0, x.k / 2, unit), unit, kRowPanel * unit,
                        x.xq.data() + r0 * x.k, x.k, x.dx_pairs.data() + r0 * 4 * s, s,
-                       scale + j0 * s, zero + j0 * s, x.xsum.data() + r0 * s, out);
+                       scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
   }
   float finish(int64_t, int64_t, float part) const { return part; }
 };
 
-// int8 weights (interleaved), a bf16 scale per output row, against quantized rows.
+// int8 weights (interleaved) against quantized rows, with an fp32 scale per output row
+// (row_scale) or an fp16 scale per group of 32 inputs (block_scale [N, K / 32]; row_scale
+// null).
 struct Int8Weights {
   const int8_t* w;
-  const uint16_t* scale;
+  const float* row_scale;
+  const uint16_t* block_scale;
   const QuantizedRows& x;
 
   void prefetch_panel(int64_t j0) const {
@@ -345,11 +575,66 @@ struct Int8Weights {
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
-    int8_block<NR, NC>(w + panel_row_offset(j0, x.k, kGroup), kGroup, kRowPanel * kGroup,
-                       x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * x.stride, x.stride, out);
+    const int8_t* wj = w + panel_row_offset(j0, x.k, kGroup);
+    const float* dx = x.dx.data() + r0 * x.stride;
+    const int8_t* xq = x.xq.data() + r0 * x.k;
+    if (!row_scale) {
+      int8_block<NR, NC, true>(wj, kGroup, kRowPanel * kGroup, xq, x.k, dx, x.stride,
+                               block_scale + j0 * x.groups, x.groups, out);
+    } else {
+      int8_block<NR, NC, false>(wj, kGroup, kRowPanel * kGroup, xq, x.k, dx, x.stride, nullptr,
+                                0, out);
+    }
   }
   float finish(int64_t j, int64_t, float part) const {
-    return part * bf16_bits_to_float(scale[j]);
+    return row_scale ? part * row_scale[j] : part;
+  }
+};
+
+// int4 weights in our layout against fp32 rows as they are (the exact path).
+struct Int4WeightsExact {
+  const uint8_t* nib;
+  const uint16_t *scale, *min;
+  const FloatRows& x;
+
+  void prefetch_panel(int64_t j0) const {
+    prefetch_bytes(nib + panel_row_offset(j0, x.k / 2, kGroup), kRowPanel * x.k / 2);
+  }
+
+  template <int NR, int NC>
+  void block(int64_t j0, int64_t r0, float* out) const {
+    const int64_t s = x.stride;
+    int4_block_exact<NR, NC>(nib + panel_row_offset(j0, x.k / 2, kGroup), kGroup,
+                             kRowPanel * kGroup, x.xp.data() + r0 * x.k, x.k, s,
+                             scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
+  }
+  float finish(int64_t, int64_t, float part) const { return part; }
+};
+
+// int8 weights (interleaved) against fp32 rows as they are, scales as Int8Weights'.
+struct Int8WeightsExact {
+  const int8_t* w;
+  const float* row_scale;
+  const uint16_t* block_scale;
+  const FloatRows& x;
+
+  void prefetch_panel(int64_t j0) const {
+    prefetch_bytes(w + panel_row_offset(j0, x.k, kGroup), kRowPanel * x.k);
+  }
+
+  template <int NR, int NC>
+  void block(int64_t j0, int64_t r0, float* out) const {
+    const int8_t* wj = w + panel_row_offset(j0, x.k, kGroup);
+    if (!row_scale) {
+      int8_block_exact<NR, NC, true>(wj, kGroup, kRowPanel * kGroup, x.x + r0 * x.k, x.k,
+                                     block_scale + j0 * x.groups, x.groups, out);
+    } else {
+      int8_block_exact<NR, NC, false>(wj, kGroup, kRowPanel * kGroup, x.x + r0 * x.k, x.k,
+                                      nullptr, 0, out);
+    }
+  }
+  float finish(int64_t j, int64_t, float part) const {
+    return row_scale ? part * row_scale[j] : part;
   }
 };
 
@@ -400,56 +685,69 @@ inline bool interleaved(const at::Tensor& w, const at::Tensor& x, int64_t inputs
          w.size(1) == x.size(1) / inputs && w.size(2) == kRowPanel * kGroup;
 }
 
-// y = x @ w.T (+ bias), int8 weights interleaved [N / 8, K / 32, 8 * 32] with a bf16 scale
-// per row; x bf16 or fp32; into `out` where it fits (output_rows).
+// y = x @ w.T (+ bias), int8 weights interleaved [N / 8, K / 32, 8 * 32] with an fp32 scale
+// per row [N] or an fp16 scale per group [N, K / 32]; x bf16 (rounded to int8) or fp32 (the
+// exact path); into `out` where it fits (output_rows).
 inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
                               const at::Tensor& scale, const at::Tensor& bias,
                               const at::Tensor& out = {}) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(interleaved(w, x, kGroup), "int8: x [rows, k], k a multiple of 32, and weights "
               "interleaved [n / 8, k / 32, 256]");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16, "int8 kernel: bf16 scales");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0) * kRowPanel;
+  const bool blocks = scale.dim() == 2;
+  TORCH_CHECK(scale.is_contiguous() &&
+                  (blocks ? scale.scalar_type() == at::kHalf && scale.size(0) == n &&
+                                scale.size(1) == k / kGroup
+                          : scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
+                                scale.size(0) == n),
+              "int8 kernel: fp32 scales [N] or fp16 scales [N, K / 32]");
   at::Tensor y = output_rows(out, rows, n, x.options());
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const float* rs = blocks ? nullptr : scale.data_ptr<float>();
+  const auto* bs = blocks ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
     quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, false, q);
-    quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n,
+    quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), rs, bs, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int8: bf16 or fp32 activations");
-    quantize_rows(x.data_ptr<float>(), rows, k, false, q);
-    quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), sp, q}, rows, n, y.data_ptr<float>());
+    thread_local FloatRows f;
+    float_rows(x.data_ptr<float>(), rows, k, false, f);
+    quant_matmul_any(Int8WeightsExact{w.data_ptr<int8_t>(), rs, bs, f}, rows, n,
+                     y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);
   return y;
 }
 
 // y = x @ w.T (+ bias), int4 weights in our layout (nibbles interleaved [N / 8, K / 32,
-// 8 * 16], scale and zero bf16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32;
+// 8 * 16], scale and min fp16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32;
 // into `out` where it fits (output_rows).
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
-                              const at::Tensor& scale, const at::Tensor& zero,
+                              const at::Tensor& scale, const at::Tensor& min,
                               const at::Tensor& bias, const at::Tensor& out = {}) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(interleaved(nib, x, 2 * kGroup), "int4: x [rows, k], k a multiple of 64, and "
               "nibbles interleaved [n / 8, k / 64, 256]");
   const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
   TORCH_CHECK(scale.size(0) == n && scale.size(1) == (k / kGroup + 7) / 8 * 8 &&
-              zero.sizes() == scale.sizes(), "int4: scale and zero [N, groups rounded up to 8]");
+                  min.sizes() == scale.sizes() && scale.is_contiguous() && min.is_contiguous() &&
+                  scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
+              "int4: scale and min fp16 [N, groups rounded up to 8]");
   at::Tensor y = output_rows(out, rows, n, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr());
+  const auto* mp = reinterpret_cast<const uint16_t*>(min.data_ptr());
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
     quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, true, q);
-    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
+    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, mp, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
-    quantize_rows(x.data_ptr<float>(), rows, k, true, q);
-    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, zp, q}, rows, n,
+    thread_local FloatRows f;
+    float_rows(x.data_ptr<float>(), rows, k, true, f);
+    quant_matmul_any(Int4WeightsExact{nib.data_ptr<uint8_t>(), sp, mp, f}, rows, n,
                      y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);

