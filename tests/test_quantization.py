@@ -41,9 +41,13 @@ MODES = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # The default model's GGUF blocks (Q4_1, a Q8_0 head), the kernels' exact fp32 path:
+    # fp32's own weights, in another summation order only.
+    "int4-fp32": {"quantization": "int4", "dtype": "float32"},
 }
 # (largest relative perplexity change, smallest greedy agreement with fp32)
-LIMITS = {"bf16": (0.02, 0.97), "int8": (0.05, 0.93), "int4": (0.10, 0.88)}
+LIMITS = {"bf16": (0.02, 0.97), "int8": (0.05, 0.93), "int4": (0.10, 0.88),
+          "int4-fp32": (1e-4, 0.998)}
 
 NEW = 24
 TEXTS = [

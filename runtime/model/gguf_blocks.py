@@ -41,21 +41,26 @@ OWN_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 
 
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
 def own_form(data: np.ndarray, qtype: str) -> dict[str, torch.Tensor]:
     """One tensor's blocks (uint8 [rows, row bytes], as gguf's reader gives them) in
     quantize.py's form: int4 for Q4_0 / Q4_1, q8_0 for Q8_0."""
     rows = data.shape[0]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
-    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])  # [rows, groups]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES[qtype])
+
+    def fp16_at(byte: int) -> torch.Tensor:  # [rows, groups], each block's fp16 at `byte`
+        return torch.from_numpy(blocks[..., byte:byte + 2].copy().view(np.float16)[..., 0])
+
+    d = fp16_at(0)
     if qtype == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
-        return {"qweight": q.contiguous(), "scale": d.contiguous()}
-    nibbles = torch.from_numpy(blocks[..., size - 16:].copy())  # [rows, groups, 16]
+        return {"qweight": q, "scale": d}
+    nibbles = torch.from_numpy(blocks[..., -16:].copy())  # [rows, groups, 16]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, -1)  # weights in order
-    low = -8 * d if qtype == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(
-        np.float16)[..., 0])
-    return {"qweight": pack_int4(q), "scale": d.contiguous(), "min": low.contiguous()}
+    low = -8 * d if qtype == "Q4_0" else fp16_at(2)
+    return {"qweight": pack_int4(q), "scale": d, "min": low}
 
 
 def row_keys(w: torch.Tensor | np.ndarray) -> list[bytes]:
@@ -80,12 +85,13 @@ def save_blocks(gguf: Path, target: Path) -> None:
     types: dict[str, str] = {}
     for t in GGUFReader(str(gguf)).tensors:
         qtype = t.tensor_type.name
-        if qtype in UNQUANTIZED_TYPES or len(t.shape) != 2:
+        if qtype in UNQUANTIZED_TYPES or len(t.shape) < 2:
             continue
         types[t.name] = qtype
-        values = gguf_dequantize(t.data, t.tensor_type)
+        data = t.data.reshape(-1, t.data.shape[-1])  # rows (a MoE's experts one after another)
+        values = gguf_dequantize(data, t.tensor_type)
         tensors[f"{t.name}/keys"] = _keys_tensor(row_keys(values))
-        form = own_form(t.data, qtype) if qtype in OWN_TYPES else {}
+        form = own_form(data, qtype) if qtype in OWN_TYPES else {}
         if all(v.isfinite().all() for v in form.values() if v.is_floating_point()):
             # (Q4_0's min -8 d leaves fp16 beyond |d| = 8188: that tensor is re-quantized.)
             tensors.update({f"{t.name}/{part}": v for part, v in form.items()})

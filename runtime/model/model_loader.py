@@ -108,7 +108,10 @@ def resolve_model_path(model_path: str | os.PathLike | None = None, progress=Tru
     if not _is_converted(target):
         convert_gguf(gguf, target, progress=progress)
     elif not (target / BLOCKS_FILE).is_file():  # converted before blocks were kept
-        save_blocks(gguf, target)
+        try:
+            save_blocks(gguf, target)
+        except OSError:  # a read-only cache: int8 / int4 quantize the dequantized weights
+            pass
     return target
 
 
@@ -193,7 +196,7 @@ def load_quantized(
                   file=sys.stderr, flush=True)
         blocks = FileBlocks.read(folder)
         flat = {f"{layer}.{k}": v for layer, d in build(blocks).items() for k, v in d.items()}
-        report = blocks and blocks.report(quantization)
+        report = blocks.report(quantization) if blocks is not None else None
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write, then rename: an interrupted run never leaves a file that looks complete.
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")

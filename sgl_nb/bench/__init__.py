@@ -26,6 +26,8 @@ BENCHES = {
              "generated token, messages a second",
     "models": "every native family (random weights, about 0.5B) against transformers "
               "generate, one stream; the transformers path against native on Llama",
+    "gguf": "int4 from a GGUF's own blocks (bf16 and fp32 activations) against int4 "
+            "quantized again from its dequantized weights: one stream, tokens equal to fp32",
     "serve": "sgl-nb serve under streaming load with hang-ups: nothing lost (finish "
              "reasons, queues, greedy output, RSS); --vllm-bench: vllm bench serve against it "
              "and vLLM-CPU",
