@@ -25,7 +25,9 @@ from support.tiny_gguf import write_gguf
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.model.forward_batch import build_batch
 from sgl_nb.runtime.model.gguf_blocks import FileBlocks, own_form
-from sgl_nb.runtime.model.linear import Int4Linear, Int8Linear, make_linear
+from sgl_nb.runtime.model.kernel_probe import Probe, check_layer
+from sgl_nb.runtime.model.kernel_rules import OURS_INT4
+from sgl_nb.runtime.model.linear import Int4Linear, Int8Linear, make_linear, quantized_linear
 from sgl_nb.runtime.model.model import Model, linear_weights, lm_head_weight
 from sgl_nb.runtime.model.model_config import ModelConfig
 from sgl_nb.runtime.model.model_loader import cache_dir, resolve_model_path
@@ -129,6 +131,21 @@ def test_kernels_compute_exactly_with_the_blocks_at_fp32(qtype, rows):
     want = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T  # what the sums' rounding is relative to
     assert ((got - want).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+@needs_kernels
+def test_the_kernel_probe_holds_fp32_activations_to_fp32_rounding():
+    """A layer off by 1e-3 in one group's scale passes a 16-bit check (int8 rounding of x
+    moves outputs more) but not the fp32 one: the exact path is checked as exact."""
+    form = own_form(random_blocks("Q4_1", 64, 256, seed=3), "Q4_1")
+    off = {**form, "scale": form["scale"].clone()}
+    off["scale"][5, 2] *= 1.001
+    for dtype, verdict in ((torch.float32, "disagrees"), (torch.bfloat16, None)):
+        probe = Probe.of(OURS_INT4, 128, 256, dtype)  # random_blocks: 2 x 64 rows
+        layer = quantized_linear(off, None, dtype, torch.device("cpu"), "int4", OURS_INT4)
+        assert check_layer(layer, off, probe) is None  # its own weights
+        why = check_layer(layer, form, probe)  # the weights it should have had
+        assert why is None if verdict is None else verdict in why, (dtype, why)
 
 
 # ---- tiny models from Q4_0 / Q4_1 / Q8_0 GGUFs ------------------------------------------------

@@ -358,9 +358,10 @@ def check_layer(layer, t: dict[str, torch.Tensor], probe: Probe, fault: str | No
         if bias is not None:
             want += bias.float().cpu()
         err = (y - want).abs()
-        # 16-bit outputs: a few ulps of bf16 relative to the output's size (and the bound of
-        # our kernels' int8 rounding of x).
-        tol = (3e-2 * want.abs().max() + 1e-6 + bound).expand_as(err)
+        # 16-bit outputs: a few ulps of bf16 relative to the output's size; and the bound of
+        # the rounding of x (_reference).
+        sixteen_bit = 3e-2 * want.abs().max() if dtype != torch.float32 else 0.0
+        tol = (sixteen_bit + 1e-6 + bound).expand_as(err)
         if not (err <= tol).all():  # also catches NaN
             worst = (err - tol).argmax()
             return (f"{probe.name} disagrees with the dequantized weight on {probe.shape} at "
@@ -380,13 +381,16 @@ def _inject(fault: str | None) -> None:
 
 
 def _reference(x: torch.Tensor, t: dict[str, torch.Tensor], quantization: str, ours: bool):
-    """x @ w.T in fp32 from the dequantized weight, and for our kernels, which round each
-    row of x to int8 per group of 32, the most that rounding can move each output: sum |w|
-    * half a step of x. The weight is dequantized a chunk of rows at a time."""
+    """x @ w.T in fp32 from the dequantized weight, and the most each output may be off:
+    with fp32 x, fp32 rounding (1e-5 of sum |x| |w|: the exact path, or torch's); with
+    16-bit x into our kernels, which round each row to int8 per group of 32, sum |w| * half
+    a step of x. The weight is dequantized a chunk of rows at a time."""
     xf = x.float()
     rows, k = xf.shape
     half = None
-    if ours:
+    if x.dtype == torch.float32:
+        half = 1e-5 * xf.abs()
+    elif ours:
         step = xf.view(rows, -1, INT4_GROUP).abs().amax(-1, keepdim=True) / 254
         half = step.expand(rows, k // INT4_GROUP, INT4_GROUP).reshape(rows, k)
     outs, bounds = [], []
