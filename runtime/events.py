@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 # runtime's event types only).
 from sgl_nb.runtime.compiler.instructions import Op
 from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.compiler.step_controller import Hold
 from sgl_nb.runtime.status import Status
 
 
@@ -182,10 +183,10 @@ class Joined(Event):
 
 @dataclass(**_EVENT)
 class Paused(Event):
-    """A step controller holds the program: at "node" or "decode"."""
+    """A step controller holds the program."""
 
     kind: ClassVar[EventKind] = EventKind.PAUSED
-    at: str | None = None
+    at: Hold | None = None
     reason: str | None = None
 
 
@@ -194,7 +195,7 @@ class Resumed(Event):
     """A held program goes on; or (reason "scheduler") a preempted request resumes."""
 
     kind: ClassVar[EventKind] = EventKind.RESUMED
-    at: str | None = None
+    at: Hold | None = None
     reason: str | None = None
 
 
@@ -270,10 +271,8 @@ class EventBus:
         """Anyone listening? (Skip building costly event data when not.)"""
         return bool(self._queues or self._callbacks)
 
-    def emit(self, cls: type[Event] | str, data: dict | None = None, **fields) -> None:
+    def emit(self, cls: type[Event], **fields) -> None:
         """A `cls` event with these fields, built only when someone listens."""
-        if isinstance(cls, str):  # TRANSITIONAL: the engine's and scheduler's calls
-            cls, fields = _named(cls, data or {}, fields)
         self.counts[cls.kind] += 1
         if self._queues or self._callbacks:
             with self._lock:
@@ -288,17 +287,3 @@ def _send(event: Event, queues: list, callbacks: list) -> None:
     for cb in callbacks:
         cb(event)
 
-
-def _named(kind: str, data: dict, ids: dict) -> tuple[type[Event], dict]:
-    """TRANSITIONAL, until the engine and the scheduler emit typed events (an engine split
-    is editing them): the event a kind name and its data stand for."""
-    cls = EVENT_TYPES[EventKind(kind)]
-    if cls is InstructionStarted or cls is InstructionFinished:
-        data = dict(data)
-        fields = {"op": Op(data.pop("kind")), "index": data.pop("index", 0)}
-        if cls is InstructionFinished:
-            error = data.pop("error", None)
-            fields.update(usage=data, error=error,
-                          status=Status.DONE if error is None else Status.ERROR)
-        return cls, {**ids, **fields}
-    return cls, {**ids, **data}

@@ -13,7 +13,7 @@ from support.waits import until
 
 import sgl_nb as sgl
 from sgl_nb.runtime.compiler.instructions import Decode, Extend, Fork, Join, Op, Return, Score
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import ForkNode, GenNode, JoinNode, ReturnNode, SelectNode
 from sgl_nb.runtime.compiler.lowering import lower
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("default_backend")]
@@ -87,22 +87,22 @@ def test_the_static_listing_names_what_will_run():
 
 
 def test_lowering_gives_one_typed_instruction_per_step():
-    gen = Node("Gen", 1, [], "x", {"max_tokens": 3})
-    sel = Node("Select", 1, [], "m", {"choices": ["a", "b"],
-                                      "method": "unconditional_likelihood_normalized"})
+    gen = GenNode(program=1, name="x", sampling={"max_tokens": 3})
+    sel = SelectNode(program=1, name="m", choices=["a", "b"],
+                     method="unconditional_likelihood_normalized")
     (d,) = lower(gen)
     assert isinstance(d, Decode) and d.op is Op.DECODE and d.params == {"max_tokens": 3}
     scores = lower(sel)
     assert [type(s) for s in scores] == [Score] * 4
     assert [s.unconditional for s in scores] == [False, False, True, True]
     assert [s.index for s in scores] == [0, 1, 2, 3]
-    sel.detail["decided"] = "a"
+    sel.decided = "a"
     (e,) = lower(sel)
     assert isinstance(e, Extend) and e.text == "a" and e.name == "m"
-    assert isinstance(lower(Node("Fork", 1, [], None, {"n": 2}))[0], Fork)
-    assert isinstance(lower(Node("Join", 1, [], None, {"mode": "gather_variable",
-                                                       "branches": [2]}))[0], Join)
-    (r,) = lower(Node("Return", 1, []))
+    assert isinstance(lower(ForkNode(program=1, n=2))[0], Fork)
+    (j,) = lower(JoinNode(program=1, branches=(2,)))
+    assert isinstance(j, Join) and j.branches == (2,) and j.mode == "gather_variable"
+    (r,) = lower(ReturnNode(program=1))
     assert isinstance(r, Return) and r.node is None  # the program's own, like Init
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import sgl_nb as sgl
-from sgl_nb.runtime.compiler.ir import Node
+from sgl_nb.runtime.compiler.ir import ForkNode, GenNode, SelectNode, TextNode
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.passes import (
     decide_selects,
@@ -71,12 +71,11 @@ def test_selects_fixed_by_the_gens_grammar_need_no_score():
 
 
 def test_the_grammar_pass_on_nodes():
-    sel = Node("Select", 1, [], "n", {"choices": ["a", "b", "c"], "method": "m",
-                                      "allowed": [1]})
-    free = Node("Select", 1, [], "m", {"choices": ["a", "b"], "method": "m"})
+    sel = SelectNode(program=1, name="n", choices=["a", "b", "c"], method="m", allowed=[1])
+    free = SelectNode(program=1, name="m", choices=["a", "b"], method="m")
     report = decide_selects([sel, free])
     assert report.changed == 1 and report.detail == "1 grammar"
-    assert sel.detail["decided"] == "b" and "decided" not in free.detail
+    assert (sel.decided, sel.resolved) == ("b", "grammar") and free.decided is None
 
 
 def test_a_grammar_that_rules_out_every_choice_fails_at_its_line():
@@ -209,18 +208,18 @@ def test_programs_in_flight_compute_a_common_prefix_once(runtime):
 
 
 def test_pass_functions_on_nodes():
-    a = Node("Text", 1, [], None, {"text": "a"})
-    b = Node("Text", 1, [a.id], None, {"text": "b"})
-    g = Node("Gen", 1, [b.id], "x", {})
+    a = TextNode(program=1, text="a")
+    b = TextNode(program=1, preds=[a.id], text="b")
+    g = GenNode(program=1, preds=[b.id], name="x")
     nodes, report = fuse_text([a, b, g])
-    assert [n.kind for n in nodes] == ["Text", "Gen"] and nodes[0].detail["text"] == "ab"
+    assert nodes == [a, g] and (a.text, a.fused) == ("ab", 2) and g.preds == [a.id]
     assert report.changed == 1
     common, rep = shared_prefix(["abcX", "abcY", "abZ"])
     assert common == "ab" and rep.changed == 3
-    one, two = Node("Fork", 1, [g.id], None, {"n": 1}), Node("Fork", 1, [], None, {"n": 3})
+    one, two = ForkNode(program=1, preds=[g.id], n=1), ForkNode(program=1, n=3)
     rep = share_fork_prefixes([one, two])
     assert rep.name == "shared_prefix" and rep.changed == 1
-    assert "shared_prefix" not in one.detail and two.detail["shared_prefix"] is True
+    assert not one.shared_prefix and two.shared_prefix
     assert [i.kind for i in lower(one)] == ["Fork"]
     extend, fork = lower(two)
     assert extend.kind == "Extend" and extend.shared and extend.on_engine and fork.n == 3

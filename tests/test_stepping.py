@@ -30,7 +30,7 @@ def test_step_node_then_instruction_then_continue(runtime):
     node = held(st)
     assert node.kind == "Text" and node.status == "pending" and st.debug.waiting_at == "node"
     st.debug.step()
-    assert held(st).detail["text"] == ", in a small town,"
+    assert held(st).text == ", in a small town,"
     assert st.nodes[0].kind == "Init"  # the program's own; the debugger does not hold there
     assert st.nodes[1].status == "done" and st.nodes[2].status == "pending"
     st.debug.step()
@@ -119,10 +119,10 @@ def test_cache_events(runtime):
 def test_continue_forgets_a_step_whose_node_has_not_ended():
     """A step granted to one fork branch while another is held, then continue: the stepped
     Node's end must not pause the program again."""
-    from sgl_nb.runtime.compiler.ir import Node
+    from sgl_nb.runtime.compiler.ir import GenNode
     from sgl_nb.runtime.compiler.step_controller import StepController
 
-    a, b = Node("Gen", 1, [], "a"), Node("Gen", 2, [], "b")
+    a, b = GenNode(program=1, name="a"), GenNode(program=2, name="b")
     c = StepController(paused=True)
     assert not c.enter_node(a)  # held before a
     c.step()

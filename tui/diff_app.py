@@ -14,13 +14,14 @@ from textual.widgets import DataTable, Footer, Header, Static
 from sgl_nb.language.diff import (
     MARKS,
     NodePair,
+    PairOp,
     RunDiff,
     divergence_lines,
     settings_lines,
     summary,
 )
 
-ROW_STYLE = {"changed": "yellow", "removed": "red", "added": "green"}
+ROW_STYLE = {PairOp.CHANGED: "yellow", PairOp.REMOVED: "red", PairOp.ADDED: "green"}
 LABEL_WIDTH = 34  # characters of a Node's label; the detail pane shows all of it
 
 
@@ -117,7 +118,7 @@ def _cells(p: NodePair, first: bool, width: int) -> list[Text]:
     if first:
         style = "bold reverse " + style  # the first divergence stands out
     indent = "  " * len(p.branch) + (f"[{p.branch[-1][1]}] " if p.branch else "")
-    same = p.op == "same"
+    same = p.op is PairOp.SAME
     return [Text(MARKS[p.op], style=style), Text(_fit(indent + p.label, LABEL_WIDTH), style),
             Text(_output(p.a, width), style), Text("=" if same else _output(p.b, width), style),
             Text(_pair_figure(p, "output_tokens"), style=style),
@@ -149,8 +150,8 @@ def _pair_seconds(p: NodePair) -> str:
 def _detail(d: RunDiff, p: NodePair) -> Text:
     a, b = d.names
     t = Text()
-    words = {"same": "the same in both runs", "changed": "differs",
-             "removed": f"only in {a}", "added": f"only in {b}"}
+    words = {PairOp.SAME: "the same in both runs", PairOp.CHANGED: "differs",
+             PairOp.REMOVED: f"only in {a}", PairOp.ADDED: f"only in {b}"}
     t.append(f"{p.place}: {words[p.op]}\n", style="bold " + ROW_STYLE.get(p.op, ""))
     for name, n in ((a, p.a), (b, p.b)):
         if n is not None:

@@ -100,8 +100,8 @@ class LiveSession:
         if p is not None and p.status.ended:
             return Position(Where.of(p.status), last)
         waiting, current = self.debug.waiting_at, self.debug.current
-        if waiting is not None and current is not None:  # "node" or "decode"
-            return Position(Where(waiting), current.id)
+        if waiting is not None and current is not None:
+            return Position(Where(waiting.value), current.id)
         return Position(Where.RUNNING if self.timeline.events else Where.START, last)
 
     def rows(self) -> list[NodeRow]:

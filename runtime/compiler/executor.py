@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sgl_nb.runtime.compiler.instructions import Cancelled, Instruction, Op
-from sgl_nb.runtime.compiler.ir import Node, NodeKind
+from sgl_nb.runtime.compiler.ir import InitNode, JoinNode, Node
 from sgl_nb.runtime.compiler.step_controller import StepController
 from sgl_nb.runtime.events import Event, InstructionFinished, InstructionStarted
 from sgl_nb.runtime.status import Status
@@ -146,12 +146,12 @@ class Executor:
                 track.todo.extend(node.instructions)
 
     def _may_start(self, track: _Track, node: Node) -> bool:
-        if node.kind is NodeKind.INIT:
+        if isinstance(node, InitNode):
             # A debugger holds at the program's first Node of its own, not here. A prefix
             # another program computes for this one: wait until it has ended, however.
             after = node.instructions[0].after
             return after is None or after.status.ended
-        if node.kind is NodeKind.JOIN:
+        if isinstance(node, JoinNode):
             # Its branches' Nodes were all queued before it: it waits for them to drain.
             branches = node.instructions[0].branches if node.instructions else ()
             if any(b in self._tracks and not self._tracks[b].idle for b in branches):

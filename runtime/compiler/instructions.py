@@ -55,7 +55,7 @@ class Instruction:
         return {}
 
     def __str__(self) -> str:
-        args = " ".join(f"{k}={_short(v)}" for k, v in self.args().items() if v is not None)
+        args = " ".join(f"{k}={short(v)}" for k, v in self.args().items() if v is not None)
         return f"{self.kind:<7} node={self.node or 0:<5} {args}".rstrip()
 
 
@@ -134,6 +134,7 @@ class Return(Instruction):
     op: ClassVar[Op] = Op.RETURN
 
 
-def _short(v, n: int = 40) -> str:
+def short(v, n: int = 40) -> str:
+    """A value as a listing shows it: a string quoted, at most n characters."""
     s = repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= n else s[: n - 3] + "..."

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nb.runtime.compiler.ir import Node, NodeKind
+from sgl_nb.runtime.compiler.ir import TEXT_NODES, ForkNode, Node, SelectNode, TextNode
 
 ALL_PASSES = ("fuse_text", "static_select", "shared_prefix")
-_TEXT_KINDS = (NodeKind.TEXT, NodeKind.ROLE_BEGIN, NodeKind.ROLE_END)  # text, no model
 
 
 @dataclass
@@ -48,10 +47,10 @@ def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
     for n in nodes:
         n.preds = [renamed.get(p, p) for p in n.preds]
         prev = out[-1] if out else None
-        if (n.kind is NodeKind.TEXT and prev is not None and prev.kind is NodeKind.TEXT
+        if (isinstance(n, TextNode) and isinstance(prev, TextNode)
                 and prev.program == n.program and n.preds == [prev.id]):
-            prev.detail["text"] += n.detail["text"]
-            prev.detail["fused"] = prev.detail.get("fused", 1) + 1
+            prev.text += n.text
+            prev.fused += 1
             renamed[n.id] = prev.id
             merged += 1
             continue
@@ -62,12 +61,12 @@ def fuse_text(nodes: list[Node]) -> tuple[list[Node], PassReport]:
 def fixed_choice(node: Node) -> tuple[str, str] | None:
     """A select's answer when it is known without the model, and why: one choice ("static",
     repeats counted once), or one the gen's grammar (regex=, dtype=) leaves ("grammar")."""
-    if node.kind is not NodeKind.SELECT:
+    if not isinstance(node, SelectNode):
         return None
-    choices = node.detail["choices"]
+    choices = node.choices
     if len(set(choices)) == 1:
         return choices[0], "static"
-    left = {choices[i] for i in node.detail.get("allowed", range(len(choices)))}
+    left = {choices[i] for i in node.scored()}
     return (left.pop(), "grammar") if len(left) == 1 else None
 
 
@@ -77,7 +76,7 @@ def decide_selects(nodes: list[Node]) -> PassReport:
     for node in nodes:
         fixed = fixed_choice(node)
         if fixed is not None:
-            node.detail["decided"], node.detail["resolved"] = fixed
+            node.decided, node.resolved = fixed
             why[fixed[1]] = why.get(fixed[1], 0) + 1
     detail = ", ".join(f"{n} {reason}" for reason, n in sorted(why.items()))
     return PassReport("static_select", sum(why.values()), detail)
@@ -88,8 +87,8 @@ def share_fork_prefixes(nodes: list[Node]) -> PassReport:
     shared Extend before the Fork, instead of by each branch's first request."""
     n = 0
     for node in nodes:
-        if node.kind is NodeKind.FORK and node.detail["n"] > 1:
-            node.detail["shared_prefix"] = True
+        if isinstance(node, ForkNode) and node.n > 1:
+            node.shared_prefix = True
             n += 1
     return PassReport("shared_prefix", n, f"{n} forks")
 
@@ -98,9 +97,9 @@ def leading_text(nodes: list[Node]) -> str:
     """The text a program starts with before anything depends on the model."""
     text = []
     for n in nodes:
-        if n.kind not in _TEXT_KINDS or "text" not in n.detail:
+        if not isinstance(n, TEXT_NODES) or n.text is None:
             break
-        text.append(n.detail["text"])
+        text.append(n.text)
     return "".join(text)
 
 

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from enum import StrEnum
 
 from sgl_nb.runtime.compiler.ir import Node, NodeKind
+
+
+class Hold(StrEnum):
+    """Where a step controller holds its program."""
+
+    NODE = "node"  # before a Node starts
+    DECODE = "decode"  # inside a Gen, before its next token (one Decode step)
 
 
 @dataclass(frozen=True)
@@ -44,11 +52,11 @@ class StepController:
         self._stop_after_node = False
         self.breakpoints: set[Breakpoint] = set()
         self.current: Node | None = None
-        self.waiting_at: str | None = None  # "node" or "decode" when held
+        self.waiting_at: Hold | None = None  # where it is held, if it is
         self._on_change = on_change  # called (without the lock) on pause/resume
         self._wakers: list = []  # the executor's and the engine's wake(), called on a grant
         self._holding_node = False  # held before `current` (the paused event was sent)
-        # Called with "node" / "decode" when the program becomes held there, and with None
+        # Called with a Hold when the program becomes held there, and with None
         # when it goes on (events: paused / resumed). Runs under the lock: must not block.
         self.on_hold = None
 
@@ -73,7 +81,7 @@ class StepController:
         """Run the next Node to its end, then pause (a Gen runs all its tokens)."""
         with self._cond:
             self._paused = True
-            if self.waiting_at != "decode":  # at a Node boundary: let the next one start
+            if self.waiting_at is not Hold.DECODE:  # at a Node boundary: the next may start
                 self._node_steps += 1
             self._token_steps = -1  # and run all of its tokens
             self._stop_after_node = True
@@ -85,7 +93,7 @@ class StepController:
         """One Instruction: one token of the current Gen, or the next Node's first one."""
         with self._cond:
             self._paused = True
-            if self.waiting_at == "decode":
+            if self.waiting_at is Hold.DECODE:
                 self._token_steps += 1
             else:
                 # The next Node's first Instruction: an Extend, or a Gen's prefill, which
@@ -133,8 +141,8 @@ class StepController:
             if self._paused and self._node_steps == 0:
                 if not self._holding_node:
                     self._holding_node = True
-                    self._held("node")
-                self.waiting_at = "node"
+                    self._held(Hold.NODE)
+                self.waiting_at = Hold.NODE
                 self._cond.notify_all()
                 return False
             if self._holding_node:  # a grant cleared waiting_at already: say it goes on
@@ -158,17 +166,17 @@ class StepController:
             if not self._paused or self._token_steps < 0 or self._token_steps > 0:
                 if self._token_steps > 0:
                     self._token_steps -= 1
-                if self.waiting_at == "decode":
+                if self.waiting_at is Hold.DECODE:
                     self._held(None)
                 self.waiting_at = None
                 return True
-            if self.waiting_at != "decode":
-                self.waiting_at = "decode"
-                self._held("decode")
+            if self.waiting_at is not Hold.DECODE:
+                self.waiting_at = Hold.DECODE
+                self._held(Hold.DECODE)
                 self._cond.notify_all()
             return False
 
-    def _held(self, at: str | None) -> None:
+    def _held(self, at: Hold | None) -> None:
         if self.on_hold is not None:
             self.on_hold(at, self.current)
 

@@ -19,7 +19,17 @@ from sgl_nb.language.replay_effects import ReplayEffects
 from sgl_nb.language.select_scoring import choose
 from sgl_nb.runtime.compiler.executor import Done
 from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
-from sgl_nb.runtime.compiler.ir import Node, NodeKind, node_params
+from sgl_nb.runtime.compiler.ir import (
+    InitNode,
+    JoinNode,
+    Node,
+    NodeKind,
+    ReturnNode,
+    RoleNode,
+    SelectNode,
+    TextNode,
+    VarScopeNode,
+)
 from sgl_nb.runtime.events import (
     Event,
     Failed,
@@ -46,15 +56,14 @@ class ProgramEffects(ReplayEffects):
             self.events.emit(cls, program=self.id, **fields)
 
     def node_started(self, node: Node) -> str:
-        if node.kind is NodeKind.INIT:  # its Instruction runs even for a program cancelled at once
+        if isinstance(node, InitNode):  # its Instruction runs even for a program cancelled at once
             node.status = Status.RUNNING
-            self.emit(ProgramStarted, function=node.detail["function"],
-                      priority=self.priority, model=self._model_name(),
-                      **node.detail.get("call", {}))
+            self.emit(ProgramStarted, function=node.function, priority=self.priority,
+                      model=self._model_name(), **node.call)
             return "run"
-        if node.kind is NodeKind.RETURN:
+        if isinstance(node, ReturnNode):
             return "run"  # a cancelled or failed program still ends
-        if node.kind is NodeKind.JOIN:  # it gathers what the branches produced, cancelled or not
+        if isinstance(node, JoinNode):  # it gathers what the branches produced, cancelled or not
             node.status = Status.RUNNING
             self._replay_step(node)
             self._node_started_event(node)
@@ -71,7 +80,7 @@ class ProgramEffects(ReplayEffects):
         self._replay_step(node)  # first: an edit's sampling arguments are the Node's now
         self._node_started_event(node)
         self._node_start[node.id] = len(self._text)
-        if node.kind is NodeKind.VAR_SCOPE:  # no Instruction: it marks where its text starts, ends
+        if isinstance(node, VarScopeNode):  # no Instruction: it marks where its text starts, ends
             self._scope(self._payloads[node.id])
         return "run"
 
@@ -91,12 +100,12 @@ class ProgramEffects(ReplayEffects):
         return None
 
     def node_finished(self, node: Node, error: BaseException | None) -> None:
-        if node.kind is NodeKind.INIT:
+        if isinstance(node, InitNode):
             node.status = Status.DONE if error is None else Status.ERROR
-        elif node.kind is NodeKind.RETURN:
+        elif isinstance(node, ReturnNode):
             self._end_program(node)
         elif node.status is Status.RUNNING:
-            if error is None and node.kind is NodeKind.SELECT and "decided" not in node.detail:
+            if error is None and isinstance(node, SelectNode) and node.decided is None:
                 error = self._choose(node)
             self._node_end(node, error)
         elif node.status is Status.CANCELLED:
@@ -112,7 +121,7 @@ class ProgramEffects(ReplayEffects):
         node.start_ns = time.monotonic_ns()
         params = None
         if node.kind in (NodeKind.GEN, NodeKind.SELECT):  # what a re-run or a diff compares it by
-            params = json.dumps(node_params(node), default=repr, sort_keys=True)
+            params = json.dumps(node.params(), default=repr, sort_keys=True)
         self.emit(NodeStarted, node=node.id, node_kind=node.kind, name=node.name,
                   line=node.line, file=node.file, label=node.label(), preds=tuple(node.preds),
                   stack=tuple(node.stack), params=params)
@@ -151,26 +160,26 @@ class ProgramEffects(ReplayEffects):
 
     def _extend(self, node: Node, ins) -> None:
         start = len(self._text)
-        if node.kind in (NodeKind.TEXT, NodeKind.SELECT):  # a re-run's edit of it
+        if isinstance(node, TextNode | SelectNode):  # a re-run's edit of it
             ins.text = self._edited_text(node, ins.text)
         self._extend_text(node, ins)
         if self.speculated:
             self.speculated = speculation.fill(self.speculated, self._text[start:])
 
     def _extend_text(self, node: Node, ins) -> None:
-        if node.kind in (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
+        if isinstance(node, RoleNode):
             self._role_marker(node, self._payloads[node.id])
-            ins.text = node.detail["text"]
-        elif node.kind is NodeKind.SELECT:  # decided by a pass: no Score ran
+            ins.text = node.text
+        elif isinstance(node, SelectNode):  # decided by a pass: no Score ran
             self._append(ins.text, ins.name)
             if ins.name is not None:
-                self._meta[ins.name] = {"choices": node.detail["choices"],
-                                        "resolved": node.detail.get("resolved", "static")}
+                self._meta[ins.name] = {"choices": node.choices,
+                                        "resolved": node.resolved or "static"}
                 self[ins.name] = ins.text
         else:
             self._append(ins.text)
 
-    def _role_marker(self, node: Node, mark) -> None:
+    def _role_marker(self, node: RoleNode, mark) -> None:
         roles = self.backend.chat_roles
         start = len(self._text)
         if mark.begin:
@@ -182,7 +191,7 @@ class ProgramEffects(ReplayEffects):
             content = self._text[self._role_start:]
             self._messages.append({"role": mark.role, "content": content})
             self._append(roles.suffix[mark.role])
-        node.detail["text"] = self._text[start:]  # the default system prompt included
+        node.text = self._text[start:]  # the default system prompt included
 
     def _scope(self, mark) -> None:
         if mark.begin:
@@ -354,12 +363,12 @@ class ProgramEffects(ReplayEffects):
             self._kv_len = len(self._text)  # the prefix scored
         done(None, handle.usage())
 
-    def _choose(self, node: Node) -> BaseException | None:
+    def _choose(self, node: SelectNode) -> BaseException | None:
         """All of a Select's Scores are in: pick, append, bind."""
         sel, got = self._payloads[node.id], self._scores.pop(node.id, {})
         if self._replay_choice(node, sel):
             return None
-        scored = node.detail.get("allowed", range(len(sel.choices)))  # in choice order
+        scored = node.scored()  # in choice order
         scores = [got[(False, i)] for i in scored]
         uncond = [got[(True, i)] for i in scored] if any(u for u, _ in got) else None
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sgl_nb.language.run_record import NodeRecord, ProgramRecord
-from sgl_nb.runtime.compiler.ir import Node, NodeKind, node_params
+from sgl_nb.runtime.compiler.ir import Node, TextNode
 from sgl_nb.runtime.status import Status
 
 MISSING = object()  # `value` not given: the edited Node keeps its own (sampling changes)
@@ -91,9 +91,9 @@ class Replay:
         nodes = self.record.nodes
         rec = nodes[self._next] if self._next < len(nodes) else None
         self._next += 1
-        text = node.detail.get("text") if node.kind is NodeKind.TEXT else None
+        text = node.text if isinstance(node, TextNode) else None
         if rec is not None and rec.same_step(node.kind, node.name, node.label(),
-                                             node_params(node), text):
+                                             node.params(), text):
             return rec
         self.diverged = self.live = True
         if not self.report.reached and self.report.diverged is None:

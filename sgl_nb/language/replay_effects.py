@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sgl_nb.language.reasoning import split_reasoning
 from sgl_nb.language.replay import MISSING, Step, Stepped
-from sgl_nb.runtime.compiler.ir import Node, NodeKind
+from sgl_nb.runtime.compiler.ir import GenNode, JoinNode, Node
 
 
 class ReplayEffects:
@@ -19,12 +19,11 @@ class ReplayEffects:
         if self.replay is None:
             return
         branches = []
-        if node.kind is NodeKind.JOIN:
-            ids = node.detail.get("branches", ())
-            branches = [c.replay for c in self._children if c.id in ids and c.replay]
+        if isinstance(node, JoinNode):
+            branches = [c.replay for c in self._children if c.id in node.branches and c.replay]
         stepped = self._steps[node.id] = self.replay.step(node, branches)
-        if stepped.step is Step.EDIT and self.replay.edit.sampling:
-            node.detail.update(self.replay.edit.sampling)  # its events and record show them
+        if stepped.step is Step.EDIT and isinstance(node, GenNode) and self.replay.edit.sampling:
+            node.sampling.update(self.replay.edit.sampling)  # its events and record show them
 
     def _stepped(self, node: Node | None) -> Stepped | None:
         """The re-run's decision for `node` when it is not to run live as recorded."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, NodeKind, node_params
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, ForkNode, NodeKind, TextNode
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
@@ -100,14 +100,14 @@ def _node_of_state(state, node) -> NodeRecord:
     seconds = None
     if node.start_ns is not None and node.end_ns is not None:
         seconds = (node.end_ns - node.start_ns) / 1e9
-    rec = NodeRecord(node.kind, node.name, node.line, node.label(), node_params(node),
+    rec = NodeRecord(node.kind, node.name, node.line, node.label(), node.params(),
                      node.status, node.output if node.output is not None else "",
                      node.id, node.file, tuple(node.stack),
                      _usage([ins.usage for ins in node.instructions if ins.usage]),
                      list(state._tokens.get(node.id, ())), seconds)
-    if node.kind is NodeKind.TEXT:
-        rec.text = node.detail.get("text", rec.text)  # what it adds even if it has not run
-    if node.kind is NodeKind.FORK:
+    if isinstance(node, TextNode):
+        rec.text = node.text  # what it adds even if it has not run
+    if isinstance(node, ForkNode):
         rec.branches = [record_of_state(c) for c in state._forked.get(node.id, ())]
     return rec
 

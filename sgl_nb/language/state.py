@@ -35,7 +35,20 @@ from sgl_nb.language.rerun import rerun_state
 from sgl_nb.language.token_info import TokenInfo, token_info
 from sgl_nb.runtime.compiler.executor import get_executor
 from sgl_nb.runtime.compiler.instructions import Cancelled
-from sgl_nb.runtime.compiler.ir import Node, NodeKind, dot
+from sgl_nb.runtime.compiler.ir import (
+    ForkNode,
+    GenNode,
+    InitNode,
+    JoinNode,
+    Node,
+    ReturnNode,
+    RoleBeginNode,
+    RoleEndNode,
+    SelectNode,
+    TextNode,
+    VarScopeNode,
+    dot,
+)
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.passes import run_passes
@@ -133,9 +146,8 @@ class ProgramState(ProgramEffects):
         `after`: such an Extend of another program, which this one starts after."""
         self.function = function
         self._has_body = True
-        detail = {"function": function, "shared_prefix": shared_prefix, "after": after,
-                  "call": call or {}}
-        node = Node(NodeKind.INIT, self.id, [], None, detail)
+        node = InitNode(program=self.id, function=function, shared_prefix=shared_prefix,
+                        after=after, call=call or {})
         self._record(node)
         return node
 
@@ -151,20 +163,20 @@ class ProgramState(ProgramEffects):
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         stack = tuple(f["function"] for f in self.call_stack)
         with self._lock:
-            for kind, name, detail, payload in self._to_nodes(expr):
-                self._record(Node(kind, self.id, self._preds(), name, detail, file, line,
-                                  stack=stack), payload)
+            for cls, fields, payload in self._to_nodes(expr):
+                self._record(cls(program=self.id, preds=self._preds(), file=file, line=line,
+                                 stack=stack, **fields), payload)
 
     def _record(self, node: Node, payload=None) -> None:
         with self._lock:
             self._buffer.append(node)
             self._payloads[node.id] = payload
-            if node.kind is not NodeKind.TEXT:  # text may still fuse with what follows
+            if not isinstance(node, TextNode):  # text may still fuse with what follows
                 self._flush()
 
     def _preds(self) -> list[int]:
         last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
-        return [last.id] if last is not None and last.kind is not NodeKind.INIT else []
+        return [last.id] if last is not None and not isinstance(last, InitNode) else []
 
     def _flush(self) -> None:
         """The Nodes recorded since the last flush: passes, lowering, the executor."""
@@ -184,26 +196,27 @@ class ProgramState(ProgramEffects):
                 self._pending += len(nodes)
             self._executor.add(self, nodes)
 
-    def _to_nodes(self, expr):
+    def _to_nodes(self, expr) -> list[tuple[type[Node], dict, object]]:
+        """What `s += expr` adds: (Node class, its fields, the expression it came from)."""
         if isinstance(expr, str):
-            return [(NodeKind.TEXT, None, {"text": expr}, expr)]
+            return [(TextNode, {"text": expr}, expr)]
         if isinstance(expr, Concat):
             return [n for part in expr.parts for n in self._to_nodes(part)]
         if isinstance(expr, _ScopeMark):
-            return [(NodeKind.VAR_SCOPE, expr.name, {"begin": expr.begin}, expr)]
+            return [(VarScopeNode, {"name": expr.name, "begin": expr.begin}, expr)]
         if isinstance(expr, Gen):
             params = expr.sampling(self.defaults)
             if self.backend is not None and ("regex" in params or "json_schema" in params):
                 # Compiled here, in the program's thread: a bad pattern fails at its line,
                 # before any token is generated.
                 self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
-            return [(NodeKind.GEN, expr.name, params, expr)]
+            return [(GenNode, {"name": expr.name, "sampling": params}, expr)]
         if isinstance(expr, Select):
-            detail = {"choices": expr.choices, "method": expr.method}
+            fields = {"name": expr.name, "choices": expr.choices, "method": expr.method}
             allowed = expr.allowed()
             if len(allowed) < len(expr.choices):  # the gen's grammar ruled some out
-                detail["allowed"] = allowed
-            return [(NodeKind.SELECT, expr.name, detail, expr)]
+                fields["allowed"] = allowed
+            return [(SelectNode, fields, expr)]
         if isinstance(expr, RoleBlock):
             out = self._to_nodes(Role(expr.role, True))
             try:
@@ -215,8 +228,7 @@ class ProgramState(ProgramEffects):
             return [*out, *self._to_nodes(Role(expr.role, False))]
         if isinstance(expr, Role):
             self._track_role(expr)
-            kind = NodeKind.ROLE_BEGIN if expr.begin else NodeKind.ROLE_END
-            return [(kind, None, {"role": expr.role}, expr)]
+            return [(RoleBeginNode if expr.begin else RoleEndNode, {"role": expr.role}, expr)]
         raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
 
     def _track_role(self, mark: Role) -> None:
@@ -287,8 +299,8 @@ class ProgramState(ProgramEffects):
         group._join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
 
     def _fork(self, n: int, caller) -> ForkGroup:
-        node = Node(NodeKind.FORK, self.id, self._preds(), None, {"n": n},
-                    caller.f_code.co_filename, caller.f_lineno)
+        node = ForkNode(program=self.id, preds=self._preds(), n=n,
+                        file=caller.f_code.co_filename, line=caller.f_lineno)
         self._record(node)
         self._wait_node(node)  # the branches start from the text the parent has then
         return ForkGroup(self, self._forked[node.id], node)
@@ -300,7 +312,7 @@ class ProgramState(ProgramEffects):
         if node.status is Status.CANCELLED or self._cancelled:
             raise ProgramCancelled(f"program {self.id} was cancelled")
         if node.status is not Status.DONE:
-            raise ProgramError(f"{node.kind} did not run: {self._error}")
+            raise ProgramError(f"{node.kind.value} did not run: {self._error}")
 
     def _model_name(self) -> str | None:
         """For the events and spans only: never lets a backend's attribute error out."""
@@ -526,7 +538,7 @@ class ProgramState(ProgramEffects):
         if self.parent is not None:
             self._flush()
             return
-        self._record(Node(NodeKind.RETURN, self.id, self._preds()), (error, frame_file))
+        self._record(ReturnNode(program=self.id, preds=self._preds()), (error, frame_file))
 
     def _set_error(self, error: BaseException, file: str | None = None) -> None:
         tb = traceback.extract_tb(error.__traceback__)
@@ -627,9 +639,9 @@ class ForkGroup:
             s._flush()  # every branch Node is queued before the Join that waits for them
         p = self.parent
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        node = Node(NodeKind.JOIN, p.id, preds, None,
-                    {"mode": mode, "branches": [s.id for s in self.states]},
-                    caller.f_code.co_filename, caller.f_lineno)
+        node = JoinNode(program=p.id, preds=preds, mode=mode,
+                        branches=tuple(s.id for s in self.states),
+                        file=caller.f_code.co_filename, line=caller.f_lineno)
         p._record(node)
         try:
             p._wait_node(node)

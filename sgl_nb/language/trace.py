@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 from sgl_nb.language.state import ForkGroup, ProgramState
-from sgl_nb.runtime.compiler.ir import Node, NodeKind, dot
+from sgl_nb.runtime.compiler.ir import ForkNode, JoinNode, Node, RoleEndNode, RoleNode, dot
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.passes import leading_text
 from sgl_nb.runtime.status import Status
@@ -36,15 +36,15 @@ class TraceState(ProgramState):
 
     def _submit(self, expr, frame=None) -> None:
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
-        for kind, name, detail, _ in self._to_nodes(expr):
+        for cls, fields, _ in self._to_nodes(expr):
             preds = [self.nodes[-1].id] if self.nodes else []
-            if self.roles is not None and kind in (NodeKind.ROLE_BEGIN, NodeKind.ROLE_END):
-                detail["text"] = self._role_text(kind, detail["role"])
-            self.nodes.append(Node(kind, self.id, preds, name, detail, file, line,
-                                   status=Status.TRACED))
+            if self.roles is not None and issubclass(cls, RoleNode):
+                fields["text"] = self._role_text(cls, fields["role"])
+            self.nodes.append(cls(program=self.id, preds=preds, file=file, line=line,
+                                  status=Status.TRACED, **fields))
 
-    def _role_text(self, kind: NodeKind, role: str) -> str:
-        if kind is NodeKind.ROLE_END:
+    def _role_text(self, cls: type[RoleNode], role: str) -> str:
+        if cls is RoleEndNode:
             return self.roles.suffix[role]
         first = not self.nodes
         default = self.roles.default_system if first and role != "system" else ""
@@ -61,7 +61,7 @@ class TraceState(ProgramState):
 
     def _fork(self, n: int, caller=None) -> ForkGroup:
         preds = [self.nodes[-1].id] if self.nodes else []
-        node = Node(NodeKind.FORK, self.id, preds, None, {"n": n}, status=Status.TRACED)
+        node = ForkNode(program=self.id, preds=preds, n=n, status=Status.TRACED)
         self.nodes.append(node)
         return _TraceForks(self, [TraceState(self.defaults, self) for _ in range(n)], node)
 
@@ -72,8 +72,7 @@ class _TraceForks(ForkGroup):
         for s in self.states:
             p.nodes.extend(s.nodes)
         preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        p.nodes.append(Node(NodeKind.JOIN, p.id, preds, None, {"mode": mode},
-                            status=Status.TRACED))
+        p.nodes.append(JoinNode(program=p.id, preds=preds, mode=mode, status=Status.TRACED))
 
 
 class ProgramGraph:

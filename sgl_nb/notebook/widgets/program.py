@@ -36,7 +36,7 @@ from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.notebook.widgets.variables import VariablesPanel
-from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.compiler.ir import TEXT_NODES, InitNode, RoleBeginNode, SelectNode
 from sgl_nb.runtime.events import CACHE_EVENTS, Event, Forked
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
@@ -188,7 +188,8 @@ class ProgramWidget(PumpedView, W.VBox):
                 p = tl.programs[pid]
                 debug = self.state.debug
                 is_held = debug is not None and debug.waiting_at is not None and not finished
-                self.status = f"held at a {debug.waiting_at}" if is_held else p.status.value
+                self.status = (f"held at a {debug.waiting_at.value}" if is_held
+                               else p.status.value)
                 self.error = self._error_text(p.error) if p.error else ""
                 self.stream.update(model, self.status if not self.error else "error")
                 if self.error:
@@ -368,13 +369,15 @@ class ProgramWidget(PumpedView, W.VBox):
         node = self._live.get(view.id)
         if node is None:
             return None
-        if node.kind is NodeKind.SELECT:
+        if isinstance(node, SelectNode):
             value = state._vars.get(node.name) if node.name else None
             return value if isinstance(value, str) else None
-        text = node.detail.get("text")
-        first = next((n for n in state.nodes if n.kind is not NodeKind.INIT), None)
-        if (node is first and node.kind is NodeKind.ROLE_BEGIN and text is not None
-                and node.detail.get("role") != "system"):
+        if not isinstance(node, TEXT_NODES):
+            return None
+        text = node.text
+        first = next((n for n in state.nodes if not isinstance(n, InitNode)), None)
+        if (node is first and isinstance(node, RoleBeginNode) and text is not None
+                and node.role != "system"):
             # A chat that opens without a system turn gets the template's default system
             # prompt before this role's prefix (ProgramState._role_marker); the node's own
             # text holds the prefix only. Unneeded once node_finished carries the text.

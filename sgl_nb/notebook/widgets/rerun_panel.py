@@ -28,7 +28,7 @@ from sgl_nb.language.run_record import record_of_state
 from sgl_nb.notebook.cell_program import SAMPLING_HINT, parse_edit
 from sgl_nb.notebook.widgets.stepper import source_line
 from sgl_nb.runtime.compiler.instructions import Op
-from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.runtime.compiler.ir import NodeKind, TextNode
 from sgl_nb.runtime.events import CacheHit
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import NodeView, Timeline
@@ -105,8 +105,8 @@ def _nodes_of(state) -> dict:
 
 
 def _output(node) -> str:
-    if node.kind is NodeKind.TEXT:
-        return node.detail.get("text") or ""
+    if isinstance(node, TextNode):
+        return node.text
     return "" if node.output is None else str(node.output)
 
 

@@ -21,7 +21,7 @@ from sgl_nb.notebook.widgets.keyed import Item, KeyedView
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, NodeKind
 from sgl_nb.runtime.compiler.lowering import lower
-from sgl_nb.runtime.compiler.step_controller import Breakpoint, StepController
+from sgl_nb.runtime.compiler.step_controller import Breakpoint, Hold, StepController
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
@@ -236,7 +236,7 @@ class StepperView(W.VBox):
             running = [r for r in rows if r.status is Status.RUNNING]
             current = running[-1].id if running else None
         self._rows = {r.id: r for r in rows}
-        self.waiting_at = held or ""
+        self.waiting_at = held.value if held else ""
         self.current_node = current
         self.current_instruction = self._current_instruction(self._rows.get(current), held)
         bps = c.breakpoints if c is not None else set()
@@ -266,12 +266,12 @@ class StepperView(W.VBox):
         row = self._rows.get(nid) if nid is not None else None
         return f"#{row.id} {row.label}" if row else "-"
 
-    def _current_instruction(self, row: Row | None, held: str | None) -> str:
+    def _current_instruction(self, row: Row | None, held: Hold | None) -> str:
         if row is None:
             return ""
-        if held == "decode":
+        if held is Hold.DECODE:
             return f"Decode (token {row.tokens + 1})"
-        if held == "node":
+        if held is Hold.NODE:
             first = row.instructions[0].split(" ")[0] if row.instructions else "—"
             return f"{first} (next)"
         running = [i for i in row.instructions if i.endswith("[running]")]
