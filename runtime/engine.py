@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.engine_config import EngineConfig
-from sgl_nb.runtime.events import EventBus
+from sgl_nb.runtime.events import EventBus, InstructionFinished, InstructionStarted, Op, Token
 from sgl_nb.runtime.grammar import GrammarCompilerCache
 from sgl_nb.runtime.model.load import load_model
 from sgl_nb.runtime.model.model_loader import resolve_model_path
@@ -275,7 +275,7 @@ class Engine:
                     self._handles[item.req.rid] = item
                     self.scheduler.add(item.req)
                     if item.req.instruction is None:  # else the executor reports it
-                        self._emit_instruction("instruction_started", item.req)
+                        self._emit_instruction(InstructionStarted, item.req)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -367,14 +367,12 @@ class Engine:
         if pick.choice is not None:
             req.token_choices.append(pick.choice)
         if self.events.active:
-            token = pick.sampled.token
-            data = {"token": token, "logprob": pick.sampled.logprob,
-                    "step": self.scheduler.step_no, "text": self.picker.token_text(token),
-                    "forced": pick.forced, "allowed": pick.allowed}
-            if pick.choice is not None:
-                data["top"] = [a.to_json() for a in pick.choice.top]
-            self.events.emit("token", request=req.rid, program=req.program, node=req.node,
-                             data=data)
+            token, choice = pick.sampled.token, pick.choice
+            self.events.emit(Token, request=req.rid, program=req.program, node=req.node,
+                             token=token, logprob=pick.sampled.logprob,
+                             step=self.scheduler.step_no, text=self.picker.token_text(token),
+                             forced=pick.forced, allowed=pick.allowed,
+                             top=[a.to_json() for a in choice.top] if choice is not None else ())
         handle = self._handles.get(req.rid)
         if handle is not None:
             handle.push_text(req.take_delta())
@@ -397,20 +395,21 @@ class Engine:
         self.token_usage.add(len(req.prompt_ids), len(req.output_ids))
         self.scheduler.release(req)
         if req.instruction is None:
-            self._emit_instruction("instruction_finished", req)
+            self._emit_instruction(InstructionFinished, req)
         handle = self._handles.pop(req.rid, None)
         if handle is not None:
             handle.push_text(req.take_delta())
             handle.mark_done()
 
-    def _emit_instruction(self, kind: str, req: Request) -> None:
+    def _emit_instruction(self, cls: type[InstructionStarted | InstructionFinished],
+                          req: Request) -> None:
         """A request submitted bare (rt.generate, rt.score: no program's Instruction) is
         reported as the Decode or Score it is."""
-        data = {"kind": "Score" if req.logprob_start is not None else "Decode",
-                "index": req.index}
-        if kind == "instruction_finished":
-            data.update(req.usage())
-        self.events.emit(kind, request=req.rid, program=req.program, node=req.node, data=data)
+        fields = {"op": Op.SCORE if req.logprob_start is not None else Op.DECODE,
+                  "index": req.index}
+        if cls is InstructionFinished:
+            fields["usage"] = req.usage()  # a failure: its "error"
+        self.events.emit(cls, request=req.rid, program=req.program, node=req.node, **fields)
 
     def _fail_all(self, error: BaseException) -> None:
         for handle in list(self._handles.values()):

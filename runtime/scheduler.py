@@ -23,6 +23,15 @@ from __future__ import annotations
 import torch
 
 from sgl_nb.runtime.engine_config import EngineConfig
+from sgl_nb.runtime.events import (
+    CacheEvict,
+    CacheHit,
+    CacheInsert,
+    Event,
+    Preempted,
+    Resumed,
+    Retracted,
+)
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.priority import priority_name
 from sgl_nb.runtime.radix_cache import RadixCache
@@ -125,14 +134,14 @@ class Scheduler:
         req.preemptions += 1
         req.waiting_since = self.step_no
         self.preemptions += 1
-        self._emit("preempted", req, reason=reason, priority=priority_name(req.priority))
+        self._emit(Preempted, req, reason=reason, priority=priority_name(req.priority))
 
     def _resume(self, req: Request) -> None:
         self.suspended.remove(req)
         self.running.append(req)
         req.slice_used = 0
         self.resumes += 1
-        self._emit("resumed", req, reason="scheduler")
+        self._emit(Resumed, req, reason="scheduler")
 
     def _queue_order(self) -> list[Request]:
         """Waiting requests in admission order: level, then (with a long queue) the longest
@@ -256,7 +265,7 @@ class Scheduler:
             return 0
         req.slots, req.cached_len, req.last_node = prefix, prefix.numel(), node
         req.slots = torch.cat([req.slots, slots])
-        self._emit("cache_hit", req, cached_tokens=prefix.numel(), prompt_tokens=len(ids))
+        self._emit(CacheHit, req, cached_tokens=prefix.numel(), prompt_tokens=len(ids))
         if req.prompt_cached_tokens < 0:
             req.prompt_cached_tokens = prefix.numel()
             self.prompt_tokens += len(req.prompt_ids)
@@ -274,17 +283,15 @@ class Scheduler:
     def _alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.available()
         if short > 0:
-            self._emit("cache_evict", tokens=self.cache.evict(short))
+            self._emit(CacheEvict, tokens=self.cache.evict(short))
         return self.pool.alloc(n)
 
-    def _emit(self, kind: str, req: Request | None = None, **data) -> None:
+    def _emit(self, cls: type[Event], req: Request | None = None, **fields) -> None:
         if self.events is None:
             return
-        if req is None:
-            self.events.emit(kind, data=data)
-        else:
-            self.events.emit(kind, request=req.rid, program=req.program, node=req.node,
-                             data=data)
+        if req is not None:
+            fields.update(request=req.rid, program=req.program, node=req.node)
+        self.events.emit(cls, **fields)
 
     def _decode_batch(self) -> ScheduledBatch | None:
         if not self.running:
@@ -311,7 +318,7 @@ class Scheduler:
             if short <= 0:
                 return
             freed = self.cache.evict(short)
-            self._emit("cache_evict", tokens=freed)
+            self._emit(CacheEvict, tokens=freed)
             if freed >= short:
                 return
             if self.suspended:  # idle work gives way first
@@ -379,7 +386,7 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + NEW_TOKEN_RATIO_AFTER_RETRACT)
         req.waiting_since = self.step_no
         self.waiting.append(req)  # its rid is old: it sorts ahead of later arrivals
-        self._emit("retracted", req, reason=reason)
+        self._emit(Retracted, req, reason=reason)
 
     def _cache_progress(self, req: Request) -> None:
         """Insert the computed tokens into the radix tree and lock the new path.
@@ -390,7 +397,7 @@ class Scheduler:
         key = req.all_ids[: req.fill_len]
         present = self.cache.insert(key, req.slots)
         if len(key) > present:
-            self._emit("cache_insert", req, tokens=len(key) - present, total=len(key))
+            self._emit(CacheInsert, req, tokens=len(key) - present, total=len(key))
         if present > req.cached_len:
             self.pool.free(req.slots[req.cached_len : present])
         slots, node = self.cache.match_prefix(key, count=False)
