@@ -6,12 +6,38 @@ level) and, beside each, what its replay showed then (tests/support/replay_summa
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from support.replay_summary import plain, summary
 
+from sgl_nb.runtime.events import (
+    EVENT_TYPES,
+    CacheEvict,
+    CacheHit,
+    CacheInsert,
+    Failed,
+    Forked,
+    Hold,
+    InstructionFinished,
+    InstructionStarted,
+    Joined,
+    NodeFinished,
+    NodeKind,
+    NodeStarted,
+    Op,
+    Paused,
+    Preempted,
+    ProgramFinished,
+    ProgramStarted,
+    Resumed,
+    Retracted,
+    Status,
+    Token,
+)
 from sgl_nb.tracing import load
+from sgl_nb.tracing.codec import event_data, event_from, event_name
 
 TRACES = Path(__file__).parent / "data" / "traces"
 
@@ -37,3 +63,41 @@ def test_the_traces_hold_every_kind_of_step():
     events = load(TRACES / "node.jsonl").events
     assert {"paused", "resumed", "fork", "join", "cache_hit"} <= \
         {str(getattr(e.kind, "value", e.kind)) for e in events}
+
+
+def _one_of_each() -> list:
+    return [
+        ProgramStarted(program=1, function="f", priority="normal", model="m", module="mod",
+                       qualname="f", args="{}", options="{}"),
+        ProgramFinished(program=1, status=Status.CANCELLED, error="E()", line=3),
+        NodeStarted(program=1, node=2, node_kind=NodeKind.GEN, name="x", line=3, file="f.py",
+                    label="Gen x", preds=(1,), stack=("f",), params='{"max_tokens": 2}'),
+        NodeFinished(program=1, node=2, status=Status.ERROR, text="ab", value="'ab'"),
+        InstructionStarted(program=1, node=2, request=7, op=Op.DECODE, index=1),
+        InstructionFinished(program=1, node=2, request=7, op=Op.SCORE, index=1,
+                            status=Status.ERROR, error="E()",
+                            usage={"input_tokens": 4, "finish_reason": "error"}),
+        Token(program=1, node=2, request=7, token=5, text="a", logprob=-0.5, forced=True,
+              step=9, allowed=2, top=[[5, "a", -0.4, False], [6, "b", -1.0, True]]),
+        CacheHit(request=7, cached_tokens=2, prompt_tokens=4),
+        CacheInsert(request=7, tokens=3, total=5), CacheEvict(tokens=8),
+        Forked(program=1, node=3, n=2, children=(4, 5)),
+        Joined(program=1, node=6, mode="concate_and_append", children=(4, 5)),
+        Paused(program=1, node=2, at=Hold.DECODE, reason="step controller"),
+        Resumed(program=1, request=7, reason="scheduler"),
+        Preempted(program=1, request=7, reason="priority", priority="batch"),
+        Retracted(program=1, request=7, reason="memory"), Failed(program=1, error="E()"),
+    ]
+
+
+def test_every_event_kind_round_trips_through_the_codec():
+    events = _one_of_each()
+    assert {type(e) for e in events} == set(EVENT_TYPES.values())
+    for e in events:
+        ids = (e.program, e.node, e.request)
+        data = json.loads(json.dumps(event_data(e)))  # plain JSON values only
+        back = event_from(event_name(e), ids, data, e.ts, e.seq)
+        assert back == e, type(e).__name__
+        # ... and of the same types (a kind comes back as its enum, not its name)
+        assert [type(getattr(back, f.name)) for f in fields(e)] == \
+            [type(getattr(e, f.name)) for f in fields(e)], type(e).__name__

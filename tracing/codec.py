@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 from enum import Enum
-from types import MappingProxyType
 
 from sgl_nb.runtime.events import (
     EVENT_TYPES,
@@ -131,7 +130,7 @@ def event_from(name: str, ids: tuple, data: dict, ts: int, seq: int) -> Event:
         if k in wire:
             own[wire[k]] = data.pop(k)
     if cls is InstructionFinished:
-        own["usage"] = MappingProxyType(data)
+        own["usage"] = data
     return cls(program=program, node=node, request=request, ts=ts, seq=seq,
                **{k: _field(k, v) for k, v in own.items() if v is not None})
 

@@ -42,8 +42,9 @@ class Instruction:
     usage: dict | None = None  # what its instruction_finished event reported
 
     @property
-    def kind(self) -> str:
-        return self.op.value
+    def kind(self) -> Op:
+        """Its op (the name the Timeline's InstructionView and the events use)."""
+        return self.op
 
     @property
     def on_engine(self) -> bool:
@@ -56,7 +57,7 @@ class Instruction:
 
     def __str__(self) -> str:
         args = " ".join(f"{k}={short(v)}" for k, v in self.args().items() if v is not None)
-        return f"{self.kind:<7} node={self.node or 0:<5} {args}".rstrip()
+        return f"{self.op.value:<7} node={self.node or 0:<5} {args}".rstrip()
 
 
 @dataclass(eq=False)

@@ -19,12 +19,12 @@ from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 
 
 class InstructionRef(NamedTuple):
-    kind: str  # "Decode"
+    kind: Op  # Op.DECODE
     index: int  # its place among its Node's Instructions
     request: int | None  # the engine request that ran it
 
     def __str__(self) -> str:
-        return f"{self.kind} #{self.index} (request {self.request})"
+        return f"{self.kind.value} #{self.index} (request {self.request})"
 
 
 @dataclass
