@@ -39,9 +39,10 @@ PROMPTS = [
 ]
 NEW_TOKENS = 20
 # Floors of teacher-forced greedy agreement with fp32 on the tiny models (measured
-# 0.89-1.00 bf16, 0.87-1.00 int8, 0.37-1.00 int4): random weights leave top-2 gaps of
-# ~0.1, so int4's rounding flips many; the floors catch a broken mode (agreement ~0).
-AGREEMENT_FLOOR = {"bfloat16": 0.8, "int8": 0.75, "int4": 0.25}
+# 0.89-1.00 bf16, 0.83-1.00 int8, 0.245-0.92 int4 with fp16 scales and mins): random weights
+# leave top-2 gaps of ~0.1, so int4's rounding flips many; the floors catch a broken mode
+# (agreement ~0).
+AGREEMENT_FLOOR = {"bfloat16": 0.8, "int8": 0.75, "int4": 0.2}
 
 
 @pytest.fixture(scope="module")
