@@ -46,9 +46,9 @@ class ProgramHost(Protocol):
         """Publish a `cls` event of this program (runtime/events.py)."""
         ...
 
-    def node_started(self, node: Node) -> str:
-        """Called as the Node is about to start: "run", or "skipped" / "cancelled" (it does
-        not run)."""
+    def node_started(self, node: Node) -> bool:
+        """Called as the Node is about to start: whether its Instructions run (not when it
+        is skipped or cancelled)."""
         ...
 
     def start(self, ins: Instruction, done: Done) -> int | None:
@@ -142,7 +142,7 @@ class Executor:
                 return
             node = track.queue.popleft()
             track.node, track.error = node, None
-            if track.host.node_started(node) == "run":
+            if track.host.node_started(node):
                 track.todo.extend(node.instructions)
 
     def _may_start(self, track: _Track, node: Node) -> bool:

@@ -55,34 +55,34 @@ class ProgramEffects(ReplayEffects):
         if self.events is not None:
             self.events.emit(cls, program=self.id, **fields)
 
-    def node_started(self, node: Node) -> str:
+    def node_started(self, node: Node) -> bool:
         if isinstance(node, InitNode):  # its Instruction runs even for a program cancelled at once
             node.status = Status.RUNNING
             self.emit(ProgramStarted, function=node.function, priority=self.priority,
                       model=self._model_name(), **node.call)
-            return "run"
+            return True
         if isinstance(node, ReturnNode):
-            return "run"  # a cancelled or failed program still ends
+            return True  # a cancelled or failed program still ends
         if isinstance(node, JoinNode):  # it gathers what the branches produced, cancelled or not
             node.status = Status.RUNNING
             self._replay_step(node)
             self._node_started_event(node)
             self._node_start[node.id] = len(self._text)
-            return "run"
+            return True
         if self._cancelled:
             node.status = Status.CANCELLED
             self._node_started_event(node)
-            return "cancelled"
+            return False
         if self._error is not None:
             node.status = Status.SKIPPED  # the program failed before it
-            return "skipped"
+            return False
         node.status = Status.RUNNING
         self._replay_step(node)  # first: an edit's sampling arguments are the Node's now
         self._node_started_event(node)
         self._node_start[node.id] = len(self._text)
         if isinstance(node, VarScopeNode):  # no Instruction: it marks where its text starts, ends
             self._scope(self._payloads[node.id])
-        return "run"
+        return True
 
     def start(self, ins: Instruction, done: Done) -> int | None:
         node = self._nodes_by_id.get(ins.node) if ins.node is not None else None
