@@ -34,7 +34,7 @@ DEFAULTS = {
     "models": {"families": ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2",
                             "gemma3", "phi3", "olmo2", "granite", "smollm3"],
                "new_tokens": 32, "repeat": 1, "no_general_path": False, "json": None},
-    "gguf": {"model": None, "new_tokens": 128, "repeat": 3, "json": None},
+    "gguf": {"model": None, "new_tokens": 128, "repeat": 6, "json": None},
     "serve": {"model": None, "clients": 32, "duration": 180.0, "disconnect_fraction": 1 / 3,
               "warmup": 30.0, "rss_growth_mb": 64.0, "seed": 0, "kv_pool_tokens": None,
               "vllm_bench": None, "vllm_server": None, "rounds": 2, "input_len": 256,

@@ -225,10 +225,10 @@ def assert_greedy_agrees(fp32: Model, prompt: list[int], ours: list[int]) -> Non
 # ---- other types: quantized again, and said so -------------------------------------------------
 
 REPORT = re.compile(
-    r"int4: (\d+) weight\(s\) of tiny\.(\w+)\.gguf \((.+?) tensors\) have no kernel that "
-    r"computes with their blocks, and were quantized again to int4 from their dequantized "
-    r"values: relative RMS error against the file's weights ([\d.e-]+) mean, ([\d.e-]+) max "
-    r"\((.+)\)\. Q4_0, Q4_1 and Q8_0 tensors would keep their blocks exactly")
+    r"int4: (\d+) weight\(s\) of tiny\.(\w+)\.gguf \((.+?) tensors\) were quantized again "
+    r"to int4 from their dequantized values \(no kernel computes with blocks of their type, or "
+    r"a fused layer mixes types\): relative RMS error against the file's weights ([\d.e-]+) "
+    r"mean, ([\d.e-]+) max \((.+)\)\. Q4_0, Q4_1 and Q8_0 tensors keep their blocks")
 
 
 @needs_kernels

@@ -179,11 +179,11 @@ class FileBlocks:
                 kinds[kind] = kinds.get(kind, 0) + 1
         counts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         return (f"{quantization}: {len(errors)} weight(s) of {self.file} ({counts} tensors) "
-                f"have no kernel that computes with their blocks, and were quantized again "
-                f"to {quantization} from their dequantized values: relative RMS error "
-                f"against the file's weights {statistics.mean(errors):.3g} mean, "
-                f"{worst.error:.3g} max ({', '.join(worst.sources)}). Q4_0, Q4_1 and Q8_0 "
-                "tensors would keep their blocks exactly")
+                f"were quantized again to {quantization} from their dequantized values (no "
+                f"kernel computes with blocks of their type, or a fused layer mixes types): "
+                f"relative RMS error against the file's weights "
+                f"{statistics.mean(errors):.3g} mean, {worst.error:.3g} max "
+                f"({', '.join(worst.sources)}). Q4_0, Q4_1 and Q8_0 tensors keep their blocks")
 
     def _gather(self, picks: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         """The rows `picks` ((tensor, row) per output row) of the file's forms, stacked."""

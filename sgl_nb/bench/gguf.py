@@ -3,16 +3,18 @@ dequantized weights (what a load did before the blocks were kept), one stream, o
 
 Rows, on the default model's Q4_1 GGUF (or --model, a .gguf):
 - fp32: the dequantized weights, the reference for the tokens;
-- int4 requantized: the converted folder seen without the file's blocks (its weights
-  linked into the cache's bench_gguf/ folder), so int4 quantizes them again (bf16
-  activations, the int4 default);
+- int4 requantized: the converted folder seen without the file's blocks (its files linked
+  into the cache's bench_gguf/ folder), so int4 quantizes them again (bf16 activations, the
+  int4 default);
 - int4 blocks, bf16: the file's Q4_1 / Q8_0 blocks, activations rounded to int8 in the
   matmuls (the default dtype);
 - int4 blocks, fp32: the same blocks, the kernels' exact path.
 
-Per row: decode tok/s over N greedy tokens (EOS ignored), its ratio to "int4 requantized",
-and how many of the N tokens equal fp32's. Each row runs in a fresh process, `--repeat`
-rounds taking turns, and keeps its fastest round (noise on a shared machine only slows).
+All rows are loaded in one process and take turns, one stream of N greedy tokens each per
+round (EOS ignored): on a shared machine the load changes from minute to minute, and rows
+run seconds apart see the same. Per row: its best decode tok/s, the median over rounds of
+its speed over the re-quantized row's in the same round, and how many of N greedy tokens
+(from an empty cache) equal fp32's.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 from sgl_nb.bench import add_json_argument, add_model_argument
-from sgl_nb.bench.engine import STREAM_PROMPT, in_fresh_process, ours_one_stream
+from sgl_nb.bench.engine import STREAM_PROMPT, ours_one_stream
 
 # label -> (dtype, quantization, the file's blocks kept)
 ROWS = {
@@ -48,38 +51,30 @@ def without_blocks(folder: Path) -> Path:
     return view
 
 
-def row_in_process(model: str | None, label: str, n: int) -> dict:
-    """One stream of N tokens on one row's load: its tokens and its decode speed."""
+def load_rows(model: str | None) -> tuple[dict, list[int]]:
+    """Each row's Runtime, and the prompt's ids (the bench prompt in the chat template)."""
     from transformers import AutoTokenizer
 
     from sgl_nb import Runtime
     from sgl_nb.runtime.model.model_loader import resolve_model_path
 
-    dtype, quantization, blocks = ROWS[label]
     folder = resolve_model_path(model)
-    if not blocks:
-        folder = without_blocks(folder)
     tok = AutoTokenizer.from_pretrained(str(folder))
     ids = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": STREAM_PROMPT}], tokenize=False, add_generation_prompt=True))
-    rt = Runtime(str(folder), dtype=dtype, quantization=quantization)
-    try:
-        rt.generate(ids[:8], max_tokens=4)  # warm-up
-        seconds, step = ours_one_stream(rt, ids, n)
-        # From an empty cache, as fp32's: a prompt served from the cache is computed in
-        # another order (extend attention over a cached prefix), which can turn a near-tie.
-        rt.flush_cache()
-        tokens = rt.generate(ids, max_tokens=n, ignore_eos=True).token_ids
-        return {"seconds": seconds, "decode_step_ms": step * 1e3, "tokens": tokens}
-    finally:
-        rt.shutdown()
+    runtimes = {}
+    for label, (dtype, quantization, blocks) in ROWS.items():
+        path = folder if blocks else without_blocks(folder)
+        runtimes[label] = Runtime(str(path), dtype=dtype, quantization=quantization)
+        runtimes[label].generate(ids[:8], max_tokens=4)  # warm-up
+    return runtimes, ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument("--new-tokens", type=int, default=128, help="one-stream tokens")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="rounds of all rows, taking turns; each row keeps its fastest")
+    parser.add_argument("--repeat", type=int, default=6,
+                        help="rounds, every row one stream per round")
     add_json_argument(parser)
 
 
@@ -88,27 +83,41 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     if args.model is not None and Path(args.model).suffix != ".gguf":
         raise SystemExit(f"--model must be a .gguf file, got {args.model}")
-    best: dict[str, dict] = {}
-    for round_no in range(1, args.repeat + 1):
-        for label in ROWS:
-            print(f"round {round_no}/{args.repeat}: {label} ...", flush=True)
-            got = in_fresh_process(row_in_process, args.model, label, args.new_tokens)
-            if label not in best or got["decode_step_ms"] < best[label]["decode_step_ms"]:
-                best[label] = got
-    reference = best["fp32"]["tokens"]
+    n = args.new_tokens
+    runtimes, ids = load_rows(args.model)
+    try:
+        steps: dict[str, list[float]] = {label: [] for label in ROWS}
+        for round_no in range(1, args.repeat + 1):
+            print(f"round {round_no}/{args.repeat}", flush=True)
+            for label, rt in runtimes.items():
+                rt.flush_cache()
+                steps[label].append(ours_one_stream(rt, ids, n)[1])
+        tokens = {}
+        for label, rt in runtimes.items():
+            # From an empty cache, as fp32's: a prompt served from the cache is computed in
+            # another order (extend attention over a cached prefix), which can turn a near-tie.
+            rt.flush_cache()
+            tokens[label] = rt.generate(ids, max_tokens=n, ignore_eos=True).token_ids
+    finally:
+        for rt in runtimes.values():
+            rt.shutdown()
     rows = {}
-    for label, r in best.items():
-        same = next((i for i, (a, b) in enumerate(zip(r["tokens"], reference)) if a != b),
-                    len(reference))
-        rows[label] = {"decode_tok_s": 1e3 / r["decode_step_ms"],
-                       "vs_requantized": best[BASELINE]["decode_step_ms"] / r["decode_step_ms"],
-                       "tokens_equal_to_fp32": same}
-    n, name = args.new_tokens, os.path.basename(args.model) if args.model else "default model"
-    print(f"\n{f'load ({name})':<28}{'decode tok/s':>14}{'vs requantized':>16}"
+    for label, s in steps.items():
+        same = next((i for i, (a, b) in enumerate(zip(tokens[label], tokens["fp32"])) if a != b),
+                    n)
+        rows[label] = {
+            "decode_tok_s_best": 1 / min(s),
+            "vs_requantized": statistics.median(b / x for b, x in zip(steps[BASELINE], s)),
+            "tokens_equal_to_fp32": same,
+        }
+    name = os.path.basename(args.model) if args.model else "default model"
+    print(f"\n{f'load ({name})':<24}{'best decode tok/s':>19}{'vs requantized':>16}"
           f"{f'= fp32 of {n}':>14}")
     for label, r in rows.items():
-        print(f"{label:<28}{r['decode_tok_s']:>14.1f}{r['vs_requantized']:>15.2f}x"
+        print(f"{label:<24}{r['decode_tok_s_best']:>19.1f}{r['vs_requantized']:>15.2f}x"
               f"{r['tokens_equal_to_fp32']:>14}")
+    print(f"(vs requantized: the median over {args.repeat} rounds of the two rows' speeds "
+          "measured seconds apart)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
