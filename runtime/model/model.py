@@ -218,7 +218,6 @@ class Model:
         self.lm_head = LogitsHead(head_linear, None if dtype == torch.float32 else head16)
         self.inv_freqs = {spec.rope: spec.rope.inv_freq(c.rotary_dim).to(self.device)
                           for spec in c.layers if spec.rope is not None}
-        self.inv_freq = c.inv_freq().to(self.device)
         self._fused = None  # the fused CPU decode step, built on the first decode
 
     def _layer(self, i: int, weights, linears: dict[str, Linear], norm, quantized) -> Layer:

@@ -157,10 +157,6 @@ class ModelConfig:
         # read_config names a missing or wrong file or field; generation_config's eos ids win.
         return cls.from_dict(read_config(folder), name=Path(folder).name)
 
-    def inv_freq(self) -> torch.Tensor:
-        """The global RoPE's inverse frequencies (transformers' float32 values)."""
-        return Rope.of(self.rope_theta, self.rope_scaling).inv_freq(self.rotary_dim)
-
 
 def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
