@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -178,10 +179,28 @@ PYTHONISH = st.text(alphabet="()[]{}:,'\"0123456789-+.eEjx_ \\abc", max_size=60)
 @given(value=PYTHONISH | st.text(max_size=60))
 @example("{[]: 1}")  # found: a literal that cannot be built raised TypeError
 @example("(" * 300 + ")" * 300)
+@example(" -42")
 def test_an_arg_value_is_a_literal_or_a_string(value):
     tried("--arg values")
     got = parse_args([f"k={value}"])["k"]
-    assert isinstance(got, str) or repr(got)  # whatever it is, it exists and prints
+    if got == value:  # kept as text: then it was no number
+        assert not INTEGER.fullmatch(value), f"{value!r} is an integer, kept as text"
+        return
+    compile(value.lstrip(" \t"), "--arg", "eval")  # a literal is a Python expression
+    assert is_literal(got), f"{value!r} gave {got!r}, which no Python literal builds"
+
+
+INTEGER = re.compile(r"[ \t]*-?[0-9]+")
+LITERAL_ATOMS = (str, bytes, int, float, complex, bool, type(None), type(...))
+
+
+def is_literal(value) -> bool:
+    """What ast.literal_eval can build: atoms, and containers of literals."""
+    if isinstance(value, (list, tuple, set)):
+        return all(is_literal(v) for v in value)
+    if isinstance(value, dict):
+        return all(is_literal(k) and is_literal(v) for k, v in value.items())
+    return isinstance(value, LITERAL_ATOMS)
 
 
 @pytest.mark.slow

@@ -12,17 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from sgl_nb.server.refusals import ModelNotFound
 from sgl_nb.server.requests_common import model_names
 
 log = logging.getLogger("sgl_nb.serve")
-
-
-class BadRequest(ValueError):
-    """The request is malformed or asks for something this server does not offer."""
-
-
-class ModelNotFound(LookupError):
-    """The request names a model this server does not serve."""
 
 
 class Json(Response):

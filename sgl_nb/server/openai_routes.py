@@ -13,8 +13,8 @@ from sgl_nb.language.logprob_meta import prompt_token_logprobs
 from sgl_nb.runtime.grammar import JSON_OBJECT_SCHEMA
 from sgl_nb.server import tool_calls
 from sgl_nb.server.choices import Samples, best_by_logprob
-from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.prompt_limits import PromptLimits
+from sgl_nb.server.refusals import BadRequest
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
 from sgl_nb.server.requests_openai import (

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_nb.server.errors import BadRequest
+from sgl_nb.server.refusals import BadRequest
 
 # Normalizers that map a character to its composed, compatibility or lower-case form.
 _SHRINK_AT_MOST_4 = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}

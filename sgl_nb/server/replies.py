@@ -15,8 +15,8 @@ from typing import Protocol
 
 from sgl_nb.runtime.engine import RequestHandle
 from sgl_nb.server.choices import Samples, begin_all
-from sgl_nb.server.errors import ModelNotFound
 from sgl_nb.server.metrics import RequestLog
+from sgl_nb.server.refusals import ModelNotFound
 
 
 class Cancellable(Protocol):

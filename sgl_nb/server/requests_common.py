@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from sgl_nb.server.refusals import BadRequest
+
 # The validation context key of the server's PromptLimits (request_body.parse passes them).
 LIMITS_CONTEXT = "prompt_limits"
 INT32 = 2**31 - 1
@@ -116,8 +118,6 @@ LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]],
 
 def refuse_unsupported(checks: dict[str, bool]) -> None:
     """{what: asked}: the first feature asked for that this server does not offer."""
-    from sgl_nb.server.errors import BadRequest
-
     for what, asked in checks.items():
         if asked:
             raise BadRequest(f"{what} is not supported by sgl-nb serve")

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from sgl_nb.server.refusals import BadRequest
 from sgl_nb.server.requests_common import (
     Count,
     JsonSchema,
@@ -195,8 +196,6 @@ class Message(Strict):
         return self
 
     def text(self) -> str:
-        from sgl_nb.server.errors import BadRequest
-
         if self.audio is not None:
             raise BadRequest("audio in messages is not supported by sgl-nb serve")
         if self.function_call:

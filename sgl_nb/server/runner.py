@@ -17,7 +17,6 @@ from collections.abc import Callable
 import uvicorn
 
 from sgl_nb.server.app import build_app
-from sgl_nb.server.serve import GRACE_SECONDS
 from sgl_nb.server.shutdown import ANSWER_SECONDS, ShutdownGate, Stopped
 
 # uvicorn's own graceful timeout, after the drain: every answer has been sent by then,
@@ -101,7 +100,7 @@ class Server(uvicorn.Server):
 
 
 def make_server(runtime, quiet: bool, api_key: str | None, thread: bool,
-                model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
+                model_names: list[str] | None, grace: float,
                 on_ready: Callable[[], None] | None = None,
                 say: Callable[[str], None] | None = None,
                 clip_max_tokens: bool = False) -> Server:
@@ -120,7 +119,7 @@ class ServerThread:
     stops `sgl-nb serve`."""
 
     def __init__(self, runtime, host: str, port: int, quiet: bool, api_key: str | None,
-                 model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
+                 model_names: list[str] | None, grace: float,
                  clip_max_tokens: bool = False):
         self.socket = bind(host, port)
         self.url = url_of(self.socket)
@@ -159,7 +158,7 @@ class ServerThread:
 
 
 def serve_forever(runtime, sock: socket.socket, quiet: bool, api_key: str | None,
-                  model_names: list[str] | None = None, grace: float = GRACE_SECONDS,
+                  model_names: list[str] | None, grace: float,
                   on_ready: Callable[[], None] | None = None,
                   say: Callable[[str], None] | None = None,
                   clip_max_tokens: bool = False) -> Stopped:

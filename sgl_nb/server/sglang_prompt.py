@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sgl_nb.runtime.request import Request
 from sgl_nb.runtime.request_handle import RequestHandle
-from sgl_nb.server.errors import BadRequest
+from sgl_nb.server.refusals import BadRequest
 
 # (logprob or None, token id) -> SGLang's [logprob, token id, text or None]
 Entry = Callable[[float | None, int], list]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from sgl_nb.runtime.engine import EngineError
 from sgl_nb.server.choices import Samples
-from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.prompt_limits import PromptLimits
+from sgl_nb.server.refusals import BadRequest
 from sgl_nb.server.replies import Answer, Served, Stream
 from sgl_nb.server.requests_common import refuse_unsupported
 from sgl_nb.server.requests_sglang import (

@@ -5,9 +5,9 @@ before they send it, and benchmarks (`vllm bench serve`) read the vocabulary thr
 
 from __future__ import annotations
 
-from sgl_nb.server.errors import BadRequest
 from sgl_nb.server.openai_routes import CHAT_PROMPT, chat_prompt
 from sgl_nb.server.prompt_limits import PromptLimits
+from sgl_nb.server.refusals import BadRequest
 from sgl_nb.server.replies import Served
 from sgl_nb.server.requests_common import refuse_unsupported
 from sgl_nb.server.requests_openai import (

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import field_validator
 
-from sgl_nb.server.errors import BadRequest
+from sgl_nb.server.refusals import BadRequest
 from sgl_nb.server.requests_common import Strict
 from sgl_nb.server.tool_parsers import (
     ArgsPiece,
