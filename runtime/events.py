@@ -9,6 +9,7 @@ a view that falls behind coalesces on its side), or a callback that must return 
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import time
@@ -96,6 +97,9 @@ class NodeStarted(Event):
     label: str | None = None
     preds: tuple[int, ...] = ()
     stack: tuple[str, ...] = ()  # the call stack: function names, outermost first
+    # Each frame's arguments as text ("topic='x', n=2"), parallel to `stack` ("": not
+    # known): what a call-stack view shows beside the names.
+    stack_args: tuple[str, ...] = ()
     params: str | None = None  # a Gen's or Select's, as JSON: what a re-run compares
 
 
@@ -105,6 +109,9 @@ class NodeFinished(Event):
     status: Status = Status.DONE  # DONE | ERROR | SKIPPED | CANCELLED
     text: str | None = None  # what the Node added to the program's text
     value: str | None = None  # repr of the variable it bound, if any
+    # The meta of that variable (a gen's finish reason and token counts, a select's
+    # choices and scores) as JSON, its per-token logprob lists left out.
+    meta: str | None = None
 
 
 @dataclass(**_EVENT)
@@ -224,6 +231,28 @@ class Failed(Event):
     kind: ClassVar[EventKind] = EventKind.ERROR
     error: str | None = None  # repr
     line: int | None = None
+
+
+def stack_args(stack: Sequence[str], frames: Sequence[Mapping]) -> tuple[str, ...]:
+    """NodeStarted.stack_args: the arguments of each frame of `stack` as text, from the
+    program's live frames ({"function", "args"}, outermost first) where the frame at that
+    depth is the same function; "" where it is not (the body has returned from it)."""
+    out = []
+    for depth, name in enumerate(stack):
+        frame = frames[depth] if depth < len(frames) else None
+        args = (frame.get("args") or {}) if frame and frame.get("function") == name else {}
+        out.append(", ".join(f"{k}={v!r}" for k, v in args.items()))
+    return tuple(out)
+
+
+def meta_json(meta: Mapping | None) -> str | None:
+    """NodeFinished.meta: a variable's meta as JSON, without its per-token lists (logprobs
+    of each prompt or output token: a trace keeps the tokens themselves)."""
+    if not meta:
+        return None
+    kept = {k: v for k, v in meta.items()
+            if not (isinstance(v, list | tuple) and any(isinstance(x, list | tuple) for x in v))}
+    return json.dumps(kept, default=repr, sort_keys=True)
 
 
 CACHE_EVENTS = (CacheHit, CacheInsert, CacheEvict)  # changes of the radix cache

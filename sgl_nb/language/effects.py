@@ -38,6 +38,8 @@ from sgl_nb.runtime.events import (
     NodeFinished,
     NodeStarted,
     ProgramStarted,
+    meta_json,
+    stack_args,
 )
 from sgl_nb.runtime.status import Status
 
@@ -124,7 +126,8 @@ class ProgramEffects(ReplayEffects):
             params = json.dumps(node.params(), default=repr, sort_keys=True)
         self.emit(NodeStarted, node=node.id, node_kind=node.kind, name=node.name,
                   line=node.line, file=node.file, label=node.label(), preds=tuple(node.preds),
-                  stack=tuple(node.stack), params=params)
+                  stack=tuple(node.stack), params=params,
+                  stack_args=stack_args(node.stack, list(self.call_stack)))
 
     def _node_end(self, node: Node, error: BaseException | None) -> None:
         if isinstance(error, Cancelled):
@@ -139,10 +142,12 @@ class ProgramEffects(ReplayEffects):
             node.status = Status.DONE
         node.output = self._text[self._node_start.pop(node.id, 0):]
         node.end_ns = time.monotonic_ns()
-        value = None
+        value = meta = None
         if node.name is not None and node.name in self._vars:
             value = repr(self._vars[node.name])
-        self.emit(NodeFinished, node=node.id, status=node.status, text=node.output, value=value)
+            meta = meta_json(self._meta.get(node.name))
+        self.emit(NodeFinished, node=node.id, status=node.status, text=node.output, value=value,
+                  meta=meta)
 
     def _end_program(self, node: Node) -> None:
         body_error, file = self._payloads.get(node.id) or (None, None)
