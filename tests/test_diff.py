@@ -67,7 +67,7 @@ def test_different_seeds_part_at_the_first_differing_token(seeded):
     # token that differs.
     ga, gb = next((x, y) for x, y in zip(_gens(a), _gens(b), strict=True)
                   if x.output != y.output)
-    ta, tb = a._tokens[ga.id], b._tokens[gb.id]
+    ta, tb = a.snapshot().tokens[ga.id], b.snapshot().tokens[gb.id]
     i = _first_token_diff(ta, tb)
     assert (d.first.a.id, d.first.b.id) == (ga.id, gb.id)
     dv = d.divergence
@@ -133,7 +133,7 @@ def test_differing_inputs_and_sampling_arguments(seeded):
 
 def test_fork_branches_and_added_nodes_align(default_backend):
     a = branches.run()
-    (fork,) = a._forked.values()
+    (fork,) = a.snapshot().forks.values()
     b = a.rerun(at=_gens(fork[1])[0], value=" green")
     d = sgl.diff(a, b)
     assert [p.op for p in d.pairs].count("changed") == 1

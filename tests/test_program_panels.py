@@ -70,7 +70,7 @@ def test_variables_call_stack_and_timing_of_a_nested_call(default_backend):
 
     # The select ran: its variable and scores are there; word is not bound yet.
     pick = w.variables.get("pick")
-    assert pick.kind == "Select" and pick.value == repr(st._vars["pick"])
+    assert pick.kind == "Select" and pick.value == repr(st.snapshot().vars["pick"])
     scores = pick.meta_dict()["scores"]
     assert "'cat': " in scores and "'dog': " in scores
     with pytest.raises(KeyError):

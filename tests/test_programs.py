@@ -145,7 +145,7 @@ def test_nested_calls_on_the_same_state_with_a_call_stack():
 
     st = outline.run(topic="bridges")
     assert st.error() is None
-    assert [k for k in st._vars if k.startswith("detail_")] == ["detail_0", "detail_1",
+    assert [k for k in st.snapshot().vars if k.startswith("detail_")] == ["detail_0", "detail_1",
                                                                "detail_2"]
     gens = [n for n in st.nodes if n.kind == "Gen"]
     assert [n.stack for n in gens] == [("outline", "expand"), ("outline", "expand", "expand"),

@@ -31,7 +31,7 @@ def _gen_usage(state, name):
 
 def _token_ids(state, name):
     node = next(n for n in state.nodes if n.kind == "Gen" and n.name == name)
-    return [t.token for t in state._tokens[node.id]]
+    return [t.token for t in state.snapshot().tokens[node.id]]
 
 
 def test_rerun_with_an_edited_gen_is_the_program_with_that_text(default_backend):
@@ -83,7 +83,7 @@ def branches(s):
 
 def test_rerun_inside_a_fork_branch(default_backend):
     a = branches.run()
-    (fork,) = a._forked.values()
+    (fork,) = a.snapshot().forks.values()
     node = next(n for n in fork[1].nodes if n.kind == "Gen")  # branch 1's gen
     b = a.rerun(at=node, value=" green")
     assert b["colour"] == [a["colour"][0], " green"]  # branch 0: replayed

@@ -48,7 +48,7 @@ def test_step_node_then_instruction_then_continue(runtime):
     # Another program runs to completion while this one is held.
     other = story.run()
     assert other.error() is None and len(other["b"]) > 0
-    assert "a" not in st._vars
+    assert "a" not in st.snapshot().vars
 
     st.debug.continue_()
     assert st["b"] and st.error() is None

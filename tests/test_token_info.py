@@ -107,7 +107,7 @@ def test_a_regex_gen_lists_its_masked_alternatives(default_backend):
     assert first.masked, "the model's own favourites include tokens the regex rules out"
     assert not any(a.token == first.token for a in first.masked)
     assert "masked" in str(first)
-    tokens = st._tokens[first.node]
+    tokens = st.snapshot().tokens[first.node]
     # The pattern complete, the grammar's end is the stop token's (its text not output).
     stops = default_backend.engine.eos_ids
     assert "".join(t.text for t in tokens if t.token not in stops) == st["ans"]
@@ -118,7 +118,7 @@ def test_forced_tokens_are_marked(default_backend):
     """After the first token the rest of "The answer is" is jump-forward drafts (forced);
     the model's yes or no is its own pick; the closing "." is forced again."""
     st = _ok(forced_prefix.run())
-    tokens = st._tokens[st.token_info("a", 0).node]
+    tokens = st.snapshot().tokens[st.token_info("a", 0).node]
     assert "".join(t.text for t in tokens).startswith(st["a"])
     choice = next(i for i, t in enumerate(tokens) if t.text.strip() in ("yes", "no", "y", "n"))
     assert choice >= 2 and all(t.forced for t in tokens[1:choice])
@@ -177,7 +177,7 @@ def test_trace_round_trips_top_and_allowed(default_backend, tmp_path, level):
         sgl.disable_tracing()
     node = st.token_info("ans", 0).node
     replayed = load(path).nodes[node].tokens
-    recorded = st._tokens[node]
+    recorded = st.snapshot().tokens[node]
     assert len(replayed) == len(recorded)
     for view, choice in zip(replayed, recorded):
         assert view.allowed == choice.allowed

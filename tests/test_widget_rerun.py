@@ -68,7 +68,7 @@ def test_why_this_token_lists_what_token_info_lists(runtime):
     sent = wire(w.stream)
     for var in ("city", "ok"):
         gen = node(st, var)
-        for i in range(len(st._tokens[gen.id])):
+        for i in range(len(st.snapshot().tokens[gen.id])):
             ask(w.stream, type="why", node=gen.id, index=i)
             reply, info = sent[-1], st.token_info(var, i)
             assert reply["type"] == "why" and (reply["node"], reply["index"]) == (gen.id, i)
@@ -87,7 +87,7 @@ def test_why_this_token_lists_what_token_info_lists(runtime):
                                                          info.prompt_tokens)
     # The regex gen's grammar: its allowed counts, and what it masked at the first step.
     first = st.token_info("ok", 0)
-    assert first.allowed > 0 and sent[-len(st._tokens[node(st, "ok").id])]["allowed"] > 0
+    assert first.allowed > 0 and sent[-len(st.snapshot().tokens[node(st, "ok").id])]["allowed"] > 0
     assert first.masked, "the regex masked none of the top alternatives"
     # A token the view does not have is answered with why not; nothing else is sent.
     ask(w.stream, type="why", node=node(st, "city").id, index=99)
@@ -131,7 +131,7 @@ def test_rerun_a_gen_with_new_sampling_args(runtime):
     new = panel.runs_started[0]
     shown = panel.runs.children[0].children[0]
     assert shown.wait(WAIT) and new.error() is None
-    assert len(new._tokens[node(new, "city").id]) == 2  # generated again, with its new args
+    assert len(new.snapshot().tokens[node(new, "city").id]) == 2  # generated again, with its new args
     assert new.text().startswith("The capital of France is")
 
 
@@ -198,7 +198,7 @@ def test_a_running_program_is_not_rerun(runtime):
             assert time.monotonic() < deadline, "the gen never showed in the stepper"
             w.sync()
         w.rerun_panel.button.click()
-        assert not st._finished, "the program ended before the click"
+        assert not st.finished, "the program ended before the click"
         assert "still running" in w.rerun_panel.message.value
         assert w.rerun_panel.runs_started == []
     finally:

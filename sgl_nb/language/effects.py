@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from sgl_nb.language import speculation, token_info
+from sgl_nb.language import speculation
 from sgl_nb.language.logprob_meta import ChunkMeta, logprob_meta
 from sgl_nb.language.reasoning import split_reasoning
 from sgl_nb.language.replay_effects import ReplayEffects
@@ -309,7 +309,7 @@ class ProgramEffects(ReplayEffects):
         result = self._outcome(handle, done)
         if result is None:
             return
-        token_info.record(self, handle, result)  # an aborted gen's tokens so far too
+        self._keep_tokens(handle, result)  # an aborted gen's tokens so far too
         aborted = result.meta.get("finish_reason") == "abort"
         self._kv_len = len(self._text)  # the prompt and what was generated are cached
         if g.name is not None:
@@ -331,6 +331,14 @@ class ProgramEffects(ReplayEffects):
                 return
         error = self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None
         done(error, handle.usage())
+
+    def _keep_tokens(self, handle, result) -> None:
+        """A finished Gen's TokenChoices, by its Node's id (token_info reads them). The
+        engine's requests carry them; a server's (RuntimeEndpoint) do not."""
+        tokens = getattr(result, "tokens", None)
+        node = getattr(getattr(handle, "req", None), "node", None)
+        if tokens is not None and node is not None:
+            self._tokens[node] = list(tokens)
 
     # ---- Score ------------------------------------------------------------------------
 

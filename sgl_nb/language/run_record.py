@@ -1,6 +1,6 @@
 """A run as plain data: its program, each Node with what it produced, its tokens and its
-figures, and its fork branches as programs of their own. Built from a live ProgramState
-(`record_of_state`) or from a trace (`record_of_timeline`), so re-running
+figures, and its fork branches as programs of their own. Built from a live ProgramState's
+snapshot (`record_of_state`) or from a trace (`record_of_timeline`), so re-running
 (sgl_nb/language/rerun.py) and comparing (sgl_nb/language/diff.py) read one form."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from sgl_nb.language.snapshot import ProgramSnapshot
 from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, ForkNode, NodeKind, TextNode
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
@@ -86,17 +87,16 @@ def _canonical(params: dict) -> str:
 
 def record_of_state(state) -> ProgramRecord:
     """The record of a ProgramState as it is now (finished, failed, cancelled or held)."""
-    nodes = [_node_of_state(state, n) for n in state.nodes
-             if n.program == state.id and n.kind not in PROGRAM_NODES]
-    status = (Status.CANCELLED if state.cancelled else Status.ERROR if state._error is not None
-              else Status.DONE if state._finished or state.parent is not None
-              else Status.RUNNING)
-    call = {} if state.call is None else state.call.attrs()
-    return ProgramRecord(getattr(state, "function", None), status, state._text, nodes,
-                         state.id, repr(state._error) if state._error else None, call)
+    return record_of_snapshot(state.snapshot())
 
 
-def _node_of_state(state, node) -> NodeRecord:
+def record_of_snapshot(snap: ProgramSnapshot) -> ProgramRecord:
+    nodes = [_node_of_snapshot(snap, n) for n in snap.own_nodes() if n.kind not in PROGRAM_NODES]
+    return ProgramRecord(snap.function, snap.status, snap.text, nodes, snap.id,
+                         repr(snap.error) if snap.error else None, dict(snap.call))
+
+
+def _node_of_snapshot(snap: ProgramSnapshot, node) -> NodeRecord:
     seconds = None
     if node.start_ns is not None and node.end_ns is not None:
         seconds = (node.end_ns - node.start_ns) / 1e9
@@ -104,11 +104,11 @@ def _node_of_state(state, node) -> NodeRecord:
                      node.status, node.output if node.output is not None else "",
                      node.id, node.file, tuple(node.stack),
                      _usage([ins.usage for ins in node.instructions if ins.usage]),
-                     list(state._tokens.get(node.id, ())), seconds)
+                     list(snap.tokens.get(node.id, ())), seconds)
     if isinstance(node, TextNode):
         rec.text = node.text  # what it adds even if it has not run
     if isinstance(node, ForkNode):
-        rec.branches = [record_of_state(c) for c in state._forked.get(node.id, ())]
+        rec.branches = [record_of_snapshot(c) for c in snap.forks.get(node.id, ())]
     return rec
 
 

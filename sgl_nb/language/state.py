@@ -18,6 +18,7 @@ import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import MappingProxyType
 
 from sgl_nb.language.effects import ProgramEffects
 from sgl_nb.language.expressions import (
@@ -32,6 +33,7 @@ from sgl_nb.language.expressions import (
 )
 from sgl_nb.language.replay import MISSING
 from sgl_nb.language.rerun import rerun_state
+from sgl_nb.language.snapshot import ProgramSnapshot
 from sgl_nb.language.token_info import TokenInfo, token_info
 from sgl_nb.runtime.compiler.executor import get_executor
 from sgl_nb.runtime.compiler.instructions import Cancelled
@@ -308,7 +310,7 @@ class ProgramState(ProgramEffects):
     def _wait_node(self, node: Node) -> None:
         """Until the executor has run `node`; raises if it did not run to its end."""
         with self._cond:
-            self._interruptible(lambda: self._cond.wait_for(lambda: node.status.ended))
+            self.interruptible(lambda: self._cond.wait_for(lambda: node.status.ended))
         if node.status is Status.CANCELLED or self._cancelled:
             raise ProgramCancelled(f"program {self.id} was cancelled")
         if node.status is not Status.DONE:
@@ -353,7 +355,7 @@ class ProgramState(ProgramEffects):
     def _cancel_error(self, what: str) -> ProgramCancelled:
         return ProgramCancelled(what)
 
-    def _interruptible(self, wait):
+    def interruptible(self, wait):
         """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
         cancels the program before it propagates, so nothing is left running for it."""
         try:
@@ -366,7 +368,7 @@ class ProgramState(ProgramEffects):
         """Block until the program has ended (its body returned and everything it queued
         ran, or it was cancelled); returns the state. TimeoutError after `timeout` s."""
         self._flush()
-        if not self._interruptible(lambda: self._ended.wait(timeout)):
+        if not self.interruptible(lambda: self._ended.wait(timeout)):
             raise TimeoutError(f"program {self.id} still running after {timeout} s")
         return self
 
@@ -375,7 +377,7 @@ class ProgramState(ProgramEffects):
     def sync(self) -> None:
         """Wait until everything queued so far has run; from outside the program (a
         notebook cell reading a streamed run), until the program has finished."""
-        self._interruptible(self._sync)
+        self.interruptible(self._sync)
 
     def _sync(self) -> None:
         self._flush()
@@ -390,18 +392,44 @@ class ProgramState(ProgramEffects):
         queued the Nodes yet, so "nothing pending" does not mean "done".)"""
         return self._has_body and threading.current_thread() is not self._body_thread
 
-    def _held(self) -> bool:
+    @property
+    def held(self) -> bool:
+        """Its step controller holds it now (what exists is all there is until a step)."""
         return self.debug is not None and self.debug.waiting_at is not None
+
+    @property
+    def finished(self) -> bool:
+        """Its Return ran: everything it queued has run (`wait()` blocks for this)."""
+        return self._finished
+
+    def snapshot(self) -> ProgramSnapshot:
+        """The run as it is now, without waiting (sgl_nb/language/snapshot.py)."""
+        with self._cond:
+            text, vars_, meta = self._text, dict(self._vars), dict(self._meta)
+            messages = tuple(dict(m) for m in self._messages)
+            error, error_line, finished = self._error, self._error_line, self._finished
+        with self._lock:
+            nodes = tuple(self.nodes)
+        tokens = {k: tuple(v) for k, v in list(self._tokens.items())}
+        forks = {k: tuple(c.snapshot() for c in v) for k, v in list(self._forked.items())}
+        status = (Status.CANCELLED if self._cancelled else Status.ERROR if error is not None
+                  else Status.DONE if finished or self.parent is not None else Status.RUNNING)
+        return ProgramSnapshot(
+            self.id, getattr(self, "function", None),
+            self.parent.id if self.parent is not None else None, text,
+            MappingProxyType(vars_), MappingProxyType(meta), messages, nodes,
+            MappingProxyType(tokens), MappingProxyType(forks), status, error, error_line,
+            finished, self.held, MappingProxyType(self.call.attrs() if self.call else {}))
 
     def _wait_outside(self, ready) -> None:
         """Until ready(), the program ends, or a step controller holds it (what exists then
         is all there is until someone steps: waiting longer would hang a notebook cell)."""
         with self._cond:
-            while not (ready() or self._finished or self._held()):
+            while not (ready() or self._finished or self.held):
                 self._cond.wait(0.05)
 
     def __getitem__(self, name: str):
-        return self._interruptible(lambda: self._get(name))
+        return self.interruptible(lambda: self._get(name))
 
     def _get(self, name: str):
         self._flush()
@@ -470,7 +498,8 @@ class ProgramState(ProgramEffects):
 
     def token_info(self, var: str, i: int, branch: int | None = None) -> TokenInfo:
         """Why token i of `var` was chosen: its alternatives, mask, Node, line, cache hit."""
-        return token_info(self, var, i, branch)
+        self.sync()
+        return token_info(self.snapshot(), var, i, branch)
 
     def rerun(self, at, value=MISSING, *, stream: bool = False, backend=None,
               debug: bool = False, **sampling) -> ProgramState:
@@ -503,7 +532,7 @@ class ProgramState(ProgramEffects):
         i = 0
         while True:
             with self._cond:
-                self._interruptible(lambda i=i: self._cond.wait_for(
+                self.interruptible(lambda i=i: self._cond.wait_for(
                     lambda: len(self._stream) > i or self._finished))
                 items, done = self._stream[i:], self._finished and len(self._stream) <= i
             if done:

@@ -2,8 +2,8 @@
 
 The engine records one TokenChoice per generated token (runtime/token_choice.py): the
 step's top alternatives, which of them the grammar masked, whether the token was forced.
-A finished Gen keeps its request's TokenChoices on its state (`state._tokens`, by Node id,
-filled by `record`); `token_info` finds the Gen Node behind a variable and puts its token
+A finished Gen keeps its request's TokenChoices on its state (`snapshot().tokens`, by Node
+id); `token_info` finds the Gen Node behind a variable and puts its token
 together with where it came from: the Node, its Instruction, the source line and the
 prompt's cache hit."""
 
@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sgl_nb.language.snapshot import ProgramSnapshot
 from sgl_nb.runtime.compiler.instructions import Op
 from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.token_choice import Alternative, TokenChoice
@@ -109,47 +110,35 @@ def _row(rank, text: str, logprob: float, masked: bool, chosen: bool, forced: bo
             f"{100 * math.exp(logprob):>6.2f}%  {' '.join(marks)}").rstrip()
 
 
-# ---- recording (the executor's thread, sgl_nb/language/effects.py) ---------------------
-
-def record(state, handle, result) -> None:
-    """Keep a finished Gen's TokenChoices on its state, by its Node's id. The engine's
-    requests carry them; a server's (RuntimeEndpoint) do not, and nothing is kept."""
-    tokens = getattr(result, "tokens", None)
-    node = getattr(getattr(handle, "req", None), "node", None)
-    if tokens is not None and node is not None:
-        state._tokens[node] = list(tokens)
-
-
 # ---- reading ---------------------------------------------------------------------------
 
-def token_info(state, var: str, i: int, branch: int | None = None) -> TokenInfo:
+def token_info(snap: ProgramSnapshot, var: str, i: int, branch: int | None = None) -> TokenInfo:
     """Why the i-th token (negative: from the end) of variable `var` was chosen. In a
     program that forked, a variable gathered from the branches needs `branch=k`."""
-    state.sync()
     if branch is not None:
-        info = token_info(_branch(state, var, branch), var, i)
+        info = token_info(_branch(snap, var, branch), var, i)
         info.branch = branch
         return info
-    if isinstance(state._vars.get(var), list) and _fork_of(state, var) is not None:
-        n = len(_fork_of(state, var))
+    if isinstance(snap.vars.get(var), list) and _fork_of(snap, var) is not None:
+        n = len(_fork_of(snap, var))
         raise ValueError(f"{var!r} was gathered from {n} fork branches: pass branch=k "
                          f"(0..{n - 1}), e.g. state.token_info({var!r}, {i}, branch=0)")
-    node = _node_of(state, var)
-    tokens = state._tokens.get(node.id)
+    node = _node_of(snap, var)
+    tokens = snap.tokens.get(node.id)
     if tokens is None:
         raise ValueError(f"{var!r} ({node.label()}) has no recorded tokens: its value was "
                          "not decoded token by token here (read off a speculated answer, "
                          "sent to a server, or recording is off: token_alternatives=0)")
-    return _info(state, var, node, tokens, i)
+    return _info(snap, var, node, tokens, i)
 
 
-def _info(state, var: str, node, tokens: list[TokenChoice], i: int) -> TokenInfo:
+def _info(snap: ProgramSnapshot, var: str, node, tokens, i: int) -> TokenInfo:
     n = len(tokens)
     if not -n <= i < n:
         raise IndexError(f"token {i} of {var!r}: it has {n} tokens"
                          + (f" (indices {-n}..{n - 1})" if n else ""))
     ins = next((x for x in node.instructions if x.op is Op.DECODE), None)
-    usage = dict(state._meta.get(var) or {})
+    usage = dict(snap.meta.get(var) or {})
     usage.update({k: v for k, v in ((ins.usage if ins is not None else None) or {}).items()
                   if v is not None})
     prompt = usage.get("input_tokens", usage.get("prompt_tokens"))
@@ -158,30 +147,30 @@ def _info(state, var: str, node, tokens: list[TokenChoice], i: int) -> TokenInfo
                      usage.get("cached_tokens"), prompt)
 
 
-def _node_of(state, var: str):
-    """The Gen Node of this state that last bound `var`."""
-    own = [n for n in state.nodes if n.program == state.id and n.name == var]
+def _node_of(snap: ProgramSnapshot, var: str):
+    """The Gen Node of this program that last bound `var`."""
+    own = [n for n in snap.nodes if n.program == snap.id and n.name == var]
     gens = [n for n in own if n.kind is NodeKind.GEN]
     if gens:
         return gens[-1]
     if own:
         raise ValueError(f"{var!r} was bound by a {own[-1].kind.value} ({own[-1].label()}), "
                          "not generated token by token: it has no tokens")
-    raise KeyError(f"no generated variable {var!r} in program {state.id}; variables with "
-                   f"tokens: {_with_tokens(state)}")
+    raise KeyError(f"no generated variable {var!r} in program {snap.id}; variables with "
+                   f"tokens: {_with_tokens(snap)}")
 
 
-def _with_tokens(state) -> list[str]:
-    own = {n.name for n in state.nodes
-           if n.program == state.id and n.name is not None and n.id in state._tokens}
-    forked = {k for children in state._forked.values() for c in children
+def _with_tokens(snap: ProgramSnapshot) -> list[str]:
+    own = {n.name for n in snap.nodes
+           if n.program == snap.id and n.name is not None and n.id in snap.tokens}
+    forked = {k for children in snap.forks.values() for c in children
               for k in _bound_by(c) if k not in own}
     return sorted(own) + [f"{k} (fork branches: pass branch=k)" for k in sorted(forked)]
 
 
-def _fork_of(state, var: str) -> list | None:
+def _fork_of(snap: ProgramSnapshot, var: str) -> list | None:
     """The branches of the last fork whose branches bound `var` (not only inherited it)."""
-    for children in reversed(list(state._forked.values())):
+    for children in reversed(list(snap.forks.values())):
         if any(var in _bound_by(c) for c in children):
             return children
     return None
@@ -192,11 +181,11 @@ def _bound_by(branch) -> set[str]:
     return {n.name for n in branch.nodes if n.program == branch.id and n.name is not None}
 
 
-def _branch(state, var: str, k: int):
-    children = _fork_of(state, var)
+def _branch(snap: ProgramSnapshot, var: str, k: int) -> ProgramSnapshot:
+    children = _fork_of(snap, var)
     if children is None:
-        raise KeyError(f"{var!r} was not produced by a fork branch of program {state.id}; "
-                       f"variables with tokens: {_with_tokens(state)}")
+        raise KeyError(f"{var!r} was not produced by a fork branch of program {snap.id}; "
+                       f"variables with tokens: {_with_tokens(snap)}")
     if not 0 <= k < len(children):
         raise IndexError(f"branch {k} of {var!r}: the fork has {len(children)} branches "
                          f"(0..{len(children) - 1})")

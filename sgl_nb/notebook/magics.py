@@ -415,7 +415,7 @@ class _ProgramEnd:
             return self.state
         with self.cond:
             # An interrupt while it waits cancels the program (and then propagates).
-            ended = self.state._interruptible(
+            ended = self.state.interruptible(
                 lambda: self.cond.wait_for(lambda: self.state.id in self.ended, timeout))
         if ended and self.trace_written is not None:
             ended = self.trace_written.wait(timeout)
