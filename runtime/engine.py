@@ -147,8 +147,9 @@ class Engine:
 
     @settings.setter
     def settings(self, settings: EngineConfig) -> None:
-        """token_alternatives and jump_forward take effect from the next request and step
-        (the pool, the model and the scheduler's limits keep what they were built with)."""
+        """token_alternatives, jump_forward and prompt_lookup take effect from the next
+        request and step (the pool, the model and the scheduler's limits keep what they
+        were built with)."""
         self._settings = self.requests.settings = self.picker.settings = settings
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -419,7 +420,7 @@ class Engine:
 
     def metrics(self) -> dict:
         """Scheduler figures; read from any thread (list copies are atomic under the GIL)."""
-        sch, jumps = self.scheduler, self.picker.jumps
+        sch, jumps, lookups = self.scheduler, self.picker.jumps, self.picker.lookups
         queued = list(sch.waiting) + list(sch.suspended)
         busy = sum(self.step_seconds.values())
         return {
@@ -436,6 +437,9 @@ class Engine:
             "jump_forward_drafted": jumps.drafted,
             "jump_forward_tokens": jumps.accepted,
             "jump_forward_steps_saved": jumps.steps_saved,
+            "prompt_lookup_drafted": lookups.drafted,
+            "prompt_lookup_accepted": lookups.accepted,
+            "prompt_lookup_steps_saved": lookups.steps_saved,
             "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
             "steps": dict(self.steps), "busy_seconds": round(busy, 3),
             "uptime_seconds": round(time.monotonic() - self.started, 3),

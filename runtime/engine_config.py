@@ -35,6 +35,10 @@ class EngineConfig:
     # Text a grammar forces (a JSON key, a closing quote) is computed in one extend step
     # and checked against the model's own choices, instead of one decode step a token.
     jump_forward: bool = True
+    # Prompt lookup (n-gram speculation): where the output copies its context, the tokens
+    # that followed the latest earlier occurrence of its last few tokens are drafted and
+    # checked in one extend step (runtime/prompt_lookup.py; same output, token for token).
+    prompt_lookup: bool = True
     # Why this token: the k most likely tokens of each step, with what the grammar masked,
     # kept on every request (Request.token_choices, GenerateOutput.tokens, token events).
     # 0: none recorded.
@@ -51,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"token_alternatives must be an integer >= 0, got {alts!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"prompt_lookup must be True or False, got {self.prompt_lookup!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
                              f"{self.schedule_policy!r}")

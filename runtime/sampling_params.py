@@ -37,6 +37,10 @@ class SamplingParams:
     # Text a regex / json_schema forces is computed in one step, not one step a token
     # (the output is the same either way); None: the engine's setting (on by default).
     jump_forward: bool | None = None
+    # Tokens that repeat an earlier n-gram of prompt and output are drafted and checked in
+    # one step (runtime/prompt_lookup.py; the output is the same either way); None: the
+    # engine's setting.
+    prompt_lookup: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +93,8 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
             bad(f"jump_forward must be True, False or None, got {self.jump_forward!r}")
+        if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
+            bad(f"prompt_lookup must be True, False or None, got {self.prompt_lookup!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         self._validate_logit_bias()

@@ -60,9 +60,11 @@ class MaskedRows(NamedTuple):
 
 
 @dataclass
-class JumpForwardCounts:
+class DraftCounts:
+    """Jump-forward's, or prompt lookup's."""
+
     drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # drafts the model's own pick agreed with (taken, forced)
+    accepted: int = 0  # drafts the model's own pick agreed with (taken)
     steps_saved: int = 0  # decode steps those saved
 
 
@@ -74,7 +76,8 @@ class TokenPicker:
         self.tokenizer, self.eos_ids, self.events = tokenizer, eos_ids, events
         self.settings = settings  # read at each step: the engine may swap it (Engine.settings)
         self._drop_drafts = drop_drafts
-        self.jumps = JumpForwardCounts()
+        self.jumps = DraftCounts()
+        self.lookups = DraftCounts()
         # Token id -> its text, decoded once: every step names k alternatives (a decode
         # is ~2 us, a lookup a tenth of that).
         self._token_texts: dict[int, str] = {}

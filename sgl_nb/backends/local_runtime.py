@@ -133,11 +133,13 @@ class Runtime:
         stream: bool = False,
         priority: str = "normal",
         jump_forward: bool | None = None,
+        prompt_lookup: bool | None = None,
     ) -> GenerateOutput | list[GenerateOutput] | Iterator[str]:
         """Generate from a string or a list of token ids; a list of those is a batch.
         priority: "interactive" > "normal" > "batch" (see the scheduler). jump_forward:
         with a regex or json_schema, text the grammar forces is computed in one step
-        (default: the Runtime's setting, on)."""
+        (default: the Runtime's setting, on). prompt_lookup: tokens that repeat an
+        earlier n-gram are drafted and checked in one step (same output)."""
         level = parse_priority(priority)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -146,6 +148,7 @@ class Runtime:
             regex=regex, json_schema=json_schema, min_tokens=min_tokens,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
             repetition_penalty=repetition_penalty, jump_forward=jump_forward,
+            prompt_lookup=prompt_lookup,
         )
         batch = _is_batch(prompt)
         if batch and stream:

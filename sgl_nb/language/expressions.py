@@ -63,6 +63,8 @@ SAMPLING_ARGS = {
     "top_logprobs_num": "top_logprobs",
     # Ours: False computes grammar-forced text one decode step a token (same output).
     "jump_forward": "jump_forward",
+    # Ours: False drafts no tokens from earlier n-grams (runtime/prompt_lookup.py).
+    "prompt_lookup": "prompt_lookup",
 }
 # Not sampling: how a gen's meta info shows logprobs (run() may set them for every gen).
 LOGPROB_ARGS = ("return_text_in_logprobs", "logprob_start_len")
@@ -204,6 +206,7 @@ def gen(
     max_new_tokens: int | None = None,
     seed: int | None = None,
     jump_forward: bool | None = None,
+    prompt_lookup: bool | None = None,
     stop_regex: str | list[str] | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name` (SGLang's arguments; the run's where None).
@@ -229,7 +232,7 @@ def gen(
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed, "ignore_eos": ignore_eos,
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
         "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-        "jump_forward": jump_forward})
+        "jump_forward": jump_forward, "prompt_lookup": prompt_lookup})
     logprob_args = {k: v for k, v in (("return_text_in_logprobs", return_text_in_logprobs),
                                       ("logprob_start_len", logprob_start_len)) if v is not None}
     return Gen(name, params, regex, json_schema, dtype, logprob_args)
