@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,173 @@ def test_nothing_imports_upward(folder):
            for name in _project_imports(path)
            if not any(name == a or name.startswith(a + ".") for a in allowed)]
     assert not bad, f"{folder}/ imports above its layer: {bad}"
+
+
+# ---- every identifier docs/architecture.md names exists ----------------------------------
+SOURCE_FOLDERS = ("sgl_nb", "runtime", "kernels", "tracing", "tui")
+# Other libraries' names the doc cites (called on their objects, never defined here).
+EXTERNAL = {"find_jump_forward_string"}
+CPP_NAME = re.compile(r"\b(?:struct|class|enum(?:\s+class)?)\s+(\w+)|(\w+)\s*\(")
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    """Every name a module defines, assigns, sets as an attribute, imports or spells as a
+    string (a stats key, an event kind's wire name)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.update(re.findall(r"\w+", node.value))
+    return names
+
+
+def _source_index() -> tuple[set[str], dict[str, set[str]]]:
+    """(every name any module defines, class -> the names its module defines)."""
+    everything: set[str] = set()
+    by_class: dict[str, set[str]] = {}
+    for folder in SOURCE_FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            names = _module_names(tree)
+            everything |= names
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    by_class.setdefault(node.name, set()).update(names)
+        for path in [*(ROOT / folder).rglob("*.cpp"), *(ROOT / folder).rglob("*.h")]:
+            for found in CPP_NAME.findall(path.read_text(encoding="utf-8")):
+                everything.update(n for n in found if n)
+    return everything, by_class
+
+
+def _module_exists(dotted: str) -> bool:
+    """sgl_nb.X.Y: a module or package, through pyproject.toml's package-dir mapping."""
+    parts = dotted.split(".")[1:]
+    folder = {"runtime": "runtime", "kernels": "kernels", "tracing": "tracing", "tui": "tui"}
+    base = ROOT / folder[parts[0]] if parts and parts[0] in folder else ROOT / "sgl_nb"
+    rest = parts[1:] if parts and parts[0] in folder else parts
+    path = base.joinpath(*rest)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def named_identifiers(markdown: str) -> list[str]:
+    """The code names a Markdown text puts in inline code that say which code they mean:
+    a class (`TokenPicker`), a member (`Engine.step`), a private or snake_case name
+    (`_flush`, `drop_drafts`), a constant; call parentheses dropped. Plain words (`gen`,
+    `auto`), paths, options and the standard library's names are left out."""
+    out = set()
+    for token in re.findall(r"`([^`\n]+)`", FENCE.sub("", markdown)):
+        if token.endswith(PATH_SUFFIXES):
+            continue
+        name = token.split("(", 1)[0]
+        parts = name.split(".")
+        if not all(p.isidentifier() for p in parts) or parts[0] in sys.stdlib_module_names:
+            continue
+        if len(parts) > 1 or "_" in name or any(c.isupper() for c in name):
+            out.add(name)
+    return sorted(out)
+
+
+def test_named_identifiers_reads_code_names():
+    text = ("`TokenPicker` `Engine.step` `_flush` `drop_drafts` `gen` `auto` `ast.parse` "
+            "`Decode(name, params)` `runtime/engine.py` `pyproject.toml` `--arg KEY=VALUE`"
+            "\n```\nNotThis\n```")
+    assert named_identifiers(text) == ["Decode", "Engine.step", "TokenPicker", "_flush",
+                                       "drop_drafts"]
+
+
+def test_every_identifier_the_architecture_names_exists():
+    everything, by_class = _source_index()
+    missing = []
+    for name in named_identifiers(ARCHITECTURE.read_text(encoding="utf-8")):
+        owner, _, member = name.rpartition(".")
+        if name.split(".")[0] == "sgl_nb":  # a module
+            ok = _module_exists(name)
+        elif name in EXTERNAL:
+            ok = True
+        elif owner and owner in by_class:  # `Class.member`: in the module defining Class
+            ok = member in by_class[owner]
+        else:
+            ok = all(part in everything for part in name.split("."))
+        if not ok:
+            missing.append(name)
+    assert not missing, f"docs/architecture.md names code that does not exist: {missing}"
+
+
+# ---- no import cycles ---------------------------------------------------------------------
+PACKAGE_OF = {"sgl_nb": "sgl_nb", "runtime": "sgl_nb.runtime", "kernels": "sgl_nb.kernels",
+              "tracing": "sgl_nb.tracing", "tui": "sgl_nb.tui"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGE_OF.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules a file imports, at its top or inside a function (a lazy import
+    hides a cycle, it does not break it); `if TYPE_CHECKING:` blocks left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for n in ast.walk(block)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            out |= submodules  # `from pkg import module` needs the module, not pkg's names
+            if len(submodules) < len(node.names):
+                out.add(node.module)
+    return out & modules.keys()
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (Tarjan)."""
+    modules = _modules()
+    graph = {m: sorted(_imported_modules(p, modules)) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, f"modules that import each other (directly or round a loop): {cycles}"
