@@ -100,6 +100,11 @@ class DenseLinear:
             return self._ext.dense_linear(x, self.panels, bias)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of weights (and bias) one call reads, whatever the number of rows."""
+        return _nbytes(self.panels if self.weight is None else self.weight, self.bias)
+
 
 PANEL = 16  # output columns per panel of cpu_dense_matmul.h's weight layout
 
@@ -145,6 +150,11 @@ class Int8Linear:
         if self.bias is not None:
             y += self.bias  # in place: no second output tensor
         return y
+
+    @property
+    def read_bytes(self) -> int:
+        return _nbytes(self.qweight if self.panels is None else self.panels, self.scale,
+                       self.bias)
 
 
 
@@ -215,6 +225,16 @@ class Int4Linear:
         if self.bias is not None:
             y += self.bias
         return y
+
+    @property
+    def read_bytes(self) -> int:
+        if self.small is not None:
+            return _nbytes(*self.small, self.bias)
+        return _nbytes(self.packed, self.scale_zeros, self.bias)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 

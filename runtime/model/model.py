@@ -25,6 +25,7 @@ from sgl_nb.kernels import cpu_decode, decode_attention, extend_attention, plan_
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.model.checkpoint import check_shapes, llama_shapes, read_weights
 from sgl_nb.runtime.model.forward_batch import ForwardBatch
+from sgl_nb.runtime.model.layer_spec import Activation, QKNorm
 from sgl_nb.runtime.model.linear import (
     DenseLinear,
     Int4Linear,
@@ -37,7 +38,7 @@ from sgl_nb.runtime.model.linear import (
     resolve_dtype,
     shape_error,
 )
-from sgl_nb.runtime.model.model_config import Activation, ModelConfig, QKNorm
+from sgl_nb.runtime.model.model_config import ModelConfig
 from sgl_nb.runtime.model.model_loader import load_quantized
 from sgl_nb.runtime.model.moe import MoE, expert_linear_weights, moe_from_weights
 from sgl_nb.runtime.model.quantize import quantize
@@ -322,6 +323,29 @@ class Model:
     def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         scale = self.config.residual_scale
         return h + (x if scale == 1.0 else x * scale)
+
+    def decode_read_bytes(self) -> int:
+        """Bytes of weights one decode step reads per token (batch 1): every linear layer
+        as its kernel holds it (scales and mins included), the norms, the LM head (and
+        the 16-bit rows its refinement reads), one embedding row; in a MoE layer the router
+        and top_k experts. The floor of `sgl-nb bench engine` divides it by a bandwidth."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        total = size(self.norm) + self.embed.shape[1] * self.embed.element_size()
+        for layer in self.layers:
+            linears = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+            if layer.moe is not None:
+                total += size(layer.moe.router)
+                linears += [x for pair in layer.moe.experts[:layer.moe.top_k] for x in pair]
+            total += sum(x.read_bytes for x in linears if x is not None)
+            total += sum(size(t) for t in (layer.attn_norm, layer.mlp_norm, layer.attn_post_norm,
+                                            layer.mlp_post_norm, layer.q_norm, layer.k_norm))
+        head = self.lm_head
+        total += head.linear.read_bytes
+        if head.weight16 is not None:
+            total += head.refine * head.weight16.shape[1] * head.weight16.element_size()
+        return total
 
     def fused_decode_ready(self) -> bool:
         """Whether decode steps take the fused CPU path (building it if needed)."""

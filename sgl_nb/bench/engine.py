@@ -1,9 +1,15 @@
 """`sgl-nb bench engine`: our engine against transformers `generate`, same weights, one run.
 
-1. One stream, N new tokens, greedy: tok/s of both, and our decode step time against the
-   bare weight-matmul floor measured here (the model's own linear layers, fused q/k/v and
-   gate/up, LM head once, on random activations: the median of 15 passes just before and
-   15 just after the one-stream run, so that both stand under the same machine load).
+1. One stream, N new tokens, greedy: tok/s of both, and our decode step time against two
+   floors measured here, each just before and just after the one-stream run, so that both
+   stand under the same machine load:
+   - the memory-bandwidth floor: the bytes of weights a decode step reads per token
+     (Model.decode_read_bytes: every linear as its kernel holds it, scales and mins, the
+     LM head) over the read bandwidth of this machine (a buffer larger than the last-level
+     cache summed by torch on the engine's threads, best of several passes), and the
+     fraction of it the one-stream run reached (its tok/s over the floor's);
+   - the bare weight-matmul floor (the model's own linear layers, fused q/k/v and gate/up,
+     LM head once, on random activations: the median of 15 passes before and 15 after).
 2. R requests sharing a P-token prefix, M new tokens each: end-to-end seconds, against
    HF batched `generate` with left padding.
 
@@ -30,6 +36,7 @@ import multiprocessing
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -117,8 +124,36 @@ def linears_floor(model, batch: int, passes: int = 5) -> list[float]:
     return times
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 0 when unknown."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=0)
+
+
+def read_bandwidth(passes: int = 5) -> float:
+    """Bytes per second at reading memory: a float32 buffer of twice the last-level cache
+    (256 MiB to 2 GiB) summed by torch on its threads (the engine's), the best pass."""
+    size = min(max(2 * last_level_cache_bytes(), 2**28), 2**31)
+    buf = torch.ones(size // 4)
+    buf.sum()  # every page touched before timing
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return size / best
+
+
 def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[list[int]]) -> dict:
     model = rt.engine.model
+    bandwidth = read_bandwidth()
     # The batch-1 floor brackets the one-stream run: 15 passes before, 15 after, median.
     # Five passes (0.1 s) right after loading gave 13.9-19.7 ms in three fresh processes of
     # the same fp32 build, while the steps (a 5 s run) varied 20.7-21.3: a short spell of
@@ -128,6 +163,8 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     rt.generate(ids[:8], max_tokens=4)  # warm-up
     stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
     floor1 = statistics.median(before + linears_floor(model, 1, passes=15))
+    bandwidth = max(bandwidth, read_bandwidth())
+    weight_bytes = model.decode_read_bytes()
     rt.engine.cache.reset()
     t0 = time.perf_counter()
     outs = rt.generate(prompts, max_tokens=args.shared_new_tokens, ignore_eos=True)
@@ -138,6 +175,10 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
         "decode_step_ms": step * 1e3,
         "matmul_floor_ms_b1": floor1 * 1e3,
         f"matmul_floor_ms_b{args.requests}": floor_b * 1e3,
+        "weight_bytes_per_token": weight_bytes,
+        "read_gb_s": bandwidth / 1e9,
+        "bandwidth_floor_tok_s": bandwidth / weight_bytes,
+        "fraction_of_floor": args.new_tokens / stream_s / (bandwidth / weight_bytes),
         "shared_prefix_s": shared_s,
         "shared_prefix_cached_tokens": sum(o.meta["cached_tokens"] for o in outs),
     }
@@ -228,7 +269,8 @@ def llama_in_process(args: argparse.Namespace):
 
 
 # Taken together from one round: the step / floor ratio pairs figures measured under one load.
-STREAM_FIGURES = ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1")
+STREAM_FIGURES = ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1",
+                  "read_gb_s", "bandwidth_floor_tok_s", "fraction_of_floor")
 
 
 def better_round(best: dict | None, new: dict | None) -> dict | None:
@@ -323,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print_table(args, rows)
     print_modes(args, rows)
+    print_bandwidth_floor(ours)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -342,6 +385,24 @@ def print_table(args: argparse.Namespace, r: dict) -> None:
           f"{r['matmul_floor_ms_b1']:>14.1f}{r['step_over_floor']:>8.2f}x{'<=1.25x':>9}")
     print(f"prefix tokens served from the radix cache: {r['shared_prefix_cached_tokens']}"
           f" ({R - 1} x {P} expected at least); torch threads: {r['threads']}")
+
+
+def print_bandwidth_floor(modes: dict) -> None:
+    """Per mode: the weights a decode step reads, the read bandwidth measured in its
+    process, the floor they give and the fraction of it reached (one stream's tok/s, and
+    the decode step alone)."""
+    print()
+    print(f"{'memory-bandwidth floor':<22}{'MB/token':>10}{'read GB/s':>11}{'floor tok/s':>13}"
+          f"{'1 stream':>10}{'of floor':>10}{'decode step':>13}")
+    for label, m in modes.items():
+        floor_ms = 1e3 / m["bandwidth_floor_tok_s"]
+        print(f"{label:<22}{m['weight_bytes_per_token'] / 1e6:>10.1f}{m['read_gb_s']:>11.1f}"
+              f"{m['bandwidth_floor_tok_s']:>13.1f}{m['one_stream_tok_s']:>10.1f}"
+              f"{m['fraction_of_floor']:>9.0%}{floor_ms / m['decode_step_ms']:>12.0%}")
+    print("floor: the weights one decode step reads (scales, mins and the LM head included) "
+          "over the read bandwidth of a buffer twice the last-level cache, on the engine's "
+          "threads; 'of floor': one stream's tok/s over the floor's; 'decode step': the "
+          "floor's step time over ours")
 
 
 def print_modes(args: argparse.Namespace, r: dict) -> None:
