@@ -145,6 +145,9 @@ class Token(Event):
     logprob: float | None = None  # after the grammar mask
     # The grammar allowed only this token, or it is a jump-forward draft of forced text.
     forced: bool = False
+    # A prompt-lookup draft (runtime/prompt_lookup.py) the model's own pick agreed with:
+    # computed in the extend step of the token before it.
+    drafted: bool = False
     step: int | None = None  # the scheduler's step counter: batches scheduled so far
     allowed: int = -1  # tokens the grammar left at that step (-1: no grammar)
     # With EngineConfig.token_alternatives: the step's most likely tokens before the mask,
