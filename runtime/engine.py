@@ -372,7 +372,7 @@ class Engine:
             self.events.emit(Token, request=req.rid, program=req.program, node=req.node,
                              token=token, logprob=pick.sampled.logprob,
                              step=self.scheduler.step_no, text=self.picker.token_text(token),
-                             forced=pick.forced, allowed=pick.allowed,
+                             forced=pick.forced, drafted=pick.drafted, allowed=pick.allowed,
                              top=[a.to_json() for a in choice.top] if choice is not None else ())
         handle = self._handles.get(req.rid)
         if handle is not None:
@@ -395,6 +395,7 @@ class Engine:
             req.error, req.finish_reason = error, "error"
         self.token_usage.add(len(req.prompt_ids), len(req.output_ids))
         self.scheduler.release(req)
+        self.picker.lookup.forget(req.rid)
         if req.instruction is None:
             self._emit_instruction(InstructionFinished, req)
         handle = self._handles.pop(req.rid, None)

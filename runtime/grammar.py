@@ -99,6 +99,18 @@ class Grammar:
     def done(self) -> bool:
         return self.matcher.is_terminated()
 
+    def allowed_prefix(self, ids: list[int]) -> list[int]:
+        """The longest prefix of ids the grammar accepts from here (prompt lookup's drafts
+        are only proposed where they could be taken); the matcher is left as it was."""
+        n = 0
+        for t in ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return ids[:n]
+
     def jump_forward(self, tokenizer, limit: int) -> list[int]:
         """Draft tokens for the string the grammar forces from here (at most `limit`; []
         when the next character is the model's choice). The matcher is not changed.

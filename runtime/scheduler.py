@@ -5,10 +5,11 @@ Continuous batching: requests join (prefill, in chunks under a token budget) and
 of a prompt the radix cache does not hold is computed) or a decode step (one token for
 every running request). Extend steps go first, so new requests start quickly.
 
-Jump-forward: a running request whose grammar forces the next text has draft tokens (the
-engine proposes them); it goes back to an extend step for its last token and its drafts
-(as many as the prefill budget leaves), then decodes again. The decodes beside it wait that
-step, as they do for a prompt chunk.
+Jump-forward and prompt lookup: a running request whose grammar forces the next text, or
+whose output repeats an earlier n-gram, has draft tokens (the picker proposes them); it
+goes back to an extend step for its last token and its drafts (as many as the prefill
+budget leaves), then decodes again. The decodes beside it wait that step, as they do for a
+prompt chunk.
 
 Priorities (runtime.priority) and time slices: while more urgent work exists, a running
 decode of a lower level is suspended once it has used its slice of decode steps (it keeps

@@ -3,7 +3,8 @@
 Per row, in this order: the request's penalties and logit bias (runtime/penalties.py),
 the alternatives the model offered (runtime/sampler.py TopK, taken before the mask so they
 show what the model itself preferred), the grammar mask (runtime/grammar.py), the draw
-(runtime/sampler.py sample). A request with jump-forward drafts has one row per draft and
+(runtime/sampler.py sample). A request with drafts (jump-forward's from its grammar, or
+prompt lookup's from earlier n-grams: runtime/prompt_lookup.py) has one row per draft and
 each row is picked exactly so, so its output is the one token-by-token decoding gives.
 
 The picker decides; the engine applies (Request.append, events, the stream). A request
@@ -23,6 +24,7 @@ from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarError
 from sgl_nb.runtime.penalties import adjust_logits
+from sgl_nb.runtime.prompt_lookup import MAX_BATCH, PromptLookup
 from sgl_nb.runtime.request import Request
 from sgl_nb.runtime.sampler import Sampled, TopK, sample, top_alternatives
 from sgl_nb.runtime.token_choice import Alternative, TokenChoice
@@ -44,10 +46,12 @@ class TokenPick(NamedTuple):
     req: Request
     sampled: Sampled | None = None  # None when it fails
     error: BaseException | None = None
-    # The grammar left only this token, or it is a draft the model's own pick agreed with.
+    # The grammar left only this token, or it is a jump-forward draft the model's own pick
+    # agreed with.
     forced: bool = False
     allowed: int = -1  # tokens the grammar left at this step; -1: no grammar
     choice: TokenChoice | None = None  # None when alternatives are not recorded
+    drafted: bool = False  # a prompt-lookup draft the model's own pick agreed with
 
 
 class MaskedRows(NamedTuple):
@@ -78,6 +82,8 @@ class TokenPicker:
         self._drop_drafts = drop_drafts
         self.jumps = DraftCounts()
         self.lookups = DraftCounts()
+        self.lookup = PromptLookup()
+        self._step_size = 0  # requests picking a token in the current step
         # Token id -> its text, decoded once: every step names k alternatives (a decode
         # is ~2 us, a lookup a tenth of that).
         self._token_texts: dict[int, str] = {}
@@ -87,6 +93,7 @@ class TokenPicker:
         one (Request.append) before it asks for the next: a draft's next row is penalized
         and masked from the output and grammar state that the previous pick left, and new
         drafts are proposed from the state after a request's token."""
+        self._step_size = len(rows.ready) + len(rows.drafted)
         if rows.ready:
             yield from self._pick_ready(rows.last, rows.ready)
         for req, logits in rows.drafted:
@@ -121,40 +128,69 @@ class TokenPicker:
         Each row picks the next token exactly as a decode step would (penalties, grammar
         mask, sampler, seeded generator in the same order), so the output is the one token
         by token decoding gives. While the pick is the next draft, the draft is taken
-        (forced); the first pick that differs is taken instead, and the drafts after it are
-        dropped with their KV."""
-        taken = 0
+        (jump-forward's: forced; prompt lookup's: drafted); the first pick that differs is
+        taken instead, and the drafts after it are dropped with their KV.
+
+        Under sampling this is speculative sampling's rejection rule for a draft that is a
+        single token d (a point mass q = 1 at d): the pick is drawn from the row's p, so
+        the draft is taken with probability p(d) = min(1, p(d) / q(d)); when it is not, the
+        pick is distributed as p(x) / (1 - p(d)) over x != d, which is the rule's residual
+        max(0, p - q) renormalized. Each row's p is conditioned on the drafts taken before
+        it, as decoding's would be, so every token has decoding's distribution (and a
+        seeded request draws the same numbers in the same order: the same tokens).
+        tests/test_prompt_lookup.py checks both frequencies."""
+        ours = self.lookup.drafting(req.rid)
+        counts = self.lookups if ours else self.jumps
+        taken = agreed_n = 0
         for j in range(rows.shape[0]):
             row, kept, top, failed = self._mask_rows(rows[j : j + 1], [req])
             yield from failed
             if not kept:
                 return
             s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
-            s.forced = s.token == req.draft_ids[0] if req.draft_ids else False
-            if s.forced:
+            agreed = s.token == req.draft_ids[0] if req.draft_ids else False
+            s.forced = agreed and not ours
+            if agreed:
                 req.draft_ids.pop(0)
-                self.jumps.accepted += 1
+                counts.accepted += 1
+                agreed_n += 1
             else:
                 self._drop_drafts(req)
             yield self._token_pick(req, s, top.lists(row, [s.token])[0] if top is not None
-                                   else None)
+                                   else None, drafted=agreed and ours)
             taken += 1
-            if req.finished or not s.forced:
+            if req.finished or not agreed:
                 break  # the rows after a pick of its own belong to dropped drafts
-        self.jumps.steps_saved += max(taken - 1, 0)
+        counts.steps_saved += max(taken - 1, 0)
+        if ours and not req.draft_ids:
+            self.lookup.checked(req.rid, agreed_n, len(req.output_ids))
         if not req.draft_ids:
             self._propose_drafts(req)
 
     def _propose_drafts(self, req: Request) -> None:
-        """Jump-forward: the tokens of the text req's grammar forces next become its drafts,
-        computed by its next step together with its last token."""
-        on = req.params.jump_forward
-        if req.grammar is None or req.finished or not (
-                self.settings.jump_forward if on is None else on):
+        """The drafts req's next step computes together with its last token: the text its
+        grammar forces next (jump-forward), else, where its context has the n-gram its
+        output ends with, the tokens that followed it there (prompt lookup)."""
+        self.lookup.clear(req.rid)  # drafts the scheduler dropped unchecked (no memory)
+        if req.finished:
             return
-        req.draft_ids = req.grammar.jump_forward(
-            self.tokenizer, req.max_new_tokens - len(req.output_ids))
-        self.jumps.drafted += len(req.draft_ids)
+        left = req.max_new_tokens - len(req.output_ids)
+        on = req.params.jump_forward
+        if req.grammar is not None and (self.settings.jump_forward if on is None else on):
+            req.draft_ids = req.grammar.jump_forward(self.tokenizer, left)
+            self.jumps.drafted += len(req.draft_ids)
+            if req.draft_ids:
+                return
+        on = req.params.prompt_lookup
+        if self._step_size > MAX_BATCH or not (
+                self.settings.prompt_lookup if on is None else on):
+            return
+        # A grammar's request: only drafts its grammar could take (a rejected draft never
+        # reaches the matcher either way: it is accepted only once picked).
+        allowed = req.grammar.allowed_prefix if req.grammar is not None else None
+        req.draft_ids = self.lookup.propose(req.rid, req.prompt_ids, req.output_ids, left,
+                                            allowed)
+        self.lookups.drafted += len(req.draft_ids)
 
     def _mask_rows(self, rows: torch.Tensor, reqs: list[Request]) -> MaskedRows:
         """Penalties, then the top alternatives, then the grammar masks, on each request's
@@ -208,7 +244,8 @@ class TokenPicker:
                 f"{len(r.output_ids)} generated ({r.text[-40:]!r}): no token of the "
                 "model's vocabulary continues it")
 
-    def _token_pick(self, req: Request, s: Sampled, alts: tuple | None) -> TokenPick:
+    def _token_pick(self, req: Request, s: Sampled, alts: tuple | None,
+                    drafted: bool = False) -> TokenPick:
         """alts: its row of TopK.lists (None when alternatives are not recorded)."""
         if s.error is not None:  # its own sampling parameters: a ValueError, like bad input
             return TokenPick(req, error=ValueError(f"request {req.rid}: {s.error}"))
@@ -218,7 +255,7 @@ class TokenPicker:
         choice = None
         if alts is not None and req.token_choices is not None:
             choice = self._choice(s.token, forced, allowed, alts)
-        return TokenPick(req, s, None, forced, allowed, choice)
+        return TokenPick(req, s, None, forced, allowed, choice, drafted)
 
     def _choice(self, token: int, forced: bool, allowed: int, alts: tuple) -> TokenChoice:
         ids, logprobs, masked, chosen = alts
