@@ -113,10 +113,11 @@ def _tokens(a: dict, ids: tuple, start: int) -> list[Event]:
     cols = [a.get(f"sgl.tokens.{k}") or [] for k in ("id", "text", "logprob", "forced",
                                                        "seq", "ts")]
     extra = a.get("sgl.tokens.extra") or ["{}"] * len(cols[0])
+    drafted = a.get("sgl.tokens.drafted") or [False] * len(cols[0])
     out = []
-    for tok, text, logprob, forced, seq, dt, more in zip(*cols, extra):
+    for tok, text, logprob, forced, seq, dt, more, draft in zip(*cols, extra, drafted):
         data = {"token": None if tok < 0 else tok, "text": text,
                 "logprob": None if math.isnan(logprob) else logprob, "forced": forced,
-                **json.loads(more)}
+                "drafted": draft, **json.loads(more)}
         out.append(codec.event_from("token", (program, node, None), data, start + dt, seq))
     return out

@@ -37,7 +37,7 @@ from sgl_nb.tracing.genai import LLM_KINDS, instruction_usage, node_llm_attrs, n
 
 # A token's own columns at the default level; its other fields (step, and the top
 # alternatives and allowed count of runtime/token_choice.py) go in "sgl.tokens.extra".
-_TOKEN_KEYS = ("token", "text", "logprob", "forced")
+_TOKEN_KEYS = ("token", "text", "logprob", "forced", "drafted")
 _ENGINE_OPS = (Op.DECODE, Op.SCORE)
 _MAX_ENDED = 100_000  # ended span contexts kept for parents and links (bounded)
 
@@ -62,7 +62,8 @@ class _Open:
                  program=None):
         self.span, self.kind, self.start_ts, self.program = span, kind, start_ts, program
         self.usage: list[dict] = []  # what the node's Decode/Score instructions reported
-        self.tokens: list[tuple] = []  # (id, text, logprob, forced, seq, ts, extra)
+        # (id, text, logprob, forced, seq, ts, extra, drafted)
+        self.tokens: list[tuple] = []
 
 
 class SpanRecorder:
@@ -291,13 +292,15 @@ class SpanRecorder:
     def _set_tokens(self, o: _Open) -> None:
         """Tokens, compactly, as parallel arrays on the node span (the default level);
         a replay turns them back into token Events."""
-        ids, texts, logprobs, forced, seqs, ts, extra = zip(*o.tokens)
+        ids, texts, logprobs, forced, seqs, ts, extra, drafted = zip(*o.tokens)
         span = o.span
         span.set_attribute("sgl.tokens.id", [-1 if t is None else t for t in ids])
         span.set_attribute("sgl.tokens.text", list(texts))
         span.set_attribute("sgl.tokens.logprob",
                            [float("nan") if x is None else float(x) for x in logprobs])
         span.set_attribute("sgl.tokens.forced", list(forced))
+        if any(drafted):  # prompt lookup's accepted drafts (traces before it: none)
+            span.set_attribute("sgl.tokens.drafted", list(drafted))
         span.set_attribute("sgl.tokens.seq", list(seqs))
         span.set_attribute("sgl.tokens.ts", [t - o.start_ts for t in ts])
         if any(extra):  # fields beyond the usual four, one JSON object per token
@@ -364,7 +367,8 @@ class SpanRecorder:
             return
         extra = {k: v for k, v in codec.event_data(e).items()
                  if k not in _TOKEN_KEYS and v is not None and v != () and v != []} or None
-        node.tokens.append((e.token, e.text or "", e.logprob, e.forced, e.seq, e.ts, extra))
+        node.tokens.append((e.token, e.text or "", e.logprob, e.forced, e.seq, e.ts, extra,
+                            e.drafted))
 
     def _host(self, e: Event, program: int | None, node: int | None) -> _Open | None:
         """The span an event belongs on: its request's instruction, its node, or its

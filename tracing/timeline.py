@@ -53,6 +53,7 @@ class TokenView:
     # Empty / -1 in traces recorded below the "token" level or before they existed.
     top: list[tuple[int, str, float, bool]] = field(default_factory=list)
     allowed: int = -1
+    drafted: bool = False  # a prompt-lookup draft the model agreed with
 
     def choice(self) -> TokenChoice:
         """As the engine's TokenChoice. Its logprob is the one among `top` (before the
@@ -292,7 +293,7 @@ class Timeline:
             return  # a bare rt.generate request: no program, no Node
         top = [tuple(a) for a in e.top]
         n.tokens.append(TokenView(e.token, e.text or "", e.logprob, e.forced, e.seq, top,
-                                  e.allowed))
+                                  e.allowed, e.drafted))
 
     def _hold(self, e: Preempted | Retracted | Paused | Resumed) -> None:
         """A request or a program suspended or going on: the program's status, and a mark
