@@ -1,5 +1,6 @@
 """The token stream: each generated token boxed in alternating shades (forced tokens, the
-only ones a grammar allowed, in italics), the text around them dim, the current Node bold.
+only ones a grammar allowed, in italics; drafted ones, prompt-lookup drafts the model
+agreed with, in DRAFTED's colour), the text around them dim, the current Node bold.
 
 A Fork's branches run side by side, so their tokens arrive interleaved; the pane shows
 each branch in a lane of its own under the fork point (a box titled "branch i", branch 0
@@ -25,6 +26,7 @@ from sgl_nb.tracing.timeline import NodeView, Timeline
 from sgl_nb.tui.rows import NodeRow, Position, Where
 
 SHADES = ("on #2a2f3a", "on #3b3450")
+DRAFTED = "#67e8f9"  # prompt lookup's accepted drafts (runtime/prompt_lookup.py)
 LANE_STYLE = "cyan"
 CURRENT = "▶"  # before the title of the current Node's lane
 
@@ -141,6 +143,7 @@ class _Stream:
                         style="bold cyan" if current else "cyan")
             for k, tok in enumerate(n.tokens):
                 style = SHADES[k % 2] + (" italic" if tok.forced else "")
+                style += f" {DRAFTED}" if tok.drafted else ""
                 style += " bold underline" if current else ""
                 text.append(_visible(tok.text), style=style)
             self.count += len(n.tokens)

@@ -9,7 +9,10 @@
 //   {type: "why", node, index, top: [[rank, text, p, masked, taken], ...], ...}: the answer
 //     to our {type: "why", node, index} (a click on a token), shown under the stream.
 
-const ORIGIN = { p: "prompt", c: "cached", g: "generated", f: "forced", t: "template" };
+const ORIGIN = {
+  p: "prompt", c: "cached", g: "generated", f: "forced", d: "drafted", t: "template",
+};
+const TITLE_NOTE = { f: " (forced by the grammar)", d: " (drafted by prompt lookup)" };
 
 function span(cls, text) {
   const s = document.createElement("span");
@@ -22,7 +25,7 @@ function pieceTitle(it) {
   if (it.length >= 6 && it[5]) return it[5];
   if (it.length >= 5) {
     const p = it[3] === null || it[3] === undefined ? "p=?" : `p=${it[3].toFixed(3)}`;
-    return `${p} token ${it[4]}` + (it[1] === "f" ? " (forced by the grammar)" : "");
+    return `${p} token ${it[4]}` + (TITLE_NOTE[it[1]] ?? "");
   }
   return "";
 }
@@ -51,7 +54,7 @@ class Stream {
     this.head = document.createElement("div");
     const legend = document.createElement("div");
     legend.className = "sgl-legend";
-    for (const o of ["prompt", "cached", "generated", "forced"]) {
+    for (const o of ["prompt", "cached", "generated", "forced", "drafted"]) {
       legend.appendChild(span(`sgl-${o}`, o));
     }
     this.body = document.createElement("div");

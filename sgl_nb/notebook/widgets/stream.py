@@ -298,7 +298,7 @@ def _title(item: list) -> str:
     if len(item) >= 6 and item[5]:
         return item[5]
     if len(item) >= 5:
-        return token_title(item[3], item[4], item[1] == "f")
+        return token_title(item[3], item[4], item[1] == "f", item[1] == "d")
     return ""
 
 
