@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sgl_nb.runtime.model.model_config import (
+from sgl_nb.runtime.model.layer_spec import (
     ROPE_TYPES,
     Activation,
     LayerSpec,
