@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing vllm \
-	sglang tmux phoenix browser
+.PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing bench-peers vllm \
+	llamacpp sglang tmux phoenix browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,22 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# llama.cpp's Python binding in its own venv, the peer of `make bench-peers`. PyPI has only
+# its sdist: pip compiles llama.cpp with cmake, CPU only, for this machine's instruction set
+# (GGML_NATIVE), so the venv is not portable to another CPU kind. About 10+ minutes on 2 cores.
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+		-DGGML_BLAS=OFF -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/pip install -q --no-compile llama-cpp-python==0.3.36
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama.cpp', llama_cpp.__version__)"
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
 
 # SGLang's own frontend package (`import sglang`: sgl.function, RuntimeEndpoint) in its own
 # venv, the client of the tests that run SGLang's programs against `sgl-nb serve`. Its

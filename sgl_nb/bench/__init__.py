@@ -28,6 +28,10 @@ BENCHES = {
               "generate, one stream; the transformers path against native on Llama",
     "gguf": "int4 from a GGUF's own blocks (bf16 and fp32 activations) against int4 "
             "quantized again from its dequantized weights: one stream, tokens equal to fp32",
+    "copy": "prompt lookup on and off where the output copies the input (fields quoted "
+            "from documents, code returned renamed), and transformers' prompt_lookup_num_tokens",
+    "peers": "one stream against llama.cpp (llama-cpp-python in its own venv, make "
+             "bench-peers) on the same GGUF files: Q4_0 / Q4_1 as int4, Q8_0 as int8, F32",
     "serve": "sgl-nb serve under streaming load with hang-ups: nothing lost (finish "
              "reasons, queues, greedy output, RSS); --vllm-bench: vllm bench serve against it "
              "and vLLM-CPU",
