@@ -327,8 +327,11 @@ class Engine:
                 self._finish(req, error=e)
             return None
         kind = "decode" if batch.is_decode else "extend"
+        seconds = time.perf_counter() - t0
         self.steps[kind] += 1
-        self.step_seconds[kind] += time.perf_counter() - t0
+        self.step_seconds[kind] += seconds
+        if batch.is_decode or all(r.draft_ids for r in batch.reqs):  # a decode or a verify
+            self.picker.lookup.costs.add(not batch.is_decode, seconds)
         return StepLogits(*logits) if isinstance(logits, tuple) else StepLogits(logits, None)
 
     def _rows_to_pick(self, batch: ScheduledBatch, logits: StepLogits) -> PickRows:

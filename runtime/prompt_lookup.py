@@ -23,16 +23,30 @@ from dataclasses import dataclass, field
 
 # The n-gram sizes matched, the longest first.
 MAX_NGRAM, MIN_NGRAM = 3, 2
-# Tokens drafted at most per proposal. On the 2-core CPU the verify pass is an extend
-# through the torch layer loop, not the fused C++ decode step; its cost grows slowly with
-# its length (figures in DRAFT_COST_NOTE below), so a long draft that is fully accepted
-# pays and a wrong one costs little more than a short one.
+# What a verify pass costs against a decode step, on the default model (SmolLM2-135M), one
+# request with 300 tokens of context, on the 2-core CPU (medians of 12 interleaved rounds,
+# measured while other jobs loaded the machine, so the absolute times are 3-6x the quiet
+# ones; the ratios are what matter):
+#   fp32: decode 197 ms; extend of 1+k tokens: k=1 282, k=2 318, k=4 351, k=6 371, k=8 382,
+#         k=10 396, k=12 446, k=16 508 ms: a verify of 1+10 costs 2.0 decodes.
+#   int4: decode 87 ms; k=1 179, k=2 206, k=4 264, k=6 266, k=8 349, k=10 304, k=12 364,
+#         k=16 458 ms: 3.5 decodes (the fused C++ decode step gains more from int4 than
+#         the torch layer loop that extends).
+# So the verify pass costs 2-4 decodes whatever its length up to ~10 and more past it: a
+# draft of up to MAX_DRAFT tokens; a verify pays when it yields more tokens than it costs
+# decodes, which the engine measures as it runs (StepCosts), so the same rule holds for
+# fp32, int4 and CUDA. A copy (the output repeats the prompt: 99 of 135 drafts taken,
+# about 8 tokens a verify) gains 2-3x; text that copies nothing pays a missed verify now
+# and then (the backoff below).
 MAX_DRAFT = 10
-# After a proposal the model turned down at its first token, the request drafts nothing for
-# this many of its next tokens, doubling at each further miss up to MAX_BACKOFF; any
-# accepted draft resets it. Text that does not copy then costs a failed verify pass now
-# and then, not every step.
+# After a verify that did not pay (fewer tokens than its cost in decodes), the request
+# drafts nothing for this many of its next tokens, doubling at each further such verify up
+# to MAX_BACKOFF; a verify that paid resets it. Text that does not copy then costs a
+# failed verify now and then, not every step.
 FIRST_BACKOFF, MAX_BACKOFF = 2, 64
+# Until both kinds of step have been timed: fp32's measured ratio above.
+DEFAULT_COST_RATIO = 2.0
+COST_EMA = 0.1  # the weight of each new step time in its running average
 # Drafting waits for steps of at most this many requests: beside other decodes, a request
 # with drafts takes an extend step that they sit out (runtime/scheduler.py), and a batched
 # decode step already shares its weight reads among its requests.
@@ -79,6 +93,29 @@ class NgramIndex:
 
 
 @dataclass
+class StepCosts:
+    """Running averages of decode steps' and verify steps' seconds (the engine times them):
+    how many decodes a verify costs."""
+
+    decode: float = 0.0
+    verify: float = 0.0
+
+    def add(self, verify: bool, seconds: float) -> None:
+        now = self.verify if verify else self.decode
+        now = seconds if now == 0.0 else (1 - COST_EMA) * now + COST_EMA * seconds
+        if verify:
+            self.verify = now
+        else:
+            self.decode = now
+
+    @property
+    def ratio(self) -> float:
+        if self.decode == 0.0 or self.verify == 0.0:
+            return DEFAULT_COST_RATIO
+        return self.verify / self.decode
+
+
+@dataclass
 class RequestLookup:
     """One request's index and how its drafts fared."""
 
@@ -95,6 +132,7 @@ class PromptLookup:
 
     def __init__(self) -> None:
         self._requests: dict[int, RequestLookup] = {}
+        self.costs = StepCosts()
 
     def propose(self, rid: int, prompt_ids: list[int], output_ids: list[int], limit: int,
                 allowed: Callable[[list[int]], list[int]] | None = None) -> list[int]:
@@ -126,12 +164,13 @@ class PromptLookup:
         return state is not None and state.pending > 0
 
     def checked(self, rid: int, accepted: int, output_len: int) -> None:
-        """The model's picks went through the request's drafts: `accepted` of them taken."""
+        """The model's picks went through the request's drafts: `accepted` of them taken
+        (and one pick of its own after them)."""
         state = self._requests.get(rid)
         if state is None:
             return  # it finished on one of them
         state.pending = 0
-        if accepted:
+        if 1 + accepted >= self.costs.ratio:
             state.backoff = FIRST_BACKOFF
             return
         state.resume_at = output_len + state.backoff
