@@ -30,8 +30,10 @@ from sgl_nb.runtime.status import Status
 class EventKind(StrEnum):
     PROGRAM_STARTED = "program_started"
     PROGRAM_FINISHED = "program_finished"
+    NODE_QUEUED = "node_queued"
     NODE_STARTED = "node_started"
     NODE_FINISHED = "node_finished"
+    VARIABLE_SET = "variable_set"
     INSTRUCTION_STARTED = "instruction_started"
     INSTRUCTION_FINISHED = "instruction_finished"
     TOKEN = "token"
@@ -88,6 +90,23 @@ class ProgramFinished(Event):
 
 
 @dataclass(**_EVENT)
+class NodeQueued(Event):
+    """A Node the program recorded, handed to the executor: it waits for the Nodes before
+    it (its program's Python runs ahead of them). What a view lists of a Node not started."""
+
+    kind: ClassVar[EventKind] = EventKind.NODE_QUEUED
+    node_kind: NodeKind | None = None
+    name: str | None = None
+    line: int | None = None
+    file: str | None = None
+    label: str | None = None
+    preds: tuple[int, ...] = ()
+    stack: tuple[str, ...] = ()
+    stack_args: tuple[str, ...] = ()  # as NodeStarted's
+    ops: tuple[Op, ...] = ()  # the kinds of its Instructions, in order
+
+
+@dataclass(**_EVENT)
 class NodeStarted(Event):
     kind: ClassVar[EventKind] = EventKind.NODE_STARTED
     node_kind: NodeKind | None = None
@@ -112,6 +131,15 @@ class NodeFinished(Event):
     # The meta of that variable (a gen's finish reason and token counts, a select's
     # choices and scores) as JSON, its per-token logprob lists left out.
     meta: str | None = None
+
+
+@dataclass(**_EVENT)
+class VariableSet(Event):
+    """The program's own code bound a variable (`s[name] = value`): no Node says so."""
+
+    kind: ClassVar[EventKind] = EventKind.VARIABLE_SET
+    name: str = ""
+    value: str | None = None  # its repr
 
 
 @dataclass(**_EVENT)
@@ -261,9 +289,9 @@ def meta_json(meta: Mapping | None) -> str | None:
 CACHE_EVENTS = (CacheHit, CacheInsert, CacheEvict)  # changes of the radix cache
 EVENT_TYPES: dict[EventKind, type[Event]] = {
     cls.kind: cls for cls in (
-        ProgramStarted, ProgramFinished, NodeStarted, NodeFinished, InstructionStarted,
-        InstructionFinished, Token, CacheHit, CacheInsert, CacheEvict, Forked, Joined, Paused,
-        Resumed, Preempted, Retracted, Failed)
+        ProgramStarted, ProgramFinished, NodeQueued, NodeStarted, NodeFinished, VariableSet,
+        InstructionStarted, InstructionFinished, Token, CacheHit, CacheInsert, CacheEvict,
+        Forked, Joined, Paused, Resumed, Preempted, Retracted, Failed)
 }
 
 

@@ -248,7 +248,7 @@ def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
     for e in w.timeline.events:  # the real run's events, folded again, a render a token
         tl.apply(e)
         if e.kind == "token":
-            model = StreamModel(tl, st.id, w._node_text, w._prefix_chars, w.forks)
+            model = StreamModel(tl, st.id, forks=w.forks)
             view.update(model, "running")
     assert len(wire.custom()) < 20  # renders came faster than the rate: merged
     until(lambda: Front(wire.custom()).text(st.id) == model.text(), "the held-back delta")
@@ -259,7 +259,7 @@ def test_a_delta_held_back_by_the_rate_still_goes_out(default_backend):
 @sgl.function
 def fails(s):
     s += "Say hi:" + sgl.gen("hi", max_tokens=3, ignore_eos=True)
-    raise ValueError("boom in the cell")
+    raise ValueError("boom" + " in the cell")  # its line, shown with it, does not repeat it
 
 
 @slow

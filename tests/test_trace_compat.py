@@ -25,6 +25,7 @@ from sgl_nb.runtime.events import (
     Joined,
     NodeFinished,
     NodeKind,
+    NodeQueued,
     NodeStarted,
     Op,
     Paused,
@@ -35,6 +36,7 @@ from sgl_nb.runtime.events import (
     Retracted,
     Status,
     Token,
+    VariableSet,
 )
 from sgl_nb.tracing import load
 from sgl_nb.tracing.codec import event_data, event_from, event_name
@@ -70,9 +72,15 @@ def _one_of_each() -> list:
         ProgramStarted(program=1, function="f", priority="normal", model="m", module="mod",
                        qualname="f", args="{}", options="{}"),
         ProgramFinished(program=1, status=Status.CANCELLED, error="E()", line=3),
+        NodeQueued(program=1, node=2, node_kind=NodeKind.GEN, name="x", line=3, file="f.py",
+                   label="Gen x", preds=(1,), stack=("f", "g"), stack_args=("a=1", ""),
+                   ops=(Op.DECODE,)),
         NodeStarted(program=1, node=2, node_kind=NodeKind.GEN, name="x", line=3, file="f.py",
-                    label="Gen x", preds=(1,), stack=("f",), params='{"max_tokens": 2}'),
-        NodeFinished(program=1, node=2, status=Status.ERROR, text="ab", value="'ab'"),
+                    label="Gen x", preds=(1,), stack=("f",), stack_args=("a=1",),
+                    params='{"max_tokens": 2}'),
+        NodeFinished(program=1, node=2, status=Status.ERROR, text="ab", value="'ab'",
+                     meta='{"finish_reason": "stop"}'),
+        VariableSet(program=1, name="n", value="3"),
         InstructionStarted(program=1, node=2, request=7, op=Op.DECODE, index=1),
         InstructionFinished(program=1, node=2, request=7, op=Op.SCORE, index=1,
                             status=Status.ERROR, error="E()",

@@ -11,12 +11,15 @@ from sgl_nb.runtime.events import (
     CacheInsert,
     Event,
     Forked,
+    Hold,
     InstructionFinished,
     InstructionStarted,
     NodeFinished,
     NodeKind,
+    NodeQueued,
     NodeStarted,
     Op,
+    Paused,
     Preempted,
     ProgramFinished,
     ProgramStarted,
@@ -25,7 +28,7 @@ from sgl_nb.runtime.events import (
     Status,
     Token,
 )
-from sgl_nb.tracing.timeline import Timeline
+from sgl_nb.tracing.timeline import Family, Timeline
 
 
 def ev(cls: type[Event], seq: int, program=None, node=None, request=None, /,
@@ -103,6 +106,50 @@ def test_fork_children_and_out_of_order_events():
     assert tl.programs[1].children == [2, 3]
     assert tl.programs[2].parent == 1 and tl.programs[3].parent == 1
     assert tl.programs[3].nodes == [30]
+
+
+def test_queued_nodes_are_pending_until_they_start_and_skipped_if_they_never_do():
+    tl = Timeline([
+        ev(NodeQueued, 1, 1, 10, node_kind=NodeKind.GEN, name="a", line=3, label="Gen a",
+           stack=("f", "g"), stack_args=("x=1", "y='b'"), ops=(Op.DECODE,)),
+        ev(NodeQueued, 2, 1, 11, node_kind=NodeKind.TEXT, label="Text", ops=(Op.EXTEND,)),
+        ev(ProgramStarted, 3, 1, function="f"),
+    ])
+    a, text = tl.nodes[10], tl.nodes[11]
+    assert (a.status, a.start_ns, a.ops, a.stack_args) == (Status.PENDING, None, [Op.DECODE],
+                                                           ["x=1", "y='b'"])
+    assert tl.programs[1].nodes == [10, 11] and tl.programs[1].function == "f"
+    tl.apply(ev(NodeStarted, 4, 1, 10, node_kind=NodeKind.GEN, name="a", stack=("f", "g"),
+                stack_args=("", "")))  # the body had returned from both calls by then
+    assert a.status is Status.RUNNING and a.start_ns == 4000
+    assert a.stack_args == ["x=1", "y='b'"]  # what the frames were as it was queued
+    tl.apply(ev(NodeFinished, 5, 1, 10, value="'red'", meta='{"finish_reason": "stop"}'))
+    assert (a.value, a.meta) == ("'red'", {"finish_reason": "stop"})
+    tl.apply(ev(ProgramFinished, 6, 1, status=Status.ERROR, error="E()", line=7))
+    assert text.status is Status.SKIPPED and tl.programs[1].error_line == 7
+
+
+def test_a_held_program_says_where_until_it_goes_on():
+    tl = Timeline([ev(ProgramStarted, 1, 1),
+                   ev(Paused, 2, 1, 10, at=Hold.NODE, reason="step controller")])
+    p = tl.programs[1]
+    assert (p.status, p.held, p.held_node) == (Status.SUSPENDED, Hold.NODE, 10)
+    tl.apply(ev(Resumed, 3, 1, 10, reason="step controller"))
+    assert (p.status, p.held, p.held_node) == (Status.RUNNING, None, None)
+    tl.apply(ev(Paused, 4, 1, 10, at=Hold.DECODE, reason="step controller"))
+    assert p.held is Hold.DECODE
+    tl.apply(ev(Resumed, 5, 1, None, 7, reason="scheduler"))  # a request's: not the hold
+    assert p.held is Hold.DECODE
+
+
+def test_a_family_keeps_a_branchs_early_events_until_its_fork():
+    family = Family(1)
+    queued = ev(NodeQueued, 2, 5, 20, node_kind=NodeKind.GEN)  # branch 5, queued first
+    assert family.take(ev(ProgramStarted, 1, 1)) != []
+    assert family.take(queued) == [] and family.take(ev(NodeQueued, 3, 9, 30)) == []
+    fork = ev(Forked, 4, 1, 11, n=1, children=(5,))
+    assert family.take(fork) == [fork, queued]
+    assert family.programs == {1, 5} and family.take(ev(NodeStarted, 5, 5, 20)) != []
 
 
 def test_unknown_program_text_is_a_clear_error():

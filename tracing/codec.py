@@ -86,6 +86,7 @@ def id_attrs(program: int | None, node: int | None, request: int | None) -> dict
 _WIRE_NAME = {"node_kind": "kind", "op": "kind"}
 _ENUMS = {"status": Status, "node_kind": NodeKind, "op": Op, "at": Hold}
 _TUPLES = ("preds", "stack", "stack_args", "children")
+_ENUM_TUPLES = {"ops": Op}
 _OWN = {cls: tuple(f.name for f in fields(cls) if f.name not in _BASE)
         for cls in EVENT_TYPES.values()}
 
@@ -110,6 +111,8 @@ def event_data(e: Event) -> dict:
     out = {}
     for name in _OWN[type(e)]:
         v = getattr(e, name)
+        if name in _ENUM_TUPLES:
+            v = [x.value for x in v]
         out[_WIRE_NAME.get(name, name)] = v.value if isinstance(v, Enum) else v
     return out
 
@@ -140,6 +143,8 @@ def _field(name: str, v):
         return _ENUMS[name](v)
     if name in _TUPLES:
         return tuple(v)
+    if name in _ENUM_TUPLES:
+        return tuple(_ENUM_TUPLES[name](x) for x in (json.loads(v) if isinstance(v, str) else v))
     if name == "top" and isinstance(v, str):  # a span event holds it as JSON text
         return json.loads(v)
     return v

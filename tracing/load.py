@@ -89,8 +89,10 @@ def span_events(s: SpanRecord) -> list[Event]:
 
 def _program(a: dict):
     start = codec.from_attrs(a, "sgl.program.", skip=("id", "error", "implicit",
-                                                                "fork_node", "status"))
-    end = {"error": a.get("sgl.program.error"), "status": a.get("sgl.program.status")}
+                                                                "fork_node", "status",
+                                                                "error_line"))
+    end = {"error": a.get("sgl.program.error"), "status": a.get("sgl.program.status"),
+           "line": a.get("sgl.program.error_line")}
     return "program_started", "program_finished", start, end
 
 

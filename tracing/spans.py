@@ -25,12 +25,14 @@ from sgl_nb.runtime.events import (
     Joined,
     NodeFinished,
     NodeKind,
+    NodeQueued,
     NodeStarted,
     Op,
     ProgramFinished,
     ProgramStarted,
     Status,
     Token,
+    VariableSet,
 )
 from sgl_nb.tracing import codec
 from sgl_nb.tracing.genai import LLM_KINDS, instruction_usage, node_llm_attrs, node_span_name
@@ -77,6 +79,7 @@ class SpanRecorder:
         self.offset = time.time_ns() - time.monotonic_ns()
         self._lock = threading.Lock()
         self._pending: dict[int, ProgramStarted] = {}  # span not opened yet
+        self._early: dict[int, list[Event]] = {}  # ... and what waits for it
         self._programs: dict[int, _Open] = {}
         self._nodes: dict[int, _Open] = {}
         self._instructions: dict[tuple, _Open] = {}  # (node, index, request)
@@ -107,6 +110,8 @@ class SpanRecorder:
                 self._fork(e)
             case Joined():
                 self._join(e)
+            case NodeQueued() | VariableSet():
+                self._program_event(e)
             case NodeStarted():
                 self._node_started(e)
             case NodeFinished():
@@ -200,6 +205,8 @@ class SpanRecorder:
         o = self._programs[pid] = _Open(span, "program", ts, pid)
         if parent is not None:
             self._children.setdefault(parent, []).append(pid)
+        for queued in self._early.pop(pid, []):
+            self._span_event(queued)
         return o
 
     # ---- programs ----------------------------------------------------------------------
@@ -211,6 +218,8 @@ class SpanRecorder:
         err, status = e.error, e.status
         if status:
             o.span.set_attribute("sgl.program.status", status.value)
+        if e.line is not None:
+            o.span.set_attribute("sgl.program.error_line", e.line)
         if err:
             o.span.set_attribute("sgl.program.error", str(err))
             if status is not Status.CANCELLED:  # a cancel was asked for: not a fault
@@ -240,6 +249,15 @@ class SpanRecorder:
             self._end(self._programs, child, e.ts)
 
     # ---- nodes -------------------------------------------------------------------------
+
+    def _program_event(self, e: NodeQueued | VariableSet) -> None:
+        """What a program's body says (a Node queued, a variable set), on its program's
+        span: a body runs before the executor says the program started, so what it says
+        then waits for the span to open."""
+        if e.program in self._programs or ("program", e.program) in self._ended:
+            self._span_event(e)
+        elif e.program is not None:
+            self._early.setdefault(e.program, []).append(e)
 
     def _node_started(self, e: NodeStarted) -> None:
         if e.node is None:

@@ -17,10 +17,13 @@ from sgl_nb.runtime.events import (
     Event,
     Failed,
     Forked,
+    Hold,
     InstructionFinished,
     InstructionStarted,
+    Joined,
     NodeFinished,
     NodeKind,
+    NodeQueued,
     NodeStarted,
     Op,
     Paused,
@@ -31,6 +34,7 @@ from sgl_nb.runtime.events import (
     Retracted,
     Status,
     Token,
+    VariableSet,
 )
 from sgl_nb.runtime.token_choice import TokenChoice
 
@@ -89,7 +93,9 @@ class NodeView:
     line: int | None = None
     file: str | None = None
     preds: list[int] = field(default_factory=list)
-    status: Status = Status.RUNNING  # -> DONE | ERROR | CANCELLED
+    # PENDING (queued, not started: start_ns None) -> RUNNING -> DONE | ERROR | CANCELLED;
+    # SKIPPED: its program ended before it started
+    status: Status = Status.RUNNING
     start_ns: int | None = None
     end_ns: int | None = None
     instructions: list[InstructionView] = field(default_factory=list)
@@ -98,7 +104,19 @@ class NodeView:
     text: str | None = None  # what the node added to the program's text (node_finished)
     value: str | None = None  # repr of the variable it bound, if any (node_finished)
     stack: list[str] = field(default_factory=list)  # the call stack it was added under
+    stack_args: list[str] = field(default_factory=list)  # each frame's arguments ("": unknown)
     params: dict = field(default_factory=dict)  # a Gen's sampling params, a Select's choices
+    ops: list[Op] = field(default_factory=list)  # its Instructions' kinds (node_queued)
+    meta: dict = field(default_factory=dict)  # the meta of the variable it bound
+
+
+@dataclass
+class Bound:
+    """A variable's value (its repr) and the Node that bound it (None: the program's code,
+    or a Join gathering its branches' values)."""
+
+    value: str
+    node: int | None = None
 
 
 @dataclass
@@ -109,13 +127,17 @@ class ProgramView:
     priority: int | None = None
     status: Status = Status.RUNNING  # RUNNING | SUSPENDED -> DONE | ERROR | CANCELLED
     reason: str | None = None  # why it is suspended (preempted, retracted, held by a stepper)
+    held: Hold | None = None  # where a step controller holds it now (None: not held)
+    held_node: int | None = None  # ... before (or in) this Node
     error: str | None = None
+    error_line: int | None = None  # the program line of its error
     nodes: list[int] = field(default_factory=list)
     children: list[int] = field(default_factory=list)
     model: str | None = None
     start_ns: int | None = None
     end_ns: int | None = None
     call: dict = field(default_factory=dict)  # module, qualname, args, options (JSON text)
+    variables: dict[str, Bound] = field(default_factory=dict)  # in the order first bound
 
 
 def _empty_cache() -> dict:
@@ -165,6 +187,8 @@ class Timeline:
                 self._program_started(e)
             case ProgramFinished():
                 self._program_finished(e)
+            case NodeQueued():
+                self._node_queued(e)
             case NodeStarted():
                 self._node_started(e)
             case NodeFinished():
@@ -179,6 +203,12 @@ class Timeline:
                 self._hold(e)
             case Forked():
                 self._fork(e)
+            case Joined():
+                self._join(e)
+            case VariableSet():
+                p = self._program(e.program)
+                if p is not None and e.value is not None:
+                    p.variables[e.name] = Bound(e.value)
             case Failed():
                 self._error(e)
             case CacheHit() | CacheInsert() | CacheEvict():
@@ -229,8 +259,22 @@ class Timeline:
         if p is None:
             return
         p.error = e.error
+        p.error_line = e.line if e.line is not None else p.error_line
         p.status = e.status or (Status.ERROR if p.error else Status.DONE)
+        p.held = p.held_node = None
         p.end_ns = e.ts
+        for nid in p.nodes:  # what never started will not now
+            if self.nodes[nid].status is Status.PENDING:
+                self.nodes[nid].status = Status.SKIPPED
+
+    def _node_queued(self, e: NodeQueued) -> None:
+        n = self._node(e)
+        if n is None or n.status is not Status.RUNNING or n.kind is not None:
+            return  # it started already (events handed over out of order)
+        n.kind, n.name, n.label = e.node_kind, e.name, e.label
+        n.line, n.file, n.preds = e.line, e.file, list(e.preds)
+        n.stack, n.stack_args, n.ops = list(e.stack), list(e.stack_args), list(e.ops)
+        n.status, n.start_ns = Status.PENDING, None
 
     def _node_started(self, e: NodeStarted) -> None:
         n = self._node(e)
@@ -239,6 +283,8 @@ class Timeline:
         n.kind, n.name, n.label = e.node_kind, e.name, e.label
         n.line, n.file, n.preds = e.line, e.file, list(e.preds)
         n.stack = list(e.stack)
+        if not any(n.stack_args):  # those seen as it was queued, while its frames were live
+            n.stack_args = list(e.stack_args)
         n.params = _params(e.params)
         n.status, n.start_ns = Status.RUNNING, e.ts
 
@@ -249,7 +295,11 @@ class Timeline:
         n.status = e.status
         n.text = e.text if e.text is not None else n.text
         n.value = e.value if e.value is not None else n.value
+        n.meta = _params(e.meta) or n.meta
         n.end_ns = e.ts
+        p = self.programs.get(n.program) if n.program is not None else None
+        if p is not None and n.name is not None and e.value is not None:
+            p.variables[n.name] = Bound(e.value, n.id)
 
     def _instruction(self, e: Event, index: int | None = None) -> InstructionView | None:
         """The instruction an instruction_finished (with its index) or a mark is about."""
@@ -304,6 +354,8 @@ class Timeline:
             ins = self._instruction(e)
             if ins is not None:
                 ins.marks.append(e)
+        if isinstance(e, Paused | Resumed) and not by_request:
+            self._set_held(e)
         if isinstance(e, Resumed):
             self._set_program_status(e.program, Status.RUNNING)
             return
@@ -314,6 +366,12 @@ class Timeline:
         else:
             why = f"held by the step controller at a {e.at}"
         self._set_program_status(e.program, Status.SUSPENDED, why)
+
+    def _set_held(self, e: Paused | Resumed) -> None:
+        p = self.programs.get(e.program) if e.program is not None else None
+        if p is not None:
+            held = isinstance(e, Paused) and not p.status.ended
+            p.held, p.held_node = (e.at, e.node) if held else (None, None)
 
     def _set_program_status(self, pid: int | None, status: Status, reason: str | None = None):
         p = self.programs.get(pid) if pid is not None else None
@@ -332,6 +390,24 @@ class Timeline:
             if p is not None and child not in p.children:
                 p.children.append(child)
 
+    def _join(self, e: Joined) -> None:
+        """SGLang's gather_variable (effects.py's _gather): a name the parent does not have
+        becomes the list of the values of the branches that bound it, in branch order (a
+        list's repr is its items' reprs); not when a branch failed or for
+        concate_and_append."""
+        p = self._program(e.program)
+        branches = [self.programs[c] for c in e.children if c in self.programs]
+        if p is None or e.mode == "concate_and_append" or any(
+                b.status is Status.ERROR for b in branches):
+            return
+        gathered: dict[str, list[str]] = {}
+        for b in branches:
+            for name, bound in b.variables.items():
+                if name not in p.variables:
+                    gathered.setdefault(name, []).append(bound.value)
+        for name, values in gathered.items():
+            p.variables[name] = Bound("[" + ", ".join(values) + "]")
+
     def _error(self, e: Failed) -> None:
         n = self.nodes.get(e.node) if e.node is not None else None
         if n is not None:
@@ -339,6 +415,7 @@ class Timeline:
         p = self.programs.get(e.program) if e.program is not None else None
         if p is not None and p.error is None:
             p.error = e.error
+            p.error_line = e.line
 
     def _cache(self, e: CacheHit | CacheInsert | CacheEvict) -> None:
         if isinstance(e, CacheHit):
@@ -373,6 +450,16 @@ class Timeline:
         redraw)."""
         return {fork: list(children) for fork, children in self._forks.items()}
 
+    def family(self, program: int) -> list[int]:
+        """The program and its fork branches (and theirs), as far as the events tell."""
+        out, todo = [], [program]
+        while todo:
+            pid = todo.pop()
+            if pid in self.programs and pid not in out:
+                out.append(pid)
+                todo.extend(self.programs[pid].children)
+        return out
+
     def program_text(self, program_id: int) -> str:
         """The program's own output as far as the events tell: each text Node's text (when
         the runtime reported it), a Gen's tokens, a Select's choice."""
@@ -393,7 +480,8 @@ class Timeline:
 
 
 def _params(raw) -> dict:
-    """node_started's params: JSON text (a trace keeps it so); {} when absent or mangled."""
+    """node_started's params, node_finished's meta: JSON text (a trace keeps it so); {}
+    when absent or mangled."""
     if isinstance(raw, dict):
         return raw
     try:
@@ -401,6 +489,31 @@ def _params(raw) -> dict:
     except ValueError:
         return {}
     return out if isinstance(out, dict) else {}
+
+
+class Family:
+    """Which events are about one program and its fork branches (a view follows those).
+    A branch's body queues its Nodes before its parent's Fork runs and names it: those
+    events wait here and come out with the fork event that makes the branch one of ours."""
+
+    def __init__(self, program: int):
+        self.programs = {program}
+        self._strays: dict[int, list[Event]] = {}  # program id -> its events so far
+
+    def take(self, e: Event) -> list[Event]:
+        """The events to fold now: `e` if it is ours (with the branches' waiting events
+        after a fork), none if not."""
+        if e.program not in self.programs:
+            if isinstance(e, NodeQueued) and e.program is not None:
+                self._strays.setdefault(e.program, []).append(e)
+            return []
+        if not isinstance(e, Forked):
+            return [e]
+        out = [e]
+        for child in e.children:
+            self.programs.add(child)
+            out.extend(self._strays.pop(child, []))
+        return out
 
 
 def fork_children(events: Iterable[Event]) -> dict[int, list[int]]:

@@ -11,16 +11,14 @@ import queue
 import threading
 from collections.abc import Callable
 
-from sgl_nb.language.replay import MISSING
-from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, Node
-from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
-from sgl_nb.runtime.events import CacheEvict, Event, Forked, ProgramStarted
-from sgl_nb.runtime.status import Status
-from sgl_nb.tracing.timeline import Timeline
+from sgl_nb.runtime.events import CacheEvict, Event
+from sgl_nb.tracing.timeline import Family, Timeline
 from sgl_nb.tui.program_file import ProgramFile
 from sgl_nb.tui.rows import NodeRow, Position, Where, number_rows, ordered_rows, started_rows
 from sgl_nb.tui.session import error_line_in
+
+_UNCHANGED = object()  # rerun(): no value given (the Node keeps its output)
 
 BATCH_S = 1 / 30  # events that arrive within this long reach the app as one message
 
@@ -38,7 +36,7 @@ class LiveSession:
         self.debug = self.state.debug
         self.breakpoints: set[Breakpoint] = self.debug.breakpoints
         self.timeline = Timeline()
-        self._ours = {self.state.id}
+        self._family = Family(self.state.id)
         self._file = str(program.path)
         self.title = f"{program.name} · {program.path.name}"
         self._last_tree: str | None = None
@@ -65,22 +63,13 @@ class LiveSession:
         """Fold the events of this program (and its fork branches) into the timeline."""
         n = 0
         for e in events:
-            if self._is_ours(e):
-                self.timeline.apply(e)
+            # An eviction is the one cache change no request (no program) owns.
+            ours = [e] if e.program is None and isinstance(e, CacheEvict) else \
+                self._family.take(e)
+            for mine in ours:
+                self.timeline.apply(mine)
                 n += 1
         return n
-
-    def _is_ours(self, e: Event) -> bool:
-        if e.program is None:
-            return isinstance(e, CacheEvict)  # the one cache change no request owns
-        if e.program in self._ours:
-            if isinstance(e, Forked):
-                self._ours.update(e.children)
-            return True
-        if isinstance(e, ProgramStarted) and e.parent in self._ours:
-            self._ours.add(e.program)
-            return True
-        return False
 
     def close(self, release: bool = False) -> None:
         """Stop listening; with release, let the program run to its end (nothing holds it)."""
@@ -96,32 +85,24 @@ class LiveSession:
 
     def position(self) -> Position:
         p = self.timeline.programs.get(self.state.id)
-        last = next(reversed(self.timeline.nodes), None)
+        last = next((n.id for n in reversed(self.timeline.nodes.values())
+                     if n.start_ns is not None), None)  # queued ones have not run
         if p is not None and p.status.ended:
             return Position(Where.of(p.status), last)
-        waiting, current = self.debug.waiting_at, self.debug.current
-        if waiting is not None and current is not None:
-            return Position(Where(waiting.value), current.id)
+        if p is not None and p.held is not None and p.held_node is not None:
+            return Position(Where(p.held.value), p.held_node)
         return Position(Where.RUNNING if self.timeline.events else Where.START, last)
 
     def rows(self) -> list[NodeRow]:
-        rows = started_rows(self.timeline)
-        seen = {r.id for r in rows}
-        # Nodes the program has recorded but not run yet: its Python runs ahead of them. A
-        # fork branch's are in the branch's state until the Join: of those, the one held.
-        held = self.debug.current
-        for n in [*list(self.state.nodes), *([held] if held is not None else [])]:
-            if n.status is Status.PENDING and n.id not in seen and n.kind not in PROGRAM_NODES:
-                rows.append(_pending(n))
-                seen.add(n.id)
-        return number_rows(ordered_rows(rows, self.timeline.fork_children()))
+        # Queued Nodes too: the program's Python runs ahead of what has started.
+        return number_rows(ordered_rows(started_rows(self.timeline),
+                                        self.timeline.fork_children()))
 
     def source_file(self) -> str | None:
         return self._file
 
     def error_line(self) -> int | None:
-        line = self.state.error_line  # a plain attribute; set with the error
-        return line if line is not None else error_line_in(self.timeline, self.state.id)
+        return error_line_in(self.timeline, self.state.id)
 
     def cache_tree(self) -> str | None:
         try:
@@ -172,13 +153,15 @@ class LiveSession:
 
     back_instruction = back_node
 
-    def rerun(self, row: NodeRow, value=MISSING, sampling: dict | None = None) -> LiveSession:
+    def rerun(self, row: NodeRow, value=_UNCHANGED, sampling: dict | None = None) -> LiveSession:
         """A live session over this program run again from `row`'s Node with an edit
         (ProgramState.rerun: what comes before is replayed). Raises on a bad edit."""
-        sampling = sampling or {}
+        edit = dict(sampling or {})
+        if value is not _UNCHANGED:
+            edit["value"] = value
         from_state = self.state.rerun  # checks the edit before anything runs
         return LiveSession(self.program, self.backend, start=lambda: from_state(
-            row.id, value, stream=True, debug=True, **sampling))
+            row.id, stream=True, debug=True, **edit))
 
     def toggle_breakpoint(self, row: NodeRow) -> str:
         bp = row.breakpoint()
@@ -187,9 +170,3 @@ class LiveSession:
             return f"breakpoint cleared: {row.label}"
         self.debug.breakpoint(name=bp.name, kind=bp.kind, line=bp.line)
         return f"breakpoint set: {row.label}"
-
-
-def _pending(n: Node) -> NodeRow:
-    return NodeRow(id=n.id, program=n.program, kind=n.kind, name=n.name, label=n.label(),
-                   line=n.line, file=n.file, status=Status.PENDING, preds=list(n.preds),
-                   instructions=[f"{i.op.value}[{k}] pending" for k, i in enumerate(lower(n))])

@@ -66,7 +66,8 @@ class NodeRow:
 
 
 def started_rows(tl: Timeline) -> list[NodeRow]:
-    """One row per Node the timeline saw start, in program order (`ordered_rows`)."""
+    """One row per Node the timeline knows (started, or queued: its Instructions pending),
+    in program order (`ordered_rows`)."""
     return ordered_rows([_row(n, tl) for n in tl.nodes.values()], tl.fork_children())
 
 
@@ -120,7 +121,8 @@ def _row(n: NodeView, tl: Timeline) -> NodeRow:
         id=n.id, program=n.program, kind=n.kind, name=n.name,
         label=n.label or f"{kind} {n.name or ''}".rstrip(), line=n.line, file=n.file,
         status=n.status, depth=program_depth(tl, n.program), preds=list(n.preds),
-        instructions=[describe_instruction(i) for i in n.instructions],
+        instructions=([describe_instruction(i) for i in n.instructions] if n.start_ns is not None
+                      else [f"{op.value}[{k}] pending" for k, op in enumerate(n.ops)]),
         tokens=len(n.tokens), error=n.error,
     )
 

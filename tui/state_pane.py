@@ -96,8 +96,8 @@ def _variables(tl: Timeline, root: int | None) -> list[str]:
         where = "" if pid == root else f" (branch {_branch(tl, pid)})"
         for nid in tl.programs[pid].nodes:
             n = tl.nodes[nid]
-            if not n.name or n.kind not in (NodeKind.GEN, NodeKind.SELECT):
-                continue
+            if not n.name or n.kind not in (NodeKind.GEN, NodeKind.SELECT) or n.start_ns is None:
+                continue  # not a variable, or not started (queued)
             value = _node_text(n)
             shown = "?" if value is None else repr(value)  # a choice the events did not carry
             done = "" if n.status is Status.DONE else " …"
@@ -121,6 +121,8 @@ def _messages(tl: Timeline, root: int | None) -> list[str]:
     p = tl.programs.get(root) if root is not None else None
     for nid in p.nodes if p else []:
         n = tl.nodes[nid]
+        if n.start_ns is None:
+            continue  # queued: it has added nothing yet
         if n.kind is NodeKind.ROLE_BEGIN:
             role, parts = (n.label or "RoleBegin ?").split()[-1], []
         elif n.kind is NodeKind.ROLE_END and role is not None:

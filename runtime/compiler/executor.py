@@ -26,9 +26,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sgl_nb.runtime.compiler.instructions import Cancelled, Instruction, Op
-from sgl_nb.runtime.compiler.ir import InitNode, JoinNode, Node
+from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, InitNode, JoinNode, Node
 from sgl_nb.runtime.compiler.step_controller import StepController
-from sgl_nb.runtime.events import Event, InstructionFinished, InstructionStarted
+from sgl_nb.runtime.events import (
+    Event,
+    InstructionFinished,
+    InstructionStarted,
+    NodeQueued,
+    stack_args,
+)
 from sgl_nb.runtime.status import Status
 
 log = logging.getLogger("sgl_nb.executor")
@@ -41,6 +47,9 @@ Done = Callable[[BaseException | None, dict | None], None]
 class ProgramHost(Protocol):
     id: int
     debug: StepController | None
+    # The program body's live frames ({"function", "args"}, outermost first): a queued
+    # Node's event names the arguments of the calls it was recorded in.
+    call_stack: list[dict]
 
     def emit(self, cls: type[Event], **fields) -> None:
         """Publish a `cls` event of this program (runtime/events.py)."""
@@ -91,7 +100,15 @@ class Executor:
         self._inbox.put(fn)
 
     def add(self, host: ProgramHost, nodes: list[Node]) -> None:
-        """Queue a program's Nodes (lowered: node.instructions set), in order."""
+        """Queue a program's Nodes (lowered: node.instructions set), in order. Their
+        node_queued events go out from the caller's thread, while its frames are live."""
+        frames = list(host.call_stack)
+        for n in nodes:
+            if n.kind not in PROGRAM_NODES:
+                host.emit(NodeQueued, node=n.id, node_kind=n.kind, name=n.name, line=n.line,
+                          file=n.file, label=n.label(), preds=tuple(n.preds),
+                          stack=tuple(n.stack), stack_args=stack_args(n.stack, frames),
+                          ops=tuple(i.op for i in n.instructions))
         self.post(lambda: self._track(host).queue.extend(nodes))
 
     def wake(self) -> None:

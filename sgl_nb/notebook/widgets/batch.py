@@ -26,6 +26,7 @@ from sgl_nb.notebook.widgets.compact import (
     line_html,
 )
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
+from sgl_nb.notebook.widgets.stream import StreamModel
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.runtime.events import Event, EventBus, Forked
 from sgl_nb.runtime.status import Status
@@ -133,18 +134,15 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
         return changed
 
     def status(self, i: int) -> Status:
-        """Item i's status: its program's end as the events say, else as its future says
-        (PENDING: queued)."""
-        fut = self.futures[i] if i < len(self.futures) else None
-        if fut is None:
+        """Item i's status as its events say (PENDING: queued, nothing heard of it yet)."""
+        pid = self._program_of(i)
+        p = self.timeline.programs.get(pid) if pid is not None else None
+        if p is None:
             return Status.PENDING
-        p = self.timeline.programs.get(fut.state.id)
-        if p is not None and p.status.ended:
-            return p.status
-        if fut.done():
-            return (Status.CANCELLED if fut.cancelled() else Status.ERROR if fut.state._error
-                    else Status.DONE)
-        return Status.RUNNING if p is not None else Status.PENDING
+        return p.status if p.status.ended else Status.RUNNING
+
+    def _program_of(self, i: int) -> int | None:
+        return self.futures[i].state.id if i < len(self.futures) else None
 
     def counts(self) -> dict:
         """How many items are done, running (started or queued), failed and cancelled."""
@@ -247,7 +245,7 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
 
     def _item_parts(self, i: int) -> list[str]:
         t = self.tallies[i]
-        pid = self.futures[i].state.id if i < len(self.futures) else None
+        pid = self._program_of(i)
         family = [p for p, item in self._root.items() if item == i]
         seconds = gen_seconds(self.timeline, family, time.monotonic_ns())
         tok_s = t.generated / seconds if seconds > 0 else 0.0
@@ -257,15 +255,16 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
         return program_parts(word, name, t.generated, tok_s, t.cached, t.prompt)
 
     def _render_item(self, i: int) -> None:
-        p = (self.timeline.programs.get(self.futures[i].state.id)
-             if i < len(self.futures) else None)
+        pid = self._program_of(i)
+        p = self.timeline.programs.get(pid) if pid is not None else None
         self.item_line.value = line_html(self._item_parts(i), (p.error or "") if p else "")
         text = self.item_text_now(i)
         self.item_text.value = f'<pre style="white-space:pre-wrap">{html.escape(text)}</pre>'
 
     def item_text_now(self, i: int) -> str:
-        """Item i's text so far (never waits: this runs on the kernel's thread)."""
-        if i >= len(self.futures):
+        """Item i's text so far, as its events tell it (never waits: this runs on the
+        kernel's thread)."""
+        pid = self._program_of(i)
+        if pid is None or pid not in self.timeline.programs:
             return ""
-        fut = self.futures[i]
-        return fut.state.text() if fut.done() else fut.state._text
+        return StreamModel(self.timeline, pid).text()

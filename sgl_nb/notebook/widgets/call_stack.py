@@ -2,11 +2,9 @@
 first, as pudb and the JupyterLab debugger show them, with the current frame marked: the
 innermost frame of the Node the program is at (held by the stepper, or running).
 
-A Node records the function names of the stack it was added under (`node.stack`); the
-program's body keeps its live frames with their arguments (`state.call_stack`). The body
-runs ahead of the executor (it records Nodes until it reads a generated value), so the
-frames shown are the current Node's, with the arguments of the live frame of the same
-depth and function where there is one.
+A Node's events name the function names of the stack it was added under (`stack`) and
+each frame's arguments (`stack_args`, taken from the body's live frames as the Node was
+queued), so the panel reads the Timeline alone: a replay shows the same frames.
 """
 
 from __future__ import annotations
@@ -33,17 +31,14 @@ class Frame:
     current: bool = False
 
 
-def frames_of(node_stack, live_frames: list[dict], line: int | None = None,
+def frames_of(node_stack, stack_args, line: int | None = None,
               source: str = "") -> list[Frame]:
-    """The frames of a Node's stack, outermost first; the innermost is the current one."""
-    live = list(live_frames)
+    """The frames of a Node's stack, outermost first; the innermost is the current one.
+    stack_args: each frame's arguments as text, as its events carry them ("": unknown)."""
     out = []
-    names = list(node_stack)
+    names, given = list(node_stack), list(stack_args)
     for depth, name in enumerate(names):
-        frame = live[depth] if depth < len(live) else None
-        args = ""
-        if frame is not None and frame.get("function") == name:
-            args = ", ".join(f"{k}={v!r}" for k, v in (frame.get("args") or {}).items())
+        args = given[depth] if depth < len(given) else ""
         innermost = depth == len(names) - 1
         out.append(Frame(name, args, line if innermost else None,
                          source if innermost else "", innermost))

@@ -1,5 +1,7 @@
 """The widget a `%%sgl` cell shows: its stream view, its stepper and the cache tree, all fed
-from one subscription to the runtime's events, folded into one Timeline.
+from one subscription to the runtime's events, folded into one Timeline. What it shows comes
+from that Timeline alone (a replay's events render the same); the program's state is used
+for its controls only (Stop, the step buttons, Re-run).
 
 Create it (it subscribes) before the program starts, `attach(state)` once the program runs;
 its pump thread then renders at most ~30 times a second and stops after the program ends,
@@ -32,13 +34,12 @@ from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
 from sgl_nb.notebook.widgets.rerun_panel import RerunPanel, why_reply
 from sgl_nb.notebook.widgets.static_view import static_html, stop_after_cell
 from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
-from sgl_nb.notebook.widgets.stream import StreamModel, StreamView, _family
+from sgl_nb.notebook.widgets.stream import StreamModel, StreamView
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
-from sgl_nb.notebook.widgets.variables import VariablesPanel
-from sgl_nb.runtime.compiler.ir import TEXT_NODES, InitNode, RoleBeginNode, SelectNode
+from sgl_nb.notebook.widgets.variables import VariablesPanel, variables_of
 from sgl_nb.runtime.events import CACHE_EVENTS, Event, Forked
-from sgl_nb.tracing.timeline import NodeView, Timeline
+from sgl_nb.tracing.timeline import Family, Timeline
 
 # While tokens stream, the views beside the stream (stepper, cache tree, variables, call
 # stack) refresh at most this often, and at once when a Node's status changes, the program
@@ -68,10 +69,9 @@ class ProgramWidget(PumpedView, W.VBox):
         self.pump: EventPump | None = None
         self.rate = rate
         self._lock = threading.RLock()
-        self._last_hold = None
+        self._poked = False  # a button was pressed: render at the pump's next poll
         self._cached_chars: dict[tuple[int, int], int] = {}
-        self._live: dict = {}  # node id -> the live Node, refreshed on each render
-        self._family: set[int] = set()  # this program and its fork branches
+        self._family = Family(-1)  # this program and its fork branches (set by attach)
         self.on_final: list = []  # called with the widget after its final render (pump thread)
         self.rerun_panel: RerunPanel | None = None  # built on the user's first selection
         self._render_thread: int | None = None  # the thread inside render(), if any
@@ -110,11 +110,11 @@ class ProgramWidget(PumpedView, W.VBox):
         """Follow this program (its events may already be queued: nothing is lost)."""
         self.state = state
         self.program_id = state.id
-        self._family = {state.id}  # grows with the fork events
+        self._family = Family(state.id)  # grows with the fork events
         self.stepper.bind(state.debug,
                           node_only=not state.backend.instruction_stepping)
         self.pump = EventPump(self._queue, self._fold, self.render, self._finished,
-                              changed=self._hold_changed, rate=self.rate,
+                              changed=self._was_poked, rate=self.rate,
                               on_stop=self._unsubscribe).start()
         return self
 
@@ -132,27 +132,25 @@ class ProgramWidget(PumpedView, W.VBox):
         cache tree changed. Returns whether anything shown may have changed."""
         changed = False
         with self._lock:
-            for e in sorted(events, key=lambda e: e.seq):
-                if e.program not in self._family:
-                    changed |= isinstance(e, CACHE_EVENTS)
-                    continue
-                self.timeline.apply(e)
-                self.timings.apply(e)
-                changed = True
-                if isinstance(e, Forked) and e.children:
-                    self.forks[e.node] = list(e.children)
-                    self._family.update(e.children)
+            for event in sorted(events, key=lambda e: e.seq):
+                ours = self._family.take(event)
+                if not ours:
+                    changed |= isinstance(event, CACHE_EVENTS)
+                for e in ours:
+                    self.timeline.apply(e)
+                    self.timings.apply(e)
+                    changed = True
+                    if isinstance(e, Forked) and e.children:
+                        self.forks[e.node] = list(e.children)
         return changed
 
     def _finished(self) -> bool:
         p = self.timeline.programs.get(self.program_id)
         return p is not None and p.status.ended
 
-    def _hold_changed(self) -> bool:
-        c = self.state.debug if self.state is not None else None
-        now = (c.waiting_at, getattr(c.current, "id", None), c.paused) if c else None
-        changed, self._last_hold = now != self._last_hold, now
-        return changed
+    def _was_poked(self) -> bool:
+        poked, self._poked = self._poked, False
+        return poked
 
     def stop(self) -> bool:
         """The Stop button: cancel the program; False if it had already ended."""
@@ -160,7 +158,7 @@ class ProgramWidget(PumpedView, W.VBox):
         return self.state is not None and self.state.cancel()
 
     def _poke(self) -> None:
-        self._last_hold = None  # a button was pressed: the pump renders on its next poll
+        self._poked = True  # the controls changed (paused, breakpoints): show it soon
 
     # ---- rendering -------------------------------------------------------------------------
 
@@ -177,20 +175,18 @@ class ProgramWidget(PumpedView, W.VBox):
             if self.program_id is None or self.program_id not in self.timeline.programs:
                 return
             tl, pid = self.timeline, self.program_id
-            self._live = {n.id: n for n in list(self.state.nodes)}
-            model = StreamModel(tl, pid, self._node_text, self._prefix_chars, self.forks)
+            model = StreamModel(tl, pid, self._prefix_chars, self.forks)
             finished = self._finished()
-            rows = graph_rows(tl, _family(tl, pid), list(self.state.nodes), self.timings)
+            rows = graph_rows(tl, tl.family(pid), self.timings)
+            variables = variables_of(tl, pid)
             text = model.text()
             widgets = [self, *self.stream.widgets(), *self.stepper.widgets(),
                        *self.cache.widgets(), self.variables, self.call_stack]
             with held(widgets):
                 p = tl.programs[pid]
-                debug = self.state.debug
-                is_held = debug is not None and debug.waiting_at is not None and not finished
-                self.status = (f"held at a {debug.waiting_at.value}" if is_held
-                               else p.status.value)
-                self.error = self._error_text(p.error) if p.error else ""
+                hold = p.held if not finished else None
+                self.status = f"held at a {hold.value}" if hold else p.status.value
+                self.error = self._error_text(p) if p.error else ""
                 self.stream.update(model, self.status if not self.error else "error")
                 if self.error:
                     self.stream.header.value += (
@@ -200,11 +196,11 @@ class ProgramWidget(PumpedView, W.VBox):
                     # as its snapshot alone (one message, not a patch and the snapshot).
                     for view in (self.variables, self.call_stack, self.cache.tree):
                         view.freeze()
-                if self._side_views_due(rows, finished):
-                    self.stepper.update(rows, finished)
+                if self._side_views_due(rows, len(variables), finished):
+                    self.stepper.update(rows, finished, hold, p.held_node)
                     self.cache.update(self.backend.cache, self._tokenizer(),
                                       self._path_tokens(model, text))
-                    self.variables.update(self.state)
+                    self.variables.update(variables)
                     self._update_call_stack(finished)
         if finished and not self._final_updated:
             self._final_updated = True
@@ -215,11 +211,9 @@ class ProgramWidget(PumpedView, W.VBox):
             for fn in list(self.on_final):
                 fn(self)
 
-    def _side_views_due(self, rows: list, finished: bool) -> bool:
-        debug = self.state.debug
-        held_now = debug is not None and debug.waiting_at is not None  # a step: show it
-        key = (finished, self.status, tuple((r.id, r.status) for r in rows),
-               len(self.state._vars))
+    def _side_views_due(self, rows: list, n_variables: int, finished: bool) -> bool:
+        held_now = self.status.startswith("held")  # a step: show it
+        key = (finished, self.status, tuple((r.id, r.status) for r in rows), n_variables)
         now = time.monotonic()
         if (not held_now and key == self._side_key
                 and now - self._side_at < SIDE_VIEWS_INTERVAL_S):
@@ -230,14 +224,9 @@ class ProgramWidget(PumpedView, W.VBox):
     def _update_call_stack(self, finished: bool) -> None:
         """The frames of the Node the program is at (the stepper's current Node)."""
         nid = None if finished else self.stepper.current_node
-        node = self._live.get(nid) if nid is not None else None
-        if node is None:
-            view = self.timeline.nodes.get(nid) if nid is not None else None
-            stack, line, file = ((view.stack, view.line, view.file) if view is not None
-                                 else ((), None, None))
-        else:
-            stack, line, file = node.stack, node.line, node.file
-        frames = frames_of(stack, list(self.state.call_stack), line, source_line(file, line))
+        view = self.timeline.nodes.get(nid) if nid is not None else None
+        frames = [] if view is None else frames_of(view.stack, view.stack_args, view.line,
+                                                   source_line(view.file, view.line))
         self.call_stack.update(frames, nid, "program finished" if finished else "")
 
     # ---- token clicks, display, the static copy -----------------------------------------
@@ -272,7 +261,14 @@ class ProgramWidget(PumpedView, W.VBox):
     def _why(self, node_id, index) -> dict:
         """The stream view's question about one of its tokens (rerun_panel.why_reply)."""
         with self._lock:
-            return why_reply(self.timeline, self.state, node_id, index)
+            return why_reply(self.timeline, node_id, index)
+
+    def rerun_view(self, title: str) -> ProgramWidget:
+        """A widget for a re-run of this program (the rerun panel shows it under itself),
+        subscribed before the re-run starts."""
+        widget = ProgramWidget(self.backend, title=title)
+        widget.title.value = f"<b>{html.escape(title)}</b>"
+        return widget
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
@@ -330,13 +326,15 @@ class ProgramWidget(PumpedView, W.VBox):
             if changed:
                 w.send_state(key=changed)
         self._show_final()
-    def _error_text(self, error: str) -> str:
-        line = getattr(self.state, "error_line", None)
-        fn = getattr(self.state, "fn", None)
-        file = getattr(getattr(fn, "func", None), "__code__", None)
-        src = linecache.getline(file.co_filename, line).strip() if file and line else ""
+
+    def _error_text(self, p) -> str:
+        """The program's error and the line it names, as written."""
+        line = p.error_line
+        file = next((self.timeline.nodes[n].file for n in p.nodes
+                     if self.timeline.nodes[n].file), None)
+        src = linecache.getline(file, line).strip() if file and line else ""
         where = f" at cell line {line}: {src}" if line else ""
-        return f"{error}{where}"
+        return f"{p.error}{where}"
 
     def _tokenizer(self):
         return self.backend.tokenizer
@@ -362,27 +360,6 @@ class ProgramWidget(PumpedView, W.VBox):
             self._cached_chars[key] = (len(tok.decode(ids[:n_tokens])) if n_tokens < len(ids)
                                        else len(prompt))
         return self._cached_chars[key]
-
-    def _node_text(self, view: NodeView) -> str | None:
-        """A text Node's text from the live program when its events did not carry it."""
-        state = self.state
-        node = self._live.get(view.id)
-        if node is None:
-            return None
-        if isinstance(node, SelectNode):
-            value = state._vars.get(node.name) if node.name else None
-            return value if isinstance(value, str) else None
-        if not isinstance(node, TEXT_NODES):
-            return None
-        text = node.text
-        first = next((n for n in state.nodes if not isinstance(n, InitNode)), None)
-        if (node is first and isinstance(node, RoleBeginNode) and text is not None
-                and node.role != "system"):
-            # A chat that opens without a system turn gets the template's default system
-            # prompt before this role's prefix (ProgramState._role_marker); the node's own
-            # text holds the prefix only. Unneeded once node_finished carries the text.
-            text = self.backend.chat_roles.default_system + text
-        return text
 
 
 def _tree(widget) -> list:

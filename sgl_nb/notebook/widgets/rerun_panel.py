@@ -28,7 +28,7 @@ from sgl_nb.language.run_record import record_of_state
 from sgl_nb.notebook.cell_program import SAMPLING_HINT, parse_edit
 from sgl_nb.notebook.widgets.stepper import source_line
 from sgl_nb.runtime.compiler.instructions import Op
-from sgl_nb.runtime.compiler.ir import NodeKind, TextNode
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.events import CacheHit
 from sgl_nb.runtime.token_choice import TokenChoice
 from sgl_nb.tracing.timeline import NodeView, Timeline
@@ -39,36 +39,16 @@ EDIT_ERRORS = (TypeError, ValueError, KeyError, ImportError)
 
 # ---- why this token -----------------------------------------------------------------------
 
-def why_reply(tl: Timeline, state, node_id, index) -> dict:
-    """The answer to a click on token `index` of Node `node_id`: a dict for the front end
-    (its "error" says why there is none)."""
+def why_reply(tl: Timeline, node_id, index) -> dict:
+    """The answer to a click on token `index` of Node `node_id`, from its token event (what
+    the engine chose among, as state.token_info says it): a dict for the front end (its
+    "error" says why there is none)."""
     base = {"type": "why", "node": node_id, "index": index}
     view = tl.nodes.get(node_id) if isinstance(node_id, int) else None
     if view is None or not isinstance(index, int) or not 0 <= index < len(view.tokens):
         return {**base, "error": f"no generated token {index} of Node {node_id} here"}
-    choice = _engine_choice(state, node_id, index, len(view.tokens))
-    choice = choice or view.tokens[index].choice()
+    choice = view.tokens[index].choice()
     return {**base, **_choice_fields(choice), **_where(tl, view)}
-
-
-def _engine_choice(state, node_id: int, index: int, n: int) -> TokenChoice | None:
-    """The engine's own record of the token once its Gen has finished (the same as
-    state.token_info's), when it has as many tokens as the view; else None."""
-    for st in _states(state):
-        tokens = st._tokens.get(node_id)
-        if tokens is not None:
-            return tokens[index] if len(tokens) == n else None
-    return None
-
-
-def _states(state) -> list:
-    """The program's state and its fork branches' states (each keeps its own tokens)."""
-    out, todo = [], [state] if state is not None else []
-    while todo:
-        st = todo.pop()
-        out.append(st)
-        todo.extend(c for children in st._forked.values() for c in children)
-    return out
 
 
 def _choice_fields(c: TokenChoice) -> dict:
@@ -99,23 +79,13 @@ def _where(tl: Timeline, view: NodeView) -> dict:
 
 # ---- re-run from here ---------------------------------------------------------------------
 
-def _nodes_of(state) -> dict:
-    """Node id -> the live Node, fork branches included."""
-    return {n.id: n for st in _states(state) for n in list(st.nodes)}
-
-
-def _output(node) -> str:
-    if isinstance(node, TextNode):
-        return node.text
-    return "" if node.output is None else str(node.output)
-
 
 class RerunPanel(W.VBox):
     """The edit of one Node and its re-runs, each a ProgramWidget with its diff under it."""
 
     def __init__(self, owner, **kwargs):
         self.owner = owner  # the ProgramWidget of the run re-run from
-        self.node = None  # the live Node the boxes edit
+        self.node: NodeView | None = None  # the Node the boxes edit, as its events say
         self.runs_started: list = []  # the re-runs' states, in order
         self.heading = W.HTML("")
         self.value = W.Textarea(description="Value", layout=W.Layout(width="98%"),
@@ -134,7 +104,7 @@ class RerunPanel(W.VBox):
 
     def show_node(self, node_id: int) -> bool:
         """Edit this Node (False if the program has no such Node)."""
-        node = _nodes_of(self.owner.state).get(node_id)
+        node = self.owner.timeline.nodes.get(node_id)
         if node is None:
             return False
         if self.node is not None and self.node.id == node_id:
@@ -142,9 +112,9 @@ class RerunPanel(W.VBox):
         self.node = node
         editable = node.kind in EDITABLE
         line = f" · line {node.line}" if node.line is not None else ""
-        self.heading.value = (f"<b>Re-run from #{node.id} {html.escape(node.label())}</b>"
+        self.heading.value = (f"<b>Re-run from #{node.id} {html.escape(_label(node))}</b>"
                               f"{line}")
-        self.value.value = _output(node) if editable else ""
+        self.value.value = (node.text or "") if editable else ""
         self.sampling.value = ""
         self.value.layout.display = None if editable else "none"
         self.sampling.layout.display = None if node.kind is NodeKind.GEN else "none"
@@ -161,12 +131,9 @@ class RerunPanel(W.VBox):
         except EDIT_ERRORS as e:
             self._error(e)
             return None
-        from sgl_nb.notebook.widgets.program import ProgramWidget
-
         owner, node = self.owner, self.node
-        title = f"re-run of {owner.title_text} from #{node.id} {node.label()}"
-        widget = ProgramWidget(owner.backend, title=title)  # subscribed before it starts
-        widget.title.value = f"<b>{html.escape(title)}</b>"
+        title = f"re-run of {owner.title_text} from #{node.id} {_label(node)}"
+        widget = owner.rerun_view(title)  # subscribed before it starts
         try:
             new = owner.state.rerun(at=node.id, value=value, stream=True, debug=True,
                                     **sampling)
@@ -187,7 +154,7 @@ class RerunPanel(W.VBox):
         node, state = self.node, self.owner.state
         if node is None or node.kind not in EDITABLE:
             raise ValueError("select a Gen, a Select or a Text Node in the stepper first")
-        if not (state._finished or state._held()):
+        if not (state.finished or state.held):
             # rerun waits for the program to end: on the shell thread that would hang the
             # kernel's widget messages, this click included.
             raise ValueError("the program is still running: re-run it once it has ended, "
@@ -209,6 +176,10 @@ class RerunPanel(W.VBox):
             out.value = diff(new)._repr_html_()
         except Exception as e:  # noqa: BLE001 - shown, not raised on the pump thread
             out.value = f'<span style="color:#b91c1c">no diff: {html.escape(str(e))}</span>'
+
+
+def _label(node: NodeView) -> str:
+    return node.label or (node.kind.value if node.kind is not None else "?")
 
 
 def _top(state):

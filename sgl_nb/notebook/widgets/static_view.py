@@ -21,8 +21,7 @@ def stream_html(widget) -> str:
     pid = widget.program_id
     if pid is None or pid not in widget.timeline.programs:
         return "<i>the program has not started</i>"
-    return StreamModel(widget.timeline, pid, widget._node_text, widget._prefix_chars,
-                       widget.forks).html()
+    return StreamModel(widget.timeline, pid, widget._prefix_chars, widget.forks).html()
 
 
 def static_html(widget) -> str:

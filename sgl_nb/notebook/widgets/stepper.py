@@ -19,11 +19,10 @@ from traitlets import Int, List, Unicode
 
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
 from sgl_nb.notebook.widgets.timing import Timings
-from sgl_nb.runtime.compiler.ir import PROGRAM_NODES, NodeKind
-from sgl_nb.runtime.compiler.lowering import lower
+from sgl_nb.runtime.compiler.ir import NodeKind
 from sgl_nb.runtime.compiler.step_controller import Breakpoint, Hold, StepController
 from sgl_nb.runtime.status import Status
-from sgl_nb.tracing.timeline import Timeline
+from sgl_nb.tracing.timeline import NodeView, Timeline
 
 _CSS = """
 .sgl-graph{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
@@ -42,7 +41,7 @@ NODE_ONLY = "stepping by Node only: Instructions run on the server"
 
 @dataclass
 class Row:
-    """One Node of the graph, whether it ran (Timeline) or is still queued (live Node)."""
+    """One Node of the graph, whether it ran or is still queued (both from the Timeline)."""
 
     id: int
     kind: NodeKind | None
@@ -57,27 +56,28 @@ class Row:
     file: str | None = None  # where the program said it (a cell's linecache name)
 
 
-def graph_rows(tl: Timeline, programs: list[int], live_nodes: list,
-               timings: Timings | None = None) -> list[Row]:
+def graph_rows(tl: Timeline, programs: list[int], timings: Timings | None = None) -> list[Row]:
     """The Nodes of these programs (fork branches included) in the order they started,
-    then the ones still queued."""
-    rows, seen = [], set()
-    started = [tl.nodes[nid] for pid in programs if pid in tl.programs
-               for nid in tl.programs[pid].nodes]
-    for n in sorted(started, key=lambda n: (n.start_ns or 0, n.id)):
+    then the ones still queued (or skipped), in the order they were queued."""
+    nodes = [tl.nodes[nid] for pid in programs if pid in tl.programs
+             for nid in tl.programs[pid].nodes]
+    started = sorted((n for n in nodes if n.start_ns is not None),
+                     key=lambda n: (n.start_ns, n.id))
+    rows = []
+    for n in started:
         ins = [f"{i.kind.value} [{i.status.value}]" for i in n.instructions]
         timing = timings.node(n.id).summary() if timings is not None else ""
-        label = n.label or (n.kind.value if n.kind is not None else "?")
-        rows.append(Row(n.id, n.kind, n.name, label, n.line, n.status,
+        rows.append(Row(n.id, n.kind, n.name, _label(n), n.line, n.status,
                         list(n.preds), ins, len(n.tokens), timing, n.file))
-        seen.add(n.id)
-    for node in live_nodes:
-        if node.id not in seen and node.kind not in PROGRAM_NODES:
-            rows.append(Row(node.id, node.kind, node.name, node.label(), node.line,
-                            node.status, list(node.preds),
-                            [f"{i.op.value} [pending]" for i in lower(node)],
-                            file=node.file))
+    for n in nodes:
+        if n.start_ns is None:
+            rows.append(Row(n.id, n.kind, n.name, _label(n), n.line, n.status, list(n.preds),
+                            [f"{op.value} [pending]" for op in n.ops], file=n.file))
     return rows
+
+
+def _label(n: NodeView) -> str:
+    return n.label or (n.kind.value if n.kind is not None else "?")
 
 
 def source_line(file: str | None, line: int | None) -> str:
@@ -227,11 +227,12 @@ class StepperView(W.VBox):
 
     # ---- rendering -------------------------------------------------------------------------
 
-    def update(self, rows: list[Row], finished: bool) -> None:
-        """Set every trait from the rows and the controller; call inside hold_sync."""
+    def update(self, rows: list[Row], finished: bool, held: Hold | None = None,
+               held_node: int | None = None) -> None:
+        """Set every trait from the rows, where the program is held (its events say) and
+        the controller's own settings (paused, breakpoints); call inside hold_sync."""
         c = self.controller
-        held = c.waiting_at if c is not None else None
-        current = c.current.id if c is not None and c.current is not None and held else None
+        current = held_node if held else None
         if current is None:
             running = [r for r in rows if r.status is Status.RUNNING]
             current = running[-1].id if running else None

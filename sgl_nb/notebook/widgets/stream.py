@@ -1,8 +1,9 @@
 """The stream view: a program's text as it is generated, from the Timeline.
 
 Each piece is coloured by where its tokens came from: prompt (computed by a prefill),
-cached (read from the radix cache instead), generated (sampled), or grammar-forced (the
-grammar allowed one token only). A generated token shows its probability on hover (the
+cached (read from the radix cache instead), generated (sampled), grammar-forced (the
+grammar allowed one token only), or drafted (a prompt-lookup draft the model agreed with,
+runtime/prompt_lookup.py). A generated token shows its probability on hover (the
 title). Roles and variables are marked; each fork branch has its own lane under its Fork.
 
 `StreamModel` turns the Timeline into lanes of items (one lane a program, fork branches
@@ -50,8 +51,9 @@ from sgl_nb.runtime.events import CacheHit
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import NodeView, Timeline
 
-ORIGINS = ("prompt", "cached", "generated", "forced")
-CODES = {"prompt": "p", "cached": "c", "generated": "g", "forced": "f", "template": "t"}
+ORIGINS = ("prompt", "cached", "generated", "forced", "drafted")
+CODES = {"prompt": "p", "cached": "c", "generated": "g", "forced": "f", "drafted": "d",
+         "template": "t"}
 ORIGIN_OF = {v: k for k, v in CODES.items()}
 # The status words (the `status` trait) of a run that has ended.
 ENDED = frozenset(s.value for s in Status if s.ended)
@@ -68,7 +70,7 @@ _CSS = """
 .sgl-stream{white-space:pre-wrap;font-family:monospace;font-size:12px;line-height:1.5;
  max-height:360px;overflow:auto;border:1px solid #ddd;padding:6px}
 .sgl-prompt{color:#333}.sgl-cached{background:#dbeafe}.sgl-generated{background:#dcfce7}
-.sgl-forced{background:#fef3c7}.sgl-role{background:#ede9fe;color:#5b21b6;border-radius:3px;
+.sgl-forced{background:#fef3c7}.sgl-drafted{background:#cffafe}.sgl-role{background:#ede9fe;color:#5b21b6;border-radius:3px;
  padding:0 3px;font-size:10px;margin-right:2px}.sgl-template{color:#888}
 .sgl-var{border-bottom:2px solid #16a34a}.sgl-varname{font-size:9px;color:#15803d;
  vertical-align:super;margin-left:1px}.sgl-branch{display:block;border-left:3px solid #a78bfa;
@@ -85,7 +87,8 @@ _STYLE = f"<style>{_CSS}</style>"
 # The static copy's origin colours, inline as well: JupyterLab's sanitizer drops a <style>
 # block in an output it does not trust (a saved notebook opened without its kernel).
 _INLINE = {"cached": "background:#dbeafe", "generated": "background:#dcfce7",
-           "forced": "background:#fef3c7", "template": "color:#888"}
+           "forced": "background:#fef3c7", "drafted": "background:#cffafe",
+           "template": "color:#888"}
 _LEGEND = ('<div class="sgl-legend">' + "".join(
     f'<span class="sgl-{o}"{_inline_attr(o)}>{o}</span>' for o in ORIGINS) + "</div>")
 
@@ -97,7 +100,7 @@ class Piece:
 
     start: int
     text: str
-    origin: str  # prompt | cached | generated | forced | template (role markers)
+    origin: str  # prompt | cached | generated | forced | drafted | template (role markers)
     title: str = ""
     token: int | None = None
     p: float | None = None
@@ -105,17 +108,17 @@ class Piece:
 
 
 class StreamModel:
-    """What the view shows of one program: built from the Timeline on each render.
-    `node_text(view)` supplies a text Node's text when the events did not carry it;
-    `cached_chars(prompt, n)` says how many characters the first n tokens of prompt span."""
+    """What the view shows of one program: built from the Timeline alone on each render.
+    `cached_chars(prompt, n)` says how many characters the first n tokens of prompt span
+    (None: no tokenizer at hand, nothing is shown as cached)."""
 
-    def __init__(self, tl: Timeline, program: int, node_text: Callable[[NodeView], str | None],
-                 cached_chars: Callable[[str, int], int],
+    def __init__(self, tl: Timeline, program: int,
+                 cached_chars: Callable[[str, int], int] | None = None,
                  forks: dict[int, list[int]] | None = None):
         self.tl, self.program = tl, program
         self.forks = forks  # fork Node id -> its branches' program ids, kept by the caller
         self._built: tuple[dict[int, list], str] | None = None
-        self.node_text, self.cached_chars = node_text, cached_chars
+        self.cached_chars = cached_chars
 
     def lanes(self) -> dict[int, list]:
         """Program id -> its items (the wire form above), the program first, then its
@@ -129,9 +132,8 @@ class StreamModel:
         """Node id -> [kind, name, status] of every Node the lanes show (the wire form)."""
         out = {}
         for pid in self.lanes():
-            for nid in self.tl.programs[pid].nodes if pid in self.tl.programs else []:
-                n = self.tl.nodes[nid]
-                out[nid] = [n.kind.value if n.kind else None, n.name, n.status.value]
+            for n in _shown(self.tl, pid):
+                out[n.id] = [n.kind.value if n.kind else None, n.name, n.status.value]
         return out
 
     def html(self) -> str:
@@ -156,8 +158,7 @@ class StreamModel:
             return ""
         text, requests = prefix, []
         pending: list[tuple[NodeView, list[Piece]]] = []
-        for nid in p.nodes:
-            n = self.tl.nodes[nid]
+        for n in _shown(self.tl, pid):
             if n.kind in (NodeKind.GEN, NodeKind.SELECT):
                 requests.append((len(text), self._cached_tokens(n)))
             pieces = self._pieces(n, len(text))
@@ -198,7 +199,7 @@ class StreamModel:
     def _pieces(self, n: NodeView, start: int) -> list[Piece]:
         if n.tokens and n.kind is not NodeKind.SELECT:
             return self._token_pieces(n, start)
-        text = n.text if n.text is not None else self.node_text(n)
+        text = n.text
         if not text:
             return []
         if n.kind is NodeKind.SELECT:
@@ -215,8 +216,9 @@ class StreamModel:
         for t in n.tokens:
             p = math.exp(t.logprob) if t.logprob is not None else None
             p = round(p, 3) if p is not None else None
-            pieces.append(Piece(pos, t.text, "forced" if t.forced else "generated",
-                                token_title(p, t.token, t.forced), t.token, p, True))
+            origin = "forced" if t.forced else "drafted" if t.drafted else "generated"
+            pieces.append(Piece(pos, t.text, origin, token_title(p, t.token, t.forced,
+                                                                 t.drafted), t.token, p, True))
             pos += len(t.text)
         if n.text is None:
             return pieces
@@ -237,8 +239,7 @@ class StreamModel:
         engine's own token sequence (for the cache tree's path), or ("", [])."""
         p = self.tl.programs.get(self.program)
         text, last = "", ("", [])
-        for nid in p.nodes if p else []:
-            n = self.tl.nodes[nid]
+        for n in _shown(self.tl, self.program) if p else []:
             if n.kind is NodeKind.GEN:
                 last = (text, [t.token for t in n.tokens if t.token is not None])
             text += "".join(pc.text for pc in self._pieces(n, len(text)))
@@ -254,7 +255,7 @@ class StreamModel:
                 continue
             end = pc.start + len(pc.text)
             req = next(((at, c) for at, c in requests if at >= end), None)
-            if req is None or req[1] == 0:
+            if req is None or req[1] == 0 or self.cached_chars is None:
                 out.append(pc)
                 continue
             limit = self.cached_chars(text[:req[0]], req[1])
@@ -270,8 +271,7 @@ class StreamModel:
         if n.kind is NodeKind.ROLE_BEGIN:
             role = (n.label or "").split(" ")[-1] or "role"
             return [{"k": "role", "t": role, "n": n.id}, *items]
-        if n.kind in (NodeKind.GEN, NodeKind.SELECT) and n.name \
-                and n.status is not Status.RUNNING:
+        if n.kind in (NodeKind.GEN, NodeKind.SELECT) and n.name and n.status.ended:
             items.append({"k": "var", "t": n.name, "n": n.id})  # its name, once it ended
         elif n.kind is NodeKind.JOIN:
             return [{"k": "mark", "t": f"[{n.label or n.kind.value}]", "n": n.id}]
@@ -280,9 +280,12 @@ class StreamModel:
         return items
 
 
-def token_title(p: float | None, token: int | None, forced: bool) -> str:
+def token_title(p: float | None, token: int | None, forced: bool,
+                drafted: bool = False) -> str:
     title = (f"p={p:.3f}" if p is not None else "p=?") + f" token {token}"
-    return title + " (forced by the grammar)" if forced else title
+    if forced:
+        return title + " (forced by the grammar)"
+    return title + " (drafted by prompt lookup)" if drafted else title
 
 
 def _wire(pc: Piece, node: int) -> list:
@@ -355,7 +358,7 @@ def _span(item: list) -> str:
 
 def stream_stats(tl: Timeline, program: int, now_ns: int | None = None) -> dict:
     """Token counts of a program and its branches, and generated tokens per second."""
-    pids = _family(tl, program)
+    pids = tl.family(program)
     nodes = [tl.nodes[i] for pid in pids for i in tl.programs[pid].nodes]
     node_ids = {n.id for n in nodes}
     hits = [e for e in tl.cache_events if isinstance(e, CacheHit) and e.node in node_ids]
@@ -374,14 +377,12 @@ def stream_stats(tl: Timeline, program: int, now_ns: int | None = None) -> dict:
     }
 
 
-def _family(tl: Timeline, program: int) -> list[int]:
-    out, todo = [], [program]
-    while todo:
-        pid = todo.pop()
-        if pid in tl.programs and pid not in out:
-            out.append(pid)
-            todo.extend(tl.programs[pid].children)
-    return out
+def _shown(tl: Timeline, program: int) -> list[NodeView]:
+    """The program's Nodes that have started (a queued one has nothing to show yet)."""
+    nodes = (tl.nodes[nid] for nid in tl.programs[program].nodes)
+    return [n for n in nodes if n.status not in (Status.PENDING, Status.SKIPPED)]
+
+
 
 
 # The counts' keys in the messages ("s"), short: they go out on every render.

@@ -2,10 +2,10 @@
 the gen or select that bound it (finish reason, prompt / output / cached tokens, the
 select's scores), as the JupyterLab debugger's Variables pane shows a frame's locals.
 
-Read from the live state without waiting: `state.variables()` and `get_meta_info()` wait
-for the program (they sync), which a view must never do, so the panel copies the state's
-own dicts, which the executor thread writes. One row per variable; only a row whose value
-or meta changed is sent.
+Read from the Timeline (ProgramView.variables): a Node that bound a variable says its value
+and meta as it finishes (NodeFinished.value, .meta), the program's code says what it set
+(VariableSet), a Join's gathering follows from its branches'; so a replay shows the same
+panel. One row per variable; only a row whose value or meta changed is sent.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
 from sgl_nb.runtime.compiler.ir import NodeKind
+from sgl_nb.tracing.timeline import Timeline
 
 _CSS = """
 .sgl-vars{font-family:monospace;font-size:12px;max-height:240px;overflow:auto;
@@ -40,18 +41,7 @@ class Variable:
         return dict(self.meta)
 
 
-def _copy(d: dict) -> dict:
-    # Another thread may add a key while we copy: retry.
-    for _ in range(5):
-        try:
-            return dict(d)
-        except RuntimeError:
-            continue
-    return {}
-
-
-def _short(v) -> str:
-    s = repr(v)
+def _short(s: str) -> str:
     return s if len(s) <= VALUE_CHARS else s[: VALUE_CHARS - 1] + "…"
 
 
@@ -71,16 +61,25 @@ def meta_summary(meta: dict) -> list[tuple[str, str]]:
     return out
 
 
-def variables_of(state) -> list[Variable]:
-    """Every variable of the program as it is now, in the order they were bound."""
-    if state is None:
+def variables_of(tl: Timeline, program: int) -> list[Variable]:
+    """Every variable the program has bound so far, in the order they were first bound:
+    its value and, for one a Gen or Select bound, that Node's kind and meta (a variable a
+    Join gathered takes the kind of the branches' Nodes of its name)."""
+    p = tl.programs.get(program)
+    if p is None:
         return []
-    values, metas = _copy(state._vars), _copy(state._meta)
-    kinds = {n.name: n.kind for n in list(state.nodes)
+    kinds = {n.name: n.kind for pid in tl.family(program) for n in _nodes(tl, pid)
              if n.name and n.kind in (NodeKind.GEN, NodeKind.SELECT)}
-    return [Variable(name, kinds.get(name), _short(value),
-                     tuple(meta_summary(metas.get(name) or {})))
-            for name, value in values.items()]
+    out = []
+    for name, bound in list(p.variables.items()):
+        node = tl.nodes.get(bound.node) if bound.node is not None else None
+        meta = meta_summary(node.meta) if node is not None else []
+        out.append(Variable(name, kinds.get(name), _short(bound.value), tuple(meta)))
+    return out
+
+
+def _nodes(tl: Timeline, program: int) -> list:
+    return [tl.nodes[nid] for nid in tl.programs[program].nodes]
 
 
 class VariablesPanel(KeyedView):
@@ -92,8 +91,8 @@ class VariablesPanel(KeyedView):
         super().__init__(root_class="sgl-vars", items=[_empty()], **kwargs)
         self.variables: list[Variable] = []
 
-    def update(self, state) -> None:
-        self.variables = variables_of(state)
+    def update(self, variables: list[Variable]) -> None:
+        self.variables = variables
         self.show([_row(v) for v in self.variables] or [_empty()])
 
     def get(self, name: str) -> Variable:
