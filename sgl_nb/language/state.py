@@ -55,7 +55,7 @@ from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.lowering import lower
 from sgl_nb.runtime.compiler.passes import run_passes
 from sgl_nb.runtime.compiler.step_controller import StepController
-from sgl_nb.runtime.events import ProgramFinished
+from sgl_nb.runtime.events import ProgramFinished, VariableSet
 from sgl_nb.runtime.status import Status
 
 _state_ids = itertools.count(1)
@@ -455,6 +455,7 @@ class ProgramState(ProgramEffects):
         with self._cond:
             self._vars[name] = value
             self._cond.notify_all()
+        self.emit(VariableSet, name=name, value=repr(value))  # no Node's event says it
 
     def __contains__(self, name: str) -> bool:
         self.sync()
