@@ -247,3 +247,69 @@ def test_expressions_concatenate_like_sglang(default_backend):
     assert st["f"] in st.text()
     with pytest.raises(TypeError, match="cannot add int"):
         _ = sgl.gen("x") + 3
+
+
+@sgl.function
+def two_colours(s):
+    s += "Two colours:"
+    s += sgl.gen("first", max_tokens=3)
+    forks = s.fork(2)
+    forks += lambda i: f" {i}:" + sgl.gen("colour", max_tokens=2)
+    forks.join()
+
+
+def test_snapshot_is_a_read_only_copy_of_the_run():
+    st = two_colours.run()
+    snap = st.snapshot()
+    assert snap.id == st.id and snap.function == "two_colours" and snap.finished
+    assert snap.status.value == "done"
+    assert snap.text == st.text() and snap.error is None and not snap.held
+    assert dict(snap.vars) == st.variables() and snap.meta["first"] == st.get_meta_info("first")
+    first = next(n for n in snap.own_nodes() if n.name == "first")
+    assert [t.text for t in snap.tokens[first.id]] and len(snap.tokens[first.id]) == 3
+    (branches,) = snap.forks.values()
+    assert [b.parent for b in branches] == [st.id, st.id]
+    assert [b.vars["colour"] for b in branches] == st["colour"]
+    assert list(snap.branches()) == list(branches)
+    with pytest.raises(TypeError):
+        snap.vars["first"] = "x"  # read-only
+    st["later"] = 1
+    assert "later" not in snap.vars and st.snapshot().vars["later"] == 1  # a copy
+
+
+def test_on_end_runs_before_wait_returns_and_at_once_after_the_end():
+    st = two_colours.run(stream=True)
+    seen = []
+    st.on_end(lambda: seen.append(("first", st.finished)))
+    assert st.wait() is st and seen == [("first", True)] and st.ended
+    st.on_end(lambda: seen.append(("late", st.finished)))
+    assert seen == [("first", True), ("late", True)]
+
+
+def test_a_view_is_attached_and_named_and_the_stepper_is_debug():
+    class Seen:
+        def __init__(self):
+            self.states = []
+
+        def attach(self, state):
+            self.states.append(state)
+
+    st = two_colours.run(stream=True, debug=True)
+    view = Seen()
+    st.add_view(view)
+    assert view.states == [st] and st.widget is view and st.views == [view]
+    assert st.stepper is not None and st.stepper is st.debug
+    assert st.fn is two_colours and st.fn.fn is two_colours
+    st.wait()
+
+
+def test_the_static_graph_ends_at_a_read():
+    @sgl.function
+    def reads(s):
+        s += "a" + sgl.gen("x", max_tokens=2)
+        s += s["x"]
+
+    g = reads.trace()
+    assert [n.kind.value for n in g.nodes] == ["Text", "Gen"]
+    assert all(n.status.value == "traced" for n in g.nodes)
+    assert not g.complete and g.ends == "reads s['x']"

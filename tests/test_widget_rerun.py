@@ -13,7 +13,7 @@ import pytest
 from support.waits import WAIT
 
 import sgl_nb as sgl
-from sgl_nb.language.replay import MISSING
+from sgl_nb.language.rerun_cursor import MISSING
 from sgl_nb.notebook.widgets import ProgramWidget
 from sgl_nb.notebook.widgets.rerun_panel import parse_edit
 from sgl_nb.runtime.compiler.ir import NodeKind
@@ -131,7 +131,7 @@ def test_rerun_a_gen_with_new_sampling_args(runtime):
     new = panel.runs_started[0]
     shown = panel.runs.children[0].children[0]
     assert shown.wait(WAIT) and new.error() is None
-    assert len(new.snapshot().tokens[node(new, "city").id]) == 2  # generated again, with its new args
+    assert len(new.snapshot().tokens[node(new, "city").id]) == 2  # generated again, new args
     assert new.text().startswith("The capital of France is")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 from sgl_nb.backends.chat_roles import ChatRoles, derive_chat_roles
@@ -288,8 +289,6 @@ class Runtime:
         figures (rt.metrics()). `sgl.get_server_info()` and `sgl-nb serve`'s
         /get_server_info return this. No avg_spec_accept_length: there is no speculative
         decoding here (SGLang leaves it out then too)."""
-        from sgl_nb import __version__  # the package is loaded by the time this is asked
-
         eng, cfg, pool = self.engine, self.engine.settings, self.engine.pool
         metrics = eng.metrics()
         path, dtype = str(eng.model_path), str(eng.model.dtype).removeprefix("torch.")
@@ -307,7 +306,7 @@ class Runtime:
             "chunked_prefill_size": cfg.max_prefill_tokens, "page_size": 1,
             "schedule_policy": cfg.schedule_policy, "dtype": dtype, "kv_cache_dtype": dtype,
             "quantization": eng.model.quantization, "device": str(eng.device),
-            "tp_size": 1, "dp_size": 1, "disable_radix_cache": False, "version": __version__,
+            "tp_size": 1, "dp_size": 1, "disable_radix_cache": False, "version": version("sgl-nb"),
             "internal_states": [state],
             "context_len": eng.context_len, "kv_pool_tokens": pool.capacity, **metrics,
         }

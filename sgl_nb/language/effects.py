@@ -1,6 +1,7 @@
-"""What each Instruction does to its program: the executor (runtime/compiler/executor.py)
-calls these on its own thread, in order, so a program's text and variables change in one
-thread.
+"""What each Instruction does to its program: ProgramEffects is the program's host for the
+executor (runtime/compiler/executor.py), which calls it on its own thread, in order, so a
+program's text and variables (its ProgramRun) change in one thread. Whether a Node is
+computed or taken from a record is the run's strategy's to say (rerun_strategy.py).
 
 Extend appends text (a role marker's comes from the chat template, a decided select's is its
 choice); Decode and Score submit engine work that carries the Instruction and come back
@@ -13,11 +14,13 @@ import json
 import time
 
 from sgl_nb.language import speculation
+from sgl_nb.language.errors import ProgramCancelled
 from sgl_nb.language.logprob_meta import ChunkMeta, logprob_meta
+from sgl_nb.language.program_run import ProgramRun
 from sgl_nb.language.reasoning import split_reasoning
-from sgl_nb.language.replay_effects import ReplayEffects
+from sgl_nb.language.rerun_strategy import Output
 from sgl_nb.language.select_scoring import choose
-from sgl_nb.runtime.compiler.executor import Done
+from sgl_nb.runtime.compiler.executor import Done, Executor
 from sgl_nb.runtime.compiler.instructions import Cancelled, Fork, Instruction, Join, Op
 from sgl_nb.runtime.compiler.ir import (
     InitNode,
@@ -37,6 +40,7 @@ from sgl_nb.runtime.events import (
     Joined,
     NodeFinished,
     NodeStarted,
+    ProgramFinished,
     ProgramStarted,
     meta_json,
     stack_args,
@@ -48,8 +52,24 @@ from sgl_nb.runtime.status import Status
 SHARE_MIN_CHARS = 32
 
 
-class ProgramEffects(ReplayEffects):
-    """The executor's side of ProgramState (a mixin: the state holds the data)."""
+class ProgramEffects:
+    """The executor's side of a program (its ProgramHost). The façade (state.py) records
+    Nodes; this runs their Instructions against the ProgramRun both share."""
+
+    def __init__(self, state, run: ProgramRun, executor: Executor):
+        self.state, self.run, self.executor = state, run, executor
+        self.id, self.backend, self.events = run.id, state.backend, state.events
+        self.defaults, self.priority = state.defaults, state.priority
+
+    @property
+    def debug(self):
+        """The step controller the executor asks before each step (None: not stepped);
+        ProgramHost's name for it."""
+        return self.run.stepper
+
+    @property
+    def call_stack(self) -> list[dict]:
+        return self.state.call_stack
 
     # ---- the executor's host interface ------------------------------------------------
 
@@ -67,27 +87,28 @@ class ProgramEffects(ReplayEffects):
             return True  # a cancelled or failed program still ends
         if isinstance(node, JoinNode):  # it gathers what the branches produced, cancelled or not
             node.status = Status.RUNNING
-            self._replay_step(node)
+            branches = [c._run.strategy for c in self.run.children if c.id in node.branches]
+            self.run.strategy.node_started(node, branches)
             self._node_started_event(node)
-            self._node_start[node.id] = len(self._text)
+            self.run.node_start[node.id] = len(self.run.text)
             return True
-        if self._cancelled:
+        if self.run.cancelled:
             node.status = Status.CANCELLED
             self._node_started_event(node)
             return False
-        if self._error is not None:
+        if self.run.error is not None:
             node.status = Status.SKIPPED  # the program failed before it
             return False
         node.status = Status.RUNNING
-        self._replay_step(node)  # first: an edit's sampling arguments are the Node's now
+        self.run.strategy.node_started(node, [])  # first: an edit's sampling is the Node's now
         self._node_started_event(node)
-        self._node_start[node.id] = len(self._text)
+        self.run.node_start[node.id] = len(self.run.text)
         if isinstance(node, VarScopeNode):  # no Instruction: it marks where its text starts, ends
-            self._scope(self._payloads[node.id])
+            self._scope(self.run.payloads[node.id])
         return True
 
     def start(self, ins: Instruction, done: Done) -> int | None:
-        node = self._nodes_by_id.get(ins.node) if ins.node is not None else None
+        node = self.run.nodes_by_id.get(ins.node) if ins.node is not None else None
         if ins.op is Op.DECODE:
             return self._decode(node, ins, done)
         if ins.op is Op.EXTEND and ins.shared:
@@ -113,9 +134,9 @@ class ProgramEffects(ReplayEffects):
         elif node.status is Status.CANCELLED:
             node.output, node.end_ns = "", time.monotonic_ns()
             self.emit(NodeFinished, node=node.id, status=Status.CANCELLED, text="")
-        with self._cond:
-            self._pending -= 1
-            self._cond.notify_all()
+        with self.run.cond:
+            self.run.pending -= 1
+            self.run.cond.notify_all()
 
     # ---- nodes ------------------------------------------------------------------------
 
@@ -134,88 +155,90 @@ class ProgramEffects(ReplayEffects):
             node.status = Status.CANCELLED  # aborted mid-way: what it produced is kept
         elif error is not None:
             node.status = Status.ERROR
-            if self._error is None:
-                self._set_error(error, node.file)
-                self._error_line = node.line
+            if self.run.error is None:
+                self.run.set_error(error, node.file)
+                self.run.error_line = node.line
             self.emit(Failed, node=node.id, error=repr(error), line=node.line)
         else:
             node.status = Status.DONE
-        node.output = self._text[self._node_start.pop(node.id, 0):]
+        node.output = self.run.text[self.run.node_start.pop(node.id, 0):]
         node.end_ns = time.monotonic_ns()
         value = meta = None
-        if node.name is not None and node.name in self._vars:
-            value = repr(self._vars[node.name])
-            meta = meta_json(self._meta.get(node.name))
+        if node.name is not None and node.name in self.run.vars:
+            value = repr(self.run.vars[node.name])
+            meta = meta_json(self.run.meta.get(node.name))
         self.emit(NodeFinished, node=node.id, status=node.status, text=node.output, value=value,
                   meta=meta)
 
     def _end_program(self, node: Node) -> None:
-        body_error, file = self._payloads.get(node.id) or (None, None)
-        with self._cond:
-            if body_error is not None and self._error is None:
-                self._set_error(body_error, file)
-        node.status = self._end_status()
-        self._emit_finished()
-        with self._cond:
-            self._finished = True
-            self._cond.notify_all()
-        self._ended.set()
+        body_error, file = self.run.payloads.get(node.id) or (None, None)
+        with self.run.cond:
+            if body_error is not None and self.run.error is None:
+                self.run.set_error(body_error, file)
+        node.status = self.run.end_status()
+        self.emit_finished()
+        self.run.end()
+
+    def emit_finished(self) -> None:
+        run = self.run
+        self.emit(ProgramFinished, status=run.end_status(), line=run.error_line,
+                  error=repr(run.error) if run.error else None)
 
     # ---- Extend -----------------------------------------------------------------------
 
     def _extend(self, node: Node, ins) -> None:
-        start = len(self._text)
+        start = len(self.run.text)
         if isinstance(node, TextNode | SelectNode):  # a re-run's edit of it
-            ins.text = self._edited_text(node, ins.text)
+            ins.text = self.run.strategy.text(node, ins.text)
         self._extend_text(node, ins)
-        if self.speculated:
-            self.speculated = speculation.fill(self.speculated, self._text[start:])
+        if self.run.speculated:
+            self.run.speculated = speculation.fill(self.run.speculated, self.run.text[start:])
 
     def _extend_text(self, node: Node, ins) -> None:
         if isinstance(node, RoleNode):
-            self._role_marker(node, self._payloads[node.id])
+            self._role_marker(node, self.run.payloads[node.id])
             ins.text = node.text
         elif isinstance(node, SelectNode):  # decided by a pass: no Score ran
-            self._append(ins.text, ins.name)
+            self.run.append(ins.text, ins.name)
             if ins.name is not None:
-                self._meta[ins.name] = {"choices": node.choices,
-                                        "resolved": node.resolved or "static"}
-                self[ins.name] = ins.text
+                self.run.meta[ins.name] = {"choices": node.choices,
+                                           "resolved": node.resolved or "static"}
+                self.run.bind(ins.name, ins.text)
         else:
-            self._append(ins.text)
+            self.run.append(ins.text)
 
     def _role_marker(self, node: RoleNode, mark) -> None:
         roles = self.backend.chat_roles
-        start = len(self._text)
+        start = len(self.run.text)
         if mark.begin:
-            if not self._messages and mark.role != "system" and self._text == "":
-                self._append(roles.default_system)
-            self._append(roles.prefix[mark.role])
-            self._role_start = len(self._text)
+            if not self.run.messages and mark.role != "system" and self.run.text == "":
+                self.run.append(roles.default_system)
+            self.run.append(roles.prefix[mark.role])
+            self.run.role_start = len(self.run.text)
         else:
-            content = self._text[self._role_start:]
-            self._messages.append({"role": mark.role, "content": content})
-            self._append(roles.suffix[mark.role])
-        node.text = self._text[start:]  # the default system prompt included
+            content = self.run.text[self.run.role_start:]
+            self.run.messages.append({"role": mark.role, "content": content})
+            self.run.append(roles.suffix[mark.role])
+        node.text = self.run.text[start:]  # the default system prompt included
 
     def _scope(self, mark) -> None:
         if mark.begin:
-            self._scopes[mark.name] = len(self._text)
+            self.run.scopes[mark.name] = len(self.run.text)
         else:
-            self[mark.name] = self._text[self._scopes.pop(mark.name):]
+            self.run.bind(mark.name, self.run.text[self.run.scopes.pop(mark.name):])
 
     def _prefill(self, ins, done: Done) -> int | None:
         """A shared Extend: one prefill of the prefix others will start from. Computing it
         is an optimisation, so a failure is reported on the Instruction, not raised: the
         requests after it fail with their own error if the prefix is the problem."""
         if not ins.text:  # a fork's: the text so far, unless its requests computed it
-            if len(self._text) - self._kv_len < SHARE_MIN_CHARS:
+            if len(self.run.text) - self.run.kv_len < SHARE_MIN_CHARS:
                 done(None, {"cached": True})
                 return None
-            ins.text = self._text
+            ins.text = self.run.text
 
         def on_done(handle) -> None:
-            self._executor.post(lambda: self._prefilled(handle, ins, done))
+            self.executor.post(lambda: self._prefilled(handle, ins, done))
 
         handle = self.backend.prefill(ins.text, priority=self.priority, program=self.id,
                                       node=ins.node, instruction=ins, on_done=on_done)
@@ -223,40 +246,41 @@ class ProgramEffects(ReplayEffects):
         return handle.rid
 
     def _prefilled(self, handle, ins, done: Done) -> None:
-        self._inflight.discard(handle)
+        self.run.inflight.discard(handle)
         try:
             out = handle.result(0)
         except BaseException as e:  # noqa: BLE001 - see _prefill
             done(None, {**handle.usage(), "prefill_error": repr(e)})
             return
         aborted = out.meta.get("finish_reason") == "abort"
-        if not aborted and self._text.startswith(ins.text):
-            self._kv_len = max(self._kv_len, len(ins.text))
-        done(self._cancel_error("the shared prefix was aborted") if aborted else None,
+        if not aborted and self.run.text.startswith(ins.text):
+            self.run.kv_len = max(self.run.kv_len, len(ins.text))
+        done(ProgramCancelled("the shared prefix was aborted") if aborted else None,
              handle.usage())
 
     # ---- Decode -----------------------------------------------------------------------
 
     def _decode(self, node: Node, ins, done: Done) -> int | None:
-        g, prompt = self._payloads[node.id], self._text
-        stepped = self._stepped(node)
-        if stepped is not None:  # a re-run: its recorded or edited value, no decoding
-            self._replay_gen(node, g, stepped, done)
+        g, prompt = self.run.payloads[node.id], self.run.text
+        out = self.run.strategy.output(node)
+        if out is not None:  # a re-run: its recorded or edited value, no decoding
+            self._gen_output(node, g, out, done)
             return None
-        ins.params = self._edited_params(node, ins.params)
-        if self.spec_tokens and speculation.speculable(ins.params):
+        ins.params = self.run.strategy.params(node, ins.params)
+        if self.state.spec_tokens and speculation.speculable(ins.params):
             return self._speculate(node, ins, g, done)
-        self.speculated = ""
+        self.run.speculated = ""
         gate = None
-        if self.debug is not None:
-            gate = self.debug.may_decode
-            self.debug.add_waker(self.backend.wake)
-        post = self._executor.post
+        stepper = self.run.stepper
+        if stepper is not None:
+            gate = stepper.may_decode
+            stepper.add_waker(self.backend.wake)
+        post = self.executor.post
         counted = ChunkMeta(g.logprob_options(self.defaults).get("return_text_in_logprobs"),
                             self.backend)
 
         def on_chunk(delta: str) -> None:
-            post(lambda: self._append(delta, g.name, counted.next()))
+            post(lambda: self.run.append(delta, g.name, counted.next()))
 
         def on_done(handle) -> None:
             post(lambda: self._decoded(handle, g, prompt, done))
@@ -273,18 +297,19 @@ class ProgramEffects(ReplayEffects):
         the rest (no stop string, spec_tokens long)."""
         stop = list(ins.params["stop"]) if not isinstance(ins.params["stop"], str) \
             else [ins.params["stop"]]
-        if self.speculated:
-            value, self.speculated = speculation.take(self.speculated, stop)
-            self._speculated_value(g, value, {"speculated": True})
-            done(None, {"speculated": True, "output_tokens": 0})
+        if self.run.speculated:
+            value, self.run.speculated = speculation.take(self.run.speculated, stop)
+            self.run.append(value, g.name)
+            done(self._bind_gen(g, value, {"speculated": True}),
+                 {"speculated": True, "output_tokens": 0})
             return None
         params = {**ins.params, "stop": [],
-                  "max_tokens": max(ins.params.get("max_tokens", 0), self.spec_tokens)}
+                  "max_tokens": max(ins.params.get("max_tokens", 0), self.state.spec_tokens)}
 
         def on_done(handle) -> None:
-            self._executor.post(lambda: self._speculated_answer(handle, g, stop, done))
+            self.executor.post(lambda: self._speculated_answer(handle, g, stop, done))
 
-        handle = self.backend.submit(self._text, priority=self.priority, program=self.id,
+        handle = self.backend.submit(self.run.text, priority=self.priority, program=self.id,
                                      node=node.id, instruction=ins, on_done=on_done, **params)
         self._hold(handle)
         return handle.rid
@@ -293,17 +318,12 @@ class ProgramEffects(ReplayEffects):
         result = self._outcome(handle, done)
         if result is None:
             return
-        value, self.speculated = speculation.take(result.text, stop)
-        self._speculated_value(g, value, result.meta)
-        aborted = result.meta.get("finish_reason") == "abort"
-        done(self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None,
-             handle.usage())
-
-    def _speculated_value(self, g, value: str, meta: dict) -> None:
-        self._append(value, g.name)
-        if g.name is not None:
-            self._meta[g.name] = dict(meta)
-            self[g.name] = g.convert(value)
+        value, self.run.speculated = speculation.take(result.text, stop)
+        self.run.append(value, g.name)
+        error = self._bind_gen(g, value, dict(result.meta))
+        if result.meta.get("finish_reason") == "abort":
+            error = ProgramCancelled(f"gen {g.name!r} was aborted")
+        done(error, handle.usage())
 
     def _decoded(self, handle, g, prompt: str, done: Done) -> None:
         result = self._outcome(handle, done)
@@ -311,7 +331,7 @@ class ProgramEffects(ReplayEffects):
             return
         self._keep_tokens(handle, result)  # an aborted gen's tokens so far too
         aborted = result.meta.get("finish_reason") == "abort"
-        self._kv_len = len(self._text)  # the prompt and what was generated are cached
+        self.run.kv_len = len(self.run.text)  # the prompt and what was generated are cached
         if g.name is not None:
             options = {} if aborted else g.logprob_options(self.defaults)
             try:
@@ -319,18 +339,36 @@ class ProgramEffects(ReplayEffects):
             except BaseException as e:  # noqa: BLE001 - e.g. the prompt logprobs' request
                 done(e, handle.usage())
                 return
-            self._meta[g.name] = {**result.meta, **extra}
-            out = result.text
-            if g.reasoning is not None:
-                reasoning, out = split_reasoning(out, g.reasoning)
-                self[g.name + "_reasoning_content"] = reasoning
-            try:
-                self[g.name] = out if aborted else g.convert(out)  # a cut-off value stays text
-            except (TypeError, ValueError) as e:
-                done(e, handle.usage())
+            # A cut-off value stays text.
+            error = self._bind_gen(g, result.text, {**result.meta, **extra}, convert=not aborted)
+            if error is not None:
+                done(error, handle.usage())
                 return
-        error = self._cancel_error(f"gen {g.name!r} was aborted") if aborted else None
+        error = ProgramCancelled(f"gen {g.name!r} was aborted") if aborted else None
         done(error, handle.usage())
+
+    def _gen_output(self, node: Node, g, out: Output, done: Done) -> None:
+        """A re-run's Gen: its recorded (with its tokens) or edited value."""
+        self.run.append(out.text, g.name)
+        if out.tokens is not None:
+            self.run.tokens[node.id] = list(out.tokens)
+        error = self._bind_gen(g, out.text, dict(out.meta))
+        done(error, {out.flag: True} if error else {out.flag: True, "output_tokens": 0})
+
+    def _bind_gen(self, g, text: str, meta: dict, convert: bool = True) -> BaseException | None:
+        """A gen's value bound to its name (with its meta, its reasoning split off, converted
+        as gen_int and friends ask); the error a conversion raised, if any."""
+        if g.name is None:
+            return None
+        self.run.meta[g.name] = meta
+        if g.reasoning is not None:
+            reasoning, text = split_reasoning(text, g.reasoning)
+            self.run.bind(g.name + "_reasoning_content", reasoning)
+        try:
+            self.run.bind(g.name, g.convert(text) if convert else text)
+        except (TypeError, ValueError) as e:
+            return e
+        return None
 
     def _keep_tokens(self, handle, result) -> None:
         """A finished Gen's TokenChoices, by its Node's id (token_info reads them). The
@@ -338,19 +376,21 @@ class ProgramEffects(ReplayEffects):
         tokens = getattr(result, "tokens", None)
         node = getattr(getattr(handle, "req", None), "node", None)
         if tokens is not None and node is not None:
-            self._tokens[node] = list(tokens)
+            self.run.tokens[node] = list(tokens)
 
     # ---- Score ------------------------------------------------------------------------
 
     def start_scores(self, group: list, dones: list[Done]) -> list[int]:
-        node = self._nodes_by_id[group[0].node]
-        self.speculated = ""  # its choice is not read off a speculated answer
-        stepped = self._stepped(node)
-        if stepped is not None:
-            return self._replay_scores(node, stepped, dones)
+        node = self.run.nodes_by_id[group[0].node]
+        self.run.speculated = ""  # its choice is not read off a speculated answer
+        out = self.run.strategy.output(node)
+        if out is not None:  # a re-run's: its choice is bound when the Node ends
+            for done in dones:
+                done(None, {out.flag: True})
+            return [None] * len(dones)
         tok = self.backend.tokenizer
-        prefix = (tok.bos_token or "\n") if group[0].unconditional else self._text
-        post = self._executor.post
+        prefix = (tok.bos_token or "\n") if group[0].unconditional else self.run.text
+        post = self.executor.post
 
         def on_done_for(ins, done: Done):
             return lambda handle: post(lambda: self._scored(node, ins, handle, done))
@@ -367,19 +407,21 @@ class ProgramEffects(ReplayEffects):
         out = self._outcome(handle, done)
         if out is None:
             return
-        if self._cancelled or out.meta.get("finish_reason") == "abort":
-            done(self._cancel_error(f"select {ins.name!r} was aborted"), handle.usage())
+        if self.run.cancelled or out.meta.get("finish_reason") == "abort":
+            done(ProgramCancelled(f"select {ins.name!r} was aborted"), handle.usage())
             return
-        self._scores.setdefault(node.id, {})[(ins.unconditional, ins.choice_index)] = \
+        self.run.scores.setdefault(node.id, {})[(ins.unconditional, ins.choice_index)] = \
             out.input_logprobs
         if not ins.unconditional:
-            self._kv_len = len(self._text)  # the prefix scored
+            self.run.kv_len = len(self.run.text)  # the prefix scored
         done(None, handle.usage())
 
     def _choose(self, node: SelectNode) -> BaseException | None:
         """All of a Select's Scores are in: pick, append, bind."""
-        sel, got = self._payloads[node.id], self._scores.pop(node.id, {})
-        if self._replay_choice(node, sel):
+        sel, got = self.run.payloads[node.id], self.run.scores.pop(node.id, {})
+        out = self.run.strategy.output(node)
+        if out is not None:
+            self._bind_choice(sel, out.text, {"choices": list(sel.choices), out.flag: True})
             return None
         scored = node.scored()  # in choice order
         scores = [got[(False, i)] for i in scored]
@@ -388,76 +430,80 @@ class ProgramEffects(ReplayEffects):
             j, meta = choose(sel.method, scores, uncond)
         except Exception as e:  # noqa: BLE001 - the node fails with it
             return e
-        choice = sel.choices[scored[j]]
-        self._append(choice, sel.name)
-        if sel.name is not None:  # the scores are those of the choices scored
-            self._meta[sel.name] = {"choices": [sel.choices[i] for i in scored], **meta}
-            self[sel.name] = choice
+        # The scores are those of the choices scored.
+        self._bind_choice(sel, sel.choices[scored[j]],
+                          {"choices": [sel.choices[i] for i in scored], **meta})
         return None
+
+    def _bind_choice(self, sel, choice: str, meta: dict) -> None:
+        self.run.append(choice, sel.name)
+        if sel.name is not None:
+            self.run.meta[sel.name] = meta
+            self.run.bind(sel.name, choice)
 
     # ---- Fork / Join --------------------------------------------------------------------
 
     def _fork_branches(self, node: Node, ins: Fork) -> None:
-        children = [type(self)(self.backend, self.defaults, self._text, parent=self,
-                               debug=self.debug, passes=self.passes, priority=self.priority)
-                    for _ in range(ins.n)]
-        for i, c in enumerate(children):
-            c._kv_len = self._kv_len
-            # As SGLang forks: the variables so far, and the turn the parent has open.
-            c._vars = dict(self._vars)
-            c._open_role, c._role_start = self._open_role, self._role_start
-            if self.replay is not None:
-                c.replay = self.replay.branch(self._steps[node.id].index, i)
-        self._children.extend(children)
-        self._forked[node.id] = children
+        children = [self.state.branch(self.run.strategy.branch(node, i))
+                    for i in range(ins.n)]
+        self.run.children.extend(children)
+        self.run.forked[node.id] = children
         self.emit(Forked, node=node.id, n=ins.n, children=tuple(c.id for c in children))
         for i, c in enumerate(children):
             c.emit(ProgramStarted, node=node.id, function=f"branch {i}",
                    priority=self.priority, parent=self.id, model=self._model_name())
 
     def _join_branches(self, node: Node, ins: Join) -> None:
-        states = [c for c in self._children if c.id in ins.branches]
-        with self._lock:  # the branches' Nodes belong to the parent's graph, before the Join
-            at = self.nodes.index(node)
-            self.nodes[at:at] = [n for s in states for n in s.nodes]
+        states = [c for c in self.run.children if c.id in ins.branches]
+        runs = [s._run for s in states]
+        with self.run.lock:  # the branches' Nodes belong to the parent's graph, before the Join
+            at = self.run.nodes.index(node)
+            self.run.nodes[at:at] = [n for r in runs for n in r.nodes]
         for s in states:
-            s._emit_finished()
+            s._recorder.effects.emit_finished()
         branches = tuple(s.id for s in states)
-        failed = next((s for s in states if s._error is not None), None)
-        if self._cancelled:  # the branches' variables are kept; the program goes no further
-            self._gather(states)
+        failed = next((r for r in runs if r.error is not None), None)
+        if self.run.cancelled:  # the branches' variables are kept; the program goes no further
+            self._gather(runs)
             self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
-            raise self._cancel_error(f"program {self.id} was cancelled")
+            raise ProgramCancelled(f"program {self.id} was cancelled")
         if failed is not None:
-            self._set_error(failed._error)
-            self._error_line = failed._error_line
+            self.run.set_error(failed.error)
+            self.run.error_line = failed.error_line
             self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
-            raise failed._error
+            raise failed.error
         if ins.mode == "concate_and_append":
-            self._append("".join(s._text[s._fork_point:] for s in states))
+            self.run.append("".join(r.text[r.fork_point:] for r in runs))
         else:
-            self._gather(states)
+            self._gather(runs)
         self.emit(Joined, node=node.id, mode=ins.mode, children=branches)
 
-    def _gather(self, states) -> None:
+    def _gather(self, runs: list[ProgramRun]) -> None:
         """SGLang's gather_variable: a name the parent does not have becomes a list of the
         values of the branches that have it, in branch order. A name the parent has
         (inherited at the fork, or bound since) is not gathered, even if a branch re-bound
         it."""
         gathered: dict[str, list] = {}
-        for s in states:
-            for k, v in s._vars.items():
-                if k not in self._vars:
+        for r in runs:
+            for k, v in r.vars.items():
+                if k not in self.run.vars:
                     gathered.setdefault(k, []).append(v)
         for k, values in gathered.items():
-            self[k] = values
+            self.run.bind(k, values)
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _model_name(self) -> str | None:
+        """For the events and spans only: never lets a backend's attribute error out."""
+        try:
+            return self.backend.model_name
+        except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
+            return None
 
     def _outcome(self, handle, done: Done):
         """A finished request's output; None, with `done` told the error, if it failed (the
         Instruction fails, not the executor)."""
-        self._inflight.discard(handle)
+        self.run.inflight.discard(handle)
         try:
             return handle.result(0)
         except BaseException as e:  # noqa: BLE001
@@ -467,8 +513,8 @@ class ProgramEffects(ReplayEffects):
     def _hold(self, handle) -> None:
         """Keep a request in flight where cancel() finds it; a cancel that came first
         aborts it at once."""
-        with self._cond:
-            self._inflight.add(handle)
-            cancelled = self._cancelled
+        with self.run.cond:
+            self.run.inflight.add(handle)
+            cancelled = self.run.cancelled
         if cancelled:
             handle.cancel()

@@ -7,12 +7,17 @@ import asyncio
 import functools
 import inspect
 import json
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from sgl_nb.backends.backend import is_backend
 from sgl_nb.language.body_pool import BodyPool
+from sgl_nb.language.default_backend import (  # noqa: F401 - sgl's names, from here too
+    current_backend,
+    flush_cache,
+    get_default_backend,
+    get_server_info,
+    set_default_backend,
+)
 from sgl_nb.language.expressions import (
     LOGPROB_ARGS,
     SAMPLING_ARGS,
@@ -21,53 +26,15 @@ from sgl_nb.language.expressions import (
     sampling_args,
 )
 from sgl_nb.language.global_config import global_config
+from sgl_nb.language.rerun import rerun_timeline
+from sgl_nb.language.rerun_strategy import LIVE
 from sgl_nb.language.state import ProgramState
-from sgl_nb.language.trace import ProgramGraph, static_prefix, trace_program
+from sgl_nb.language.static_graph import ProgramGraph, static_prefix, trace_program
 from sgl_nb.runtime.compiler.passes import PassReport, check_passes, leading_text, shared_prefix
 from sgl_nb.runtime.compiler.step_controller import StepController
 from sgl_nb.runtime.events import Paused, Resumed
 from sgl_nb.runtime.priority import parse_priority, priority_name
-
-_default_backend = None
-_backend_lock = threading.Lock()
-
-
-def set_default_backend(backend) -> None:
-    """The backend programs run on: an `sgl.Runtime`, an `sgl.RuntimeEndpoint`, or None
-    (a default Runtime is made again on first use)."""
-    global _default_backend
-    if backend is not None and not is_backend(backend):
-        hint = " (for a server: sgl.RuntimeEndpoint(url))" if isinstance(backend, str) else ""
-        raise TypeError(f"set_default_backend takes sgl.Runtime or sgl.RuntimeEndpoint, got "
-                        f"{type(backend).__name__}{hint}")
-    _default_backend = backend
-
-
-def current_backend():
-    """The default backend if one is set, else None (nothing is created)."""
-    return _default_backend
-
-
-def get_default_backend():
-    """The backend programs run on; a default Runtime is created on first use."""
-    global _default_backend
-    with _backend_lock:
-        if _default_backend is None:
-            from sgl_nb.backends.local_runtime import Runtime
-
-            _default_backend = Runtime()
-        return _default_backend
-
-
-def flush_cache(backend=None):
-    """Drop the backend's cached prefixes (the default backend's if none is given)."""
-    return (backend or get_default_backend()).flush_cache()
-
-
-def get_server_info(backend=None) -> dict:
-    """What the backend runs: model, context, precision, pool, scheduler figures."""
-    return (backend or get_default_backend()).get_server_info()
-
+from sgl_nb.tracing.timeline import Timeline
 
 # run()'s sampling options, SGLang's names: defaults for every gen of the program.
 _RUN_DEFAULTS = (*SAMPLING_ARGS, *LOGPROB_ARGS)
@@ -93,7 +60,7 @@ class ProgramFuture:
         return self.state.wait(timeout)
 
     def done(self) -> bool:
-        return self.state._ended.is_set()
+        return self.state.ended
 
     def cancel(self) -> bool:
         """Cancel the program (see ProgramState.cancel); False if it had already ended."""
@@ -144,6 +111,12 @@ class SglFunction:
         self.arg_defaults = [p.default for p in params[1:] if p.default is not p.empty]
         functools.update_wrapper(self, func)
 
+    @property
+    def fn(self) -> SglFunction:
+        """The function itself: `NAME.fn` works whether a `%%sgl NAME` cell bound NAME to
+        its state or (with --define) to its function."""
+        return self
+
     def bind(self, **kwargs) -> SglFunction:
         """The same program with some arguments fixed (SGLang's bind); binding again adds
         to them. Passing a bound argument to a run with another value is a TypeError."""
@@ -166,7 +139,7 @@ class SglFunction:
 
     def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
                passes=None, priority: str = "normal", pool: BodyPool | None = None,
-               shared_prefix: str = "", after=None, replay=None, **defaults) -> ProgramFuture:
+               shared_prefix: str = "", after=None, strategy=LIVE, **defaults) -> ProgramFuture:
         args = self._with_bound(args)
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
@@ -175,7 +148,7 @@ class SglFunction:
         priority = priority_name(parse_priority(priority))  # a bad name fails here, at once
         controller = StepController(paused=step) if debug or step else None
         state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
-                             passes=check_passes(passes), priority=priority)
+                             passes=check_passes(passes), priority=priority, strategy=strategy)
         if self.num_api_spec_tokens and state.backend.api_speculation:
             state.spec_tokens = self.num_api_spec_tokens
         file = self.func.__code__.co_filename
@@ -185,19 +158,18 @@ class SglFunction:
                 reason="step controller")
 
         def body() -> None:
-            state._body_thread = threading.current_thread()
+            state.body_started()
             state.call_stack.append({"function": self.func.__name__, "args": dict(args)})
             try:
                 state.ret_value = self.func(state, **args)
             except BaseException as e:  # noqa: BLE001 - kept on the state, with its line
-                state._finish(e, file)
+                state.body_ended(e, file)
             else:
-                state._finish()
+                state.body_ended()
 
-        state.call = ProgramCall(self, dict(args), dict(defaults),
-                                 {"passes": passes, "priority": priority})
-        state.replay = replay
-        state.begin(self.func.__name__, shared_prefix, after, call=state.call.attrs())
+        call = ProgramCall(self, dict(args), dict(defaults),
+                           {"passes": passes, "priority": priority})
+        state.begin(self.func.__name__, shared_prefix, after, call=call)
         (pool or _bodies).submit(body)
         return ProgramFuture(state)
 
@@ -205,7 +177,7 @@ class SglFunction:
             step: bool = False, passes=None, priority: str = "normal",
             **kwargs) -> ProgramState:
         """Run the program; returns its state. Returns at once with stream=True (use
-        text_iter) or step=True (starts paused: drive it with state.debug). `passes`: the
+        text_iter) or step=True (starts paused: drive it with state.stepper). `passes`: the
         compiler passes to apply (default all; () for none). `priority`: "interactive",
         "normal" or "batch" (the scheduler serves higher levels first).
 
@@ -247,7 +219,7 @@ class SglFunction:
         `backend`'s chat template, else the default backend's if one is set, shows the
         text of role markers)."""
         call, defaults = self._split(args, kwargs)
-        backend = backend or _default_backend
+        backend = backend or current_backend()
         roles = backend.chat_roles if backend is not None else None
         return trace_program(self.func, self._with_bound(call), _run_defaults(defaults), roles)
 
@@ -405,3 +377,8 @@ def function(func: Callable | None = None, num_api_spec_tokens: int | None = Non
     if func is None:
         return lambda f: SglFunction(f, num_api_spec_tokens)
     return SglFunction(func, num_api_spec_tokens)
+
+
+# The trace layer imports nothing above it: it is told how to re-run a traced program (its
+# function found where the trace says, wrapped as an SglFunction when it is a plain one).
+Timeline.rerunner = functools.partial(rerun_timeline, function_type=SglFunction)

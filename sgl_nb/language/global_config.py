@@ -4,6 +4,8 @@ docs/sglang_compat.md as having nothing to switch here)."""
 
 from __future__ import annotations
 
+from sgl_nb.language.default_backend import current_backend, set_default_backend
+
 
 class GlobalConfig:
     def __init__(self):
@@ -22,14 +24,10 @@ class GlobalConfig:
     def default_backend(self):
         """The backend programs run on, once set (None until then; `sgl.Runtime()` is made
         on the first program's run, as `get_default_backend()` does)."""
-        from sgl_nb.language.function import current_backend  # it imports this module
-
         return current_backend()
 
     @default_backend.setter
     def default_backend(self, backend) -> None:
-        from sgl_nb.language.function import set_default_backend
-
         set_default_backend(backend)
 
     @property

@@ -1,7 +1,8 @@
 """`state.rerun(at=..., value=..., **sampling)`: run a program again from one of its Nodes,
 with an edit. The program's Python runs again from the start; before `at` each Node's
-recorded output is replayed (sgl_nb/language/replay.py: no decoding, and the radix cache
-still holds the prompt), `at` gets the edit, and what follows runs live. From a live state
+recorded output is replayed (the states run with a Rerun strategy over a RerunCursor:
+sgl_nb/language/rerun_strategy.py, rerun_cursor.py; no decoding, and the radix cache still
+holds the prompt), `at` gets the edit, and what follows runs live. From a live state
 or from a trace (`sgl_nb.tracing.load(path).rerun(...)`, when the program's function can be
 imported)."""
 
@@ -12,7 +13,8 @@ import json
 import sys
 
 from sgl_nb.language.expressions import SAMPLING_ARGS, sampling_args
-from sgl_nb.language.replay import MISSING, Edit, Replay, RerunReport
+from sgl_nb.language.rerun_cursor import MISSING, Edit, RerunCursor, RerunReport
+from sgl_nb.language.rerun_strategy import Rerun
 from sgl_nb.language.run_record import (
     NodeRecord,
     ProgramRecord,
@@ -46,12 +48,14 @@ def rerun_state(state, at, value=MISSING, *, stream: bool = False, backend=None,
                   stream, backend or state.backend, sampling)
 
 
-def rerun_timeline(tl: Timeline, at, value=MISSING, *, program: int | None = None,
-                   stream: bool = False, backend=None, debug: bool = False, **sampling):
+def rerun_timeline(tl: Timeline, at, value=MISSING, *, function_type: type,
+                   program: int | None = None, stream: bool = False, backend=None,
+                   debug: bool = False, **sampling):
     """The re-run of a traced program: its function is imported by the module and name the
-    trace recorded (a notebook's own programs are found in its namespace, `__main__`)."""
+    trace recorded (a notebook's own programs are found in its namespace, `__main__`).
+    `function_type`: SglFunction (function.py passes it: this module does not import it)."""
     record = record_of_timeline(tl, program)
-    function = _import_function(record)
+    function = _import_function(record, function_type)
     raw = record.call.get("args")
     if raw is None:
         raise ValueError(f"the trace did not record program {record.id}'s arguments as JSON "
@@ -70,8 +74,8 @@ def _start(function, args: dict, defaults: dict, options: dict, record: ProgramR
         backend.check_grammar(edit.sampling.get("regex"), edit.sampling.get("json_schema"))
     where = f"{node.label} (line {node.line})" if node.line is not None else node.label
     report = RerunReport(where)
-    fut = function._start(dict(args), backend, replay=Replay(record, (path, index), edit, report),
-                          **options, **defaults)
+    cursor = RerunCursor(record, (path, index), edit, report)
+    fut = function._start(dict(args), backend, strategy=Rerun(cursor), **options, **defaults)
     fut.state.rerun_report = report
     fut.state.rerun_of = record
     return fut.state if stream else fut.result()
@@ -136,9 +140,7 @@ def check_edit(node: NodeRecord, value, sampling: dict) -> dict:
     return out
 
 
-def _import_function(record: ProgramRecord):
-    from sgl_nb.language.function import SglFunction
-
+def _import_function(record: ProgramRecord, SglFunction: type):  # noqa: N803 - the class
     module, qualname = record.call.get("module"), record.call.get("qualname")
     if not module or not qualname:
         raise ValueError(f"the trace does not say where program {record.id}'s function "
@@ -172,5 +174,3 @@ def _namespace(module: str):
             return shell.user_ns
     return sys.modules.get(module) or importlib.import_module(module)
 
-
-Timeline.rerunner = rerun_timeline  # the trace layer imports nothing above it: it is told

@@ -1,13 +1,13 @@
-"""ProgramState: the `s` of a program.
+"""ProgramState: the `s` of a program, a façade over its run.
 
 The program's Python (a body thread from sgl_nb/language/body_pool.py) is the interpreter:
-`s += ...` records Nodes. Wherever something depends on them (a gen, a select, a fork, a read,
-the end) the Nodes recorded since the last such point go through the passes
-(runtime/compiler/passes.py), are lowered to Instructions (runtime/compiler/lowering.py) and
-handed to the executor (runtime/compiler/executor.py), which runs them in order on its own
-thread; what they do to the text and the variables is in sgl_nb/language/effects.py. The
-Python goes on at once and blocks only where it reads a generated value (`s["x"]`,
-`s.text()`)."""
+`s += ...` records Nodes through the state's recorder (sgl_nb/language/recorder.py). Wherever
+something depends on them (a gen, a select, a fork, a read, the end) the Nodes recorded since
+the last such point go through the passes, are lowered and handed to the executor, which runs
+them in order on its own thread; what they do to the run (sgl_nb/language/program_run.py) is
+in sgl_nb/language/effects.py. The Python goes on at once and blocks only where it reads a
+generated value (`s["x"]`, `s.text()`). A static recorder (sgl_nb/language/static_graph.py)
+keeps the Nodes instead, for a program's static graph."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import itertools
 import operator
 import sys
 import threading
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import MappingProxyType
+from typing import Protocol
 
-from sgl_nb.language.effects import ProgramEffects
+from sgl_nb.language.errors import ProgramCancelled, ProgramError
 from sgl_nb.language.expressions import (
     Concat,
     Gen,
@@ -31,17 +30,16 @@ from sgl_nb.language.expressions import (
     system,
     user,
 )
-from sgl_nb.language.replay import MISSING
+from sgl_nb.language.program_run import ProgramRun
+from sgl_nb.language.recorder import LiveRecorder
 from sgl_nb.language.rerun import rerun_state
+from sgl_nb.language.rerun_cursor import MISSING
+from sgl_nb.language.rerun_strategy import LIVE
 from sgl_nb.language.snapshot import ProgramSnapshot
 from sgl_nb.language.token_info import TokenInfo, token_info
-from sgl_nb.runtime.compiler.executor import get_executor
-from sgl_nb.runtime.compiler.instructions import Cancelled
 from sgl_nb.runtime.compiler.ir import (
-    ForkNode,
     GenNode,
     InitNode,
-    JoinNode,
     Node,
     ReturnNode,
     RoleBeginNode,
@@ -52,11 +50,10 @@ from sgl_nb.runtime.compiler.ir import (
     dot,
 )
 from sgl_nb.runtime.compiler.listing import listing
-from sgl_nb.runtime.compiler.lowering import lower
-from sgl_nb.runtime.compiler.passes import run_passes
 from sgl_nb.runtime.compiler.step_controller import StepController
-from sgl_nb.runtime.events import ProgramFinished, VariableSet
-from sgl_nb.runtime.status import Status
+from sgl_nb.runtime.events import VariableSet
+
+__all__ = ["ForkGroup", "ProgramCancelled", "ProgramError", "ProgramState", "View"]
 
 _state_ids = itertools.count(1)
 
@@ -71,87 +68,112 @@ class _ScopeMark:
         self.name, self.begin = name, begin
 
 
-class ProgramError(RuntimeError):
-    """An exception inside a program, with the program line it came from."""
+class View(Protocol):
+    """What shows a program (a notebook widget): `state.add_view(view)` attaches it."""
+
+    def attach(self, state: ProgramState) -> None: ...
 
 
-class ProgramCancelled(ProgramError, Cancelled):
-    """The program was cancelled (`state.cancel()`, `fut.cancel()`, an interrupt while
-    waiting on it). What it produced until then is kept on the state."""
-
-
-class ProgramState(ProgramEffects):
-    def __init__(self, backend, defaults: dict, text: str = "", parent: ProgramState | None = None,
+class ProgramState:
+    def __init__(self, backend, defaults: dict, parent: ProgramState | None = None,
                  debug: StepController | None = None, passes: frozenset[str] = frozenset(),
-                 priority: str = "normal"):
-        self.id = next(_state_ids)
+                 priority: str = "normal", strategy=LIVE, recorder=None):
         self.priority = priority  # the scheduler's level for this program's requests
         self.passes = passes
         self.pass_counts: dict[str, int] = {}
         self.backend, self.defaults, self.parent = backend, defaults, parent
-        self.debug = debug  # the step controller, when the program runs under the debugger
-        self.events = backend.events
-        self._executor = get_executor()
-        if debug is not None:
-            debug.add_waker(self._executor.wake)
-        self._text = text
-        self._fork_point = len(text)
-        self._kv_len = 0  # how much of the text the engine is known to have computed
-        self._vars: dict = {}
-        self._meta: dict = {}
-        self._messages: list[dict] = [] if parent is None else [dict(m) for m in parent._messages]
-        self._role_start: int | None = None
-        self._open_role: str | None = None  # the role a turn has open (not yet ended)
-        self._scopes: dict[str, int] = {}
-        self._error: BaseException | None = None
-        self._error_line: int | None = None
-        self._cancelled = False
-        self._inflight: set = set()  # engine requests running for it now
-        self._children: list[ProgramState] = []  # fork branches, cancelled with it
-        self.nodes: list[Node] = []  # handed to the executor, in order
-        self._buffer: list[Node] = []  # recorded, not yet through the passes
-        self._payloads: dict[int, object] = {}  # node id -> the expression it came from
-        self._nodes_by_id: dict[int, Node] = {}
-        self._node_start: dict[int, int] = {}  # node id -> where its text starts
-        self._scores: dict[int, dict] = {}  # select node id -> the scores of its choices
-        self._forked: dict[int, list[ProgramState]] = {}  # fork node id -> its branches
-        self._lock = threading.RLock()  # the program and a reader may both flush
-        self._cond = threading.Condition()
-        self._pending = 0  # Nodes handed to the executor that have not ended
-        # (variable, text, meta) as it is produced; meta: a decoded chunk's tokens so far
-        self._stream: list[tuple[str | None, str, dict | None]] = []
-        self._finished = False  # its Return ran
-        self._ended = threading.Event()
+        self.events = backend.events if backend is not None else None
+        self._run = ProgramRun(next(_state_ids), parent._run if parent is not None else None,
+                               debug, strategy)
         # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
-        self._body_thread: threading.Thread | None = None  # the thread running the program
-        self._has_body = False  # a body runs (or will): a fork branch has none
-        # API speculative execution (sgl_nb/language/speculation.py): tokens a gen asks for at once,
-        # and what of the answer the following text and gens have not taken yet.
+        # API speculative execution (sgl_nb/language/speculation.py): tokens a gen asks for
+        # at once.
         self.spec_tokens: int | None = None
-        self.speculated = ""
-        self.call = None  # the ProgramCall that started it (function.py): rerun() repeats it
-        self.replay = None  # a re-run's record of the run it repeats (language/replay.py)
-        self._tokens: dict = {}  # gen node id -> its TokenChoices, in order
-        self._steps: dict = {}  # node id -> what the re-run does with it (Stepped)
-        self._chosen: dict = {}  # select node id -> (choice, how) a re-run gave it
         self.rerun_report = None  # a re-run's RerunReport
         self.rerun_of = None  # ... and the record of the run it repeats (a ProgramRecord)
         self.ret_value = None  # what the program's function returned (SGLang's name)
+        self.views: list[View] = []  # what shows it (add_view)
         self._copy_of: ForkGroup | None = None  # `with s.copy() as c:` joins this at its end
+        # Where its Nodes go (a factory of (state, run)): the executor, or a static graph.
+        self._recorder = (recorder or LiveRecorder)(self, self._run)
 
-    def begin(self, function: str, shared_prefix: str = "", after=None,
-              call: dict | None = None) -> Node:
+    # ---- what it is ----------------------------------------------------------------------
+
+    @property
+    def id(self) -> int:
+        return self._run.id
+
+    @property
+    def nodes(self) -> list[Node]:
+        """Its Nodes as handed to the executor, in order (a Join brings its branches')."""
+        return self._run.nodes
+
+    @property
+    def stepper(self) -> StepController | None:
+        """The step controller, when the program runs under the debugger."""
+        return self._run.stepper
+
+    debug = stepper  # the name the stepper had first
+
+    @property
+    def call(self):
+        """The ProgramCall that started it (function.py): rerun() repeats it."""
+        return self._run.call
+
+    @property
+    def function(self) -> str | None:
+        return self._run.function
+
+    @property
+    def fn(self):
+        """The program's function (run it again: `NAME.fn.run(...)`); None for a branch."""
+        return self.call.function if self.call is not None else None
+
+    @property
+    def widget(self) -> View | None:
+        """The first view shown for it (a `%%sgl` cell's widget), if any."""
+        return self.views[0] if self.views else None
+
+    def add_view(self, view: View) -> None:
+        """Show the program in `view` (it follows the program from now on)."""
+        self.views.append(view)
+        view.attach(self)
+
+    def begin(self, function: str, shared_prefix: str = "", after=None, call=None) -> Node:
         """A program's start: its Init Node, queued ahead of anything its body records (the
-        executor runs its Init Instruction, which says program_started). `shared_prefix`:
-        this program also computes that text for others (a shared Extend after Init);
-        `after`: such an Extend of another program, which this one starts after."""
-        self.function = function
-        self._has_body = True
+        executor runs its Init Instruction, which says program_started). `call`: the
+        ProgramCall. `shared_prefix`: this program also computes that text for others (a
+        shared Extend after Init); `after`: such an Extend of another program, which this
+        one starts after."""
+        self._run.function, self._run.call = function, call
+        self._recorder.has_body = True
         node = InitNode(program=self.id, function=function, shared_prefix=shared_prefix,
-                        after=after, call=call or {})
-        self._record(node)
+                        after=after, call=call.attrs() if call is not None else {})
+        self._recorder.record(node)
         return node
+
+    def body_started(self) -> None:
+        """Called on the thread that runs the program's Python, before it starts."""
+        self._recorder.body_thread = threading.current_thread()
+
+    def body_ended(self, error: BaseException | None = None, file: str | None = None):
+        """The body has returned (or raised `error`): what it queued runs, then Return."""
+        if self.parent is not None:
+            self._recorder.flush()
+            return
+        self._recorder.record(ReturnNode(program=self.id, preds=self._recorder.preds()),
+                              (error, file))
+
+    def branch(self, strategy) -> ProgramState:
+        """A fork branch of this state, as its Fork runs (effects.py)."""
+        return type(self)(self.backend, self.defaults, parent=self, debug=self.stepper,
+                          passes=self.passes, priority=self.priority, strategy=strategy)
+
+    def emit(self, cls, **fields) -> None:
+        """Publish a `cls` event of this program (runtime/events.py)."""
+        if self.events is not None:
+            self.events.emit(cls, program=self.id, **fields)
 
     # ---- the program side ----------------------------------------------------------------
 
@@ -160,43 +182,14 @@ class ProgramState(ProgramEffects):
         return self
 
     def _submit(self, expr, frame=None) -> None:
-        if self._cancelled:  # the program's Python stops at its next `s += ...`
-            raise ProgramCancelled(f"program {self.id} was cancelled")
+        self._recorder.check_open()
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         stack = tuple(f["function"] for f in self.call_stack)
-        with self._lock:
+        with self._run.lock:
             for cls, fields, payload in self._to_nodes(expr):
-                self._record(cls(program=self.id, preds=self._preds(), file=file, line=line,
-                                 stack=stack, **fields), payload)
-
-    def _record(self, node: Node, payload=None) -> None:
-        with self._lock:
-            self._buffer.append(node)
-            self._payloads[node.id] = payload
-            if not isinstance(node, TextNode):  # text may still fuse with what follows
-                self._flush()
-
-    def _preds(self) -> list[int]:
-        last = self._buffer[-1] if self._buffer else self.nodes[-1] if self.nodes else None
-        return [last.id] if last is not None and not isinstance(last, InitNode) else []
-
-    def _flush(self) -> None:
-        """The Nodes recorded since the last flush: passes, lowering, the executor."""
-        with self._lock:
-            if not self._buffer:
-                return
-            nodes, reports = run_passes(self._buffer, self.passes)
-            self._buffer = []
-            for r in reports:
-                if r.changed:
-                    self.pass_counts[r.name] = self.pass_counts.get(r.name, 0) + r.changed
-            for n in nodes:
-                n.instructions = lower(n)
-                self._nodes_by_id[n.id] = n
-            self.nodes.extend(nodes)
-            with self._cond:
-                self._pending += len(nodes)
-            self._executor.add(self, nodes)
+                self._recorder.record(cls(program=self.id, preds=self._recorder.preds(),
+                                          file=file, line=line, stack=stack, **fields),
+                                      payload)
 
     def _to_nodes(self, expr) -> list[tuple[type[Node], dict, object]]:
         """What `s += expr` adds: (Node class, its fields, the expression it came from)."""
@@ -225,7 +218,7 @@ class ProgramState(ProgramEffects):
                 for part in expr.content:
                     out.extend(self._to_nodes(part))
             except Exception:
-                self._open_role = None  # nothing of the turn was added
+                self._run.open_role = None  # nothing of the turn was added
                 raise
             return [*out, *self._to_nodes(Role(expr.role, False))]
         if isinstance(expr, Role):
@@ -235,12 +228,12 @@ class ProgramState(ProgramEffects):
 
     def _track_role(self, mark: Role) -> None:
         """Turns do not nest, and each ends the role it began."""
-        if mark.begin and self._open_role is not None:
-            raise ValueError(f"nested roles: {mark.role} inside an open {self._open_role}")
-        if not mark.begin and self._open_role != mark.role:
+        if mark.begin and self._run.open_role is not None:
+            raise ValueError(f"nested roles: {mark.role} inside an open {self._run.open_role}")
+        if not mark.begin and self._run.open_role != mark.role:
             raise ValueError(f"{mark.role}_end without {mark.role}_begin (the open role is "
-                             f"{self._open_role})")
-        self._open_role = mark.role if mark.begin else None
+                             f"{self._run.open_role})")
+        self._run.open_role = mark.role if mark.begin else None
 
     @contextmanager
     def _role_block(self, role: str):
@@ -301,27 +294,8 @@ class ProgramState(ProgramEffects):
         group._join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
 
     def _fork(self, n: int, caller) -> ForkGroup:
-        node = ForkNode(program=self.id, preds=self._preds(), n=n,
-                        file=caller.f_code.co_filename, line=caller.f_lineno)
-        self._record(node)
-        self._wait_node(node)  # the branches start from the text the parent has then
-        return ForkGroup(self, self._forked[node.id], node)
-
-    def _wait_node(self, node: Node) -> None:
-        """Until the executor has run `node`; raises if it did not run to its end."""
-        with self._cond:
-            self.interruptible(lambda: self._cond.wait_for(lambda: node.status.ended))
-        if node.status is Status.CANCELLED or self._cancelled:
-            raise ProgramCancelled(f"program {self.id} was cancelled")
-        if node.status is not Status.DONE:
-            raise ProgramError(f"{node.kind.value} did not run: {self._error}")
-
-    def _model_name(self) -> str | None:
-        """For the events and spans only: never lets a backend's attribute error out."""
-        try:
-            return self.backend.model_name
-        except Exception:  # noqa: BLE001 - a name for a trace is not worth failing a program
-            return None
+        node, branches = self._recorder.fork(n, caller)
+        return ForkGroup(self, branches, node)
 
     # ---- cancelling ----------------------------------------------------------------------
 
@@ -330,30 +304,28 @@ class ProgramState(ProgramEffects):
         `cancelled`, its fork branches are cancelled too, and its Python stops at its next
         `s += ...` or read. The text and variables produced so far are kept; `error()` is a
         ProgramCancelled. Returns at once; False if the program had already ended."""
-        with self._cond:
-            if self._finished or self._cancelled:
+        run = self._run
+        with run.cond:
+            if run.finished or run.cancelled:
                 return False
-            self._cancelled = True
-            if self._error is None:
-                self._error = ProgramCancelled(f"program {self.id} was cancelled")
-            handles = list(self._inflight)
-            self._cond.notify_all()
-        for child in self._children:
+            run.cancelled = True
+            if run.error is None:
+                run.error = ProgramCancelled(f"program {self.id} was cancelled")
+            handles = list(run.inflight)
+            run.cond.notify_all()
+        for child in run.children:
             child.cancel()
         for handle in handles:
             handle.cancel()
         self.backend.cancel_program(self.id)  # anything submitted and not seen yet
-        if self.debug is not None:
-            self.debug.continue_()  # a held program must not stay held: it has to end
-        self._executor.wake()
+        if self.stepper is not None:
+            self.stepper.continue_()  # a held program must not stay held: it has to end
+        self._recorder.executor.wake()
         return True
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled
-
-    def _cancel_error(self, what: str) -> ProgramCancelled:
-        return ProgramCancelled(what)
+        return self._run.cancelled
 
     def interruptible(self, wait):
         """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
@@ -366,100 +338,54 @@ class ProgramState(ProgramEffects):
 
     def wait(self, timeout: float | None = None) -> ProgramState:
         """Block until the program has ended (its body returned and everything it queued
-        ran, or it was cancelled); returns the state. TimeoutError after `timeout` s."""
-        self._flush()
-        if not self.interruptible(lambda: self._ended.wait(timeout)):
+        ran, or it was cancelled, and what waits on its end, such as a cell's trace file,
+        has run); returns the state. TimeoutError after `timeout` s."""
+        self._recorder.flush()
+        if not self.interruptible(lambda: self._run.ended.wait(timeout)):
             raise TimeoutError(f"program {self.id} still running after {timeout} s")
         return self
+
+    def on_end(self, task) -> None:
+        """Run `task()` once the program has ended, before wait() returns (at once if it
+        has ended)."""
+        self._run.on_end(task)
+
+    @property
+    def ended(self) -> bool:
+        """It has ended, and what waits on its end has run (wait() would not block)."""
+        return self._run.ended.is_set()
 
     # ---- reading results ---------------------------------------------------------------
 
     def sync(self) -> None:
         """Wait until everything queued so far has run; from outside the program (a
         notebook cell reading a streamed run), until the program has finished."""
-        self.interruptible(self._sync)
-
-    def _sync(self) -> None:
-        self._flush()
-        if self._outside():
-            self._wait_outside(lambda: False)
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0)
-
-    def _outside(self) -> bool:
-        """Called from a thread that is not the program's own body? (Its body may not have
-        queued the Nodes yet, so "nothing pending" does not mean "done".)"""
-        return self._has_body and threading.current_thread() is not self._body_thread
+        self.interruptible(self._recorder.sync)
 
     @property
     def held(self) -> bool:
         """Its step controller holds it now (what exists is all there is until a step)."""
-        return self.debug is not None and self.debug.waiting_at is not None
+        return self._run.held
 
     @property
     def finished(self) -> bool:
-        """Its Return ran: everything it queued has run (`wait()` blocks for this)."""
-        return self._finished
+        """Its Return ran: everything it queued has run."""
+        return self._run.finished
 
     def snapshot(self) -> ProgramSnapshot:
         """The run as it is now, without waiting (sgl_nb/language/snapshot.py)."""
-        with self._cond:
-            text, vars_, meta = self._text, dict(self._vars), dict(self._meta)
-            messages = tuple(dict(m) for m in self._messages)
-            error, error_line, finished = self._error, self._error_line, self._finished
-        with self._lock:
-            nodes = tuple(self.nodes)
-        tokens = {k: tuple(v) for k, v in list(self._tokens.items())}
-        forks = {k: tuple(c.snapshot() for c in v) for k, v in list(self._forked.items())}
-        status = (Status.CANCELLED if self._cancelled else Status.ERROR if error is not None
-                  else Status.DONE if finished or self.parent is not None else Status.RUNNING)
-        return ProgramSnapshot(
-            self.id, getattr(self, "function", None),
-            self.parent.id if self.parent is not None else None, text,
-            MappingProxyType(vars_), MappingProxyType(meta), messages, nodes,
-            MappingProxyType(tokens), MappingProxyType(forks), status, error, error_line,
-            finished, self.held, MappingProxyType(self.call.attrs() if self.call else {}))
-
-    def _wait_outside(self, ready) -> None:
-        """Until ready(), the program ends, or a step controller holds it (what exists then
-        is all there is until someone steps: waiting longer would hang a notebook cell)."""
-        with self._cond:
-            while not (ready() or self._finished or self.held):
-                self._cond.wait(0.05)
+        return self._run.snapshot()
 
     def __getitem__(self, name: str):
-        return self.interruptible(lambda: self._get(name))
-
-    def _get(self, name: str):
-        self._flush()
-        if self._outside():
-            self._wait_outside(lambda: name in self._vars)
-            if name in self._vars:
-                return self._vars[name]
-            if not self._finished:
-                raise ProgramError(f"variable {name!r} is not produced yet: the program is "
-                                   "held by its step controller; step or continue it first")
-        with self._cond:
-            self._cond.wait_for(lambda: name in self._vars or self._pending == 0)
-            if name in self._vars:
-                return self._vars[name]
-        if self._cancelled:
-            raise ProgramCancelled(f"variable {name!r} was not produced: program {self.id} "
-                                   "was cancelled")
-        if self._error is not None:
-            raise ProgramError(f"variable {name!r} was not produced: {self._error}")
-        raise KeyError(f"unknown variable {name!r}; this program has {sorted(self._vars)}")
+        return self.interruptible(lambda: self._recorder.read(name))
 
     def __setitem__(self, name: str, value) -> None:
-        with self._cond:
-            self._vars[name] = value
-            self._cond.notify_all()
+        self._run.bind(name, value)
         self.emit(VariableSet, name=name, value=repr(value))  # no Node's event says it
 
     def __contains__(self, name: str) -> bool:
         self.sync()
-        return name in self._vars
+        return name in self._run.vars
 
     def get_var(self, name: str):
         """SGLang's spelling of s[name]."""
@@ -470,25 +396,29 @@ class ProgramState(ProgramEffects):
         self[name] = value
 
     def text(self) -> str:
-        self.sync()
-        return self._text
+        self._recorder.before_read("s.text()")
+        return self._run.text
 
     def messages(self) -> list[dict]:
-        self.sync()
-        return [dict(m) for m in self._messages]
+        self._recorder.before_read("s.messages()")
+        return [dict(m) for m in self._run.messages]
 
     def variables(self) -> dict:
-        self.sync()
-        return dict(self._vars)
+        self._recorder.before_read("s.variables()")
+        return dict(self._run.vars)
 
     def get_meta_info(self, name: str) -> dict:
         """What the gen or select bound to `name` reported ({} for another name)."""
-        self.sync()
-        return self._meta.get(name, {})
+        self._recorder.before_read("s.get_meta_info()")
+        return self._run.meta.get(name, {})
 
     def error(self) -> BaseException | None:
         self.sync()
-        return self._error
+        return self._run.error
+
+    @property
+    def error_line(self) -> int | None:
+        return self._run.error_line
 
     def graph(self) -> str:
         """The Nodes this program ran, each with the Instructions it ran (Init ... Return)."""
@@ -529,13 +459,13 @@ class ProgramState(ProgramEffects):
 
     def _chunks(self, var_name: str | None) -> Iterator[tuple[str, dict | None]]:
         """(text, meta) as produced; meta: a decoded chunk's token counts and logprobs."""
-        self._flush()
-        i = 0
+        self._recorder.flush()
+        run, i = self._run, 0
         while True:
-            with self._cond:
-                self.interruptible(lambda i=i: self._cond.wait_for(
-                    lambda: len(self._stream) > i or self._finished))
-                items, done = self._stream[i:], self._finished and len(self._stream) <= i
+            with run.cond:
+                self.interruptible(lambda i=i: run.cond.wait_for(
+                    lambda: len(run.stream) > i or run.finished))
+                items, done = run.stream[i:], run.finished and len(run.stream) <= i
             if done:
                 return
             i += len(items)
@@ -559,43 +489,12 @@ class ProgramState(ProgramEffects):
                 return
             chunk, meta = item
             if with_meta:
-                yield chunk, meta if meta is not None else dict(self._meta.get(var_name, {}))
+                yield chunk, meta if meta is not None else dict(self._run.meta.get(var_name, {}))
             else:
                 yield chunk
 
-    def _finish(self, error: BaseException | None = None, frame_file: str | None = None):
-        """The body has returned (or raised `error`): what it queued runs, then Return."""
-        if self.parent is not None:
-            self._flush()
-            return
-        self._record(ReturnNode(program=self.id, preds=self._preds()), (error, frame_file))
-
-    def _set_error(self, error: BaseException, file: str | None = None) -> None:
-        tb = traceback.extract_tb(error.__traceback__)
-        lines = [f.lineno for f in tb if file is None or f.filename == file]
-        self._error_line = lines[-1] if lines else None
-        self._error = error
-
-    @property
-    def error_line(self) -> int | None:
-        return self._error_line
-
-    def _end_status(self) -> Status:
-        return Status.CANCELLED if self._cancelled else Status.ERROR if self._error \
-            else Status.DONE
-
-    def _emit_finished(self) -> None:
-        self.emit(ProgramFinished, status=self._end_status(), line=self._error_line,
-                  error=repr(self._error) if self._error else None)
-
     def __repr__(self) -> str:
-        return f"ProgramState(id={self.id}, text={self._text[-60:]!r})"
-
-    def _append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
-        with self._cond:
-            self._text += text
-            self._stream.append((var, text, meta))
-            self._cond.notify_all()
+        return f"ProgramState(id={self.id}, text={self._run.text[-60:]!r})"
 
 
 def _fork_size(size, position_ids_offset) -> int:
@@ -665,17 +564,4 @@ class ForkGroup:
             raise ValueError(
                 f"join mode must be gather_variable or concate_and_append, got {mode!r}"
             )
-        for s in self.states:
-            s._flush()  # every branch Node is queued before the Join that waits for them
-        p = self.parent
-        preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        node = JoinNode(program=p.id, preds=preds, mode=mode,
-                        branches=tuple(s.id for s in self.states),
-                        file=caller.f_code.co_filename, line=caller.f_lineno)
-        p._record(node)
-        try:
-            p._wait_node(node)
-        except ProgramError as e:
-            if isinstance(e, ProgramCancelled):
-                raise
-            raise p._error from None  # a branch's own error, at its line
+        self.parent._recorder.join(self.states, self.node, mode, caller)

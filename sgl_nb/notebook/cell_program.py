@@ -15,7 +15,7 @@ import types
 
 import sgl_nb.language.expressions as dsl
 from sgl_nb.language.function import SglFunction
-from sgl_nb.language.replay import MISSING
+from sgl_nb.language.rerun_cursor import MISSING
 from sgl_nb.runtime.compiler.ir import NodeKind
 
 # The names a cell body sees without importing anything.

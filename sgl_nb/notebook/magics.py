@@ -26,7 +26,6 @@ from sgl_nb.backends.backend import is_backend
 from sgl_nb.language.function import get_default_backend, set_batch_view, set_default_backend
 from sgl_nb.language.state import ProgramState
 from sgl_nb.notebook.cell_program import compile_cell, parse_args
-from sgl_nb.runtime.events import ProgramFinished
 
 PRIORITIES = ("interactive", "normal", "batch")
 # What a %%sgl cell (and a cell's run_batch) shows: the full widget, one line, or nothing.
@@ -132,7 +131,6 @@ class SglMagics(Magics):
         fn_name = args.name or f"sgl_cell_{count if count is not None else 0}"
         fn = compile_cell(cell, fn_name, line, self.shell.user_ns, program_args, count,
                           seed=args.seed)
-        fn.fn = fn
         if args.define:
             self.shell.user_ns[args.name or "_sgl"] = fn
             return None
@@ -173,33 +171,18 @@ class SglMagics(Magics):
 
     def _run(self, fn, args):
         backend = self._backend(args.backend)
-        widget = None
-        level = self.widget_level(args)
-        if level == "full":
-            from sgl_nb.notebook.widgets import ProgramWidget
-
-            widget = ProgramWidget(backend, title=args.name or fn.__name__)  # subscribes now
-        elif level == "compact":
-            from sgl_nb.notebook.widgets.compact import CompactView
-
-            widget = CompactView(backend, title=args.name or fn.__name__)  # subscribes now
+        widget = _view(self.widget_level(args), backend, args.name or fn.__name__)
         if args.trace:
             _start_tracing(args.trace)
-        # Subscribed after the tracer, so each event reaches the tracer first.
-        end = _ProgramEnd(backend.events)
         defaults = {k: v for k, v in (("temperature", args.temperature),
                                       ("max_new_tokens", args.max_tokens)) if v is not None}
         state = fn.run(stream=True, step=args.step, debug=True, priority=args.priority,
                        backend=backend, **defaults)
-        state.fn, state.widget = fn, widget
-        end.watch(state)
-        state.wait = end.wait
         if widget is not None:
-            widget.attach(state)
+            state.add_view(widget)
         if args.trace:
-            end.trace_written = threading.Event()
-            threading.Thread(target=_stop_tracing_after, args=(end,),
-                             name="sgl-trace-cell", daemon=True).start()
+            # The file is written once the program has ended; NAME.wait() waits for it.
+            state.on_end(_stop_tracing)
         return state, widget
 
     @line_magic
@@ -335,6 +318,20 @@ class SglMagics(Magics):
         return view
 
 
+def _view(level: str, backend, title: str):
+    """What a cell shows at `level`; made (and subscribed) before the program starts, so
+    it sees every event."""
+    if level == "full":
+        from sgl_nb.notebook.widgets import ProgramWidget
+
+        return ProgramWidget(backend, title=title)
+    if level == "compact":
+        from sgl_nb.notebook.widgets.compact import CompactView
+
+        return CompactView(backend, title=title)
+    return None
+
+
 def _describe(rt) -> str:
     path = rt.model_path or rt.model_name
     extra = ""
@@ -370,67 +367,6 @@ def _flush_tracing() -> None:
     session = current()
     if session is not None:
         session.flush()
-
-
-class _ProgramEnd:
-    """When a %%sgl program has ended: its program_finished event has been published (and
-    has reached the tracer, subscribed before). Backs NAME.wait() and `--trace FILE`."""
-
-    def __init__(self, bus):
-        self.bus, self.state = bus, None
-        self.trace_written: threading.Event | None = None  # set once --trace FILE is closed
-        self.ended: set[int] = set()  # programs seen ending until ours is known
-        self.cond = threading.Condition()
-        if bus is not None:
-            bus.subscribe(self._on_event)  # a callback: it must return at once, and does
-
-    def watch(self, state) -> None:
-        with self.cond:
-            self.state = state
-            done = state.id in self.ended
-        if done:
-            self._unsubscribe()
-
-    def _on_event(self, event) -> None:
-        if not isinstance(event, ProgramFinished):
-            return
-        with self.cond:
-            self.ended.add(event.program)
-            self.cond.notify_all()
-            ours = self.state is not None and event.program == self.state.id
-        if ours:
-            self._unsubscribe()
-
-    def _unsubscribe(self) -> None:
-        if self.bus is not None:
-            self.bus.unsubscribe(self._on_event)
-
-    def wait(self, timeout: float | None = None):
-        """NAME.wait(): block until the program has ended (its body returned, everything it
-        queued ran, its end published; with --trace FILE, the file written); returns the
-        state. NAME["x"] waits for x only."""
-        if self.bus is None:  # no event stream: the end of its text is the end
-            for _ in self.state.text_iter():
-                pass
-            return self.state
-        with self.cond:
-            # An interrupt while it waits cancels the program (and then propagates).
-            ended = self.state.interruptible(
-                lambda: self.cond.wait_for(lambda: self.state.id in self.ended, timeout))
-        if ended and self.trace_written is not None:
-            ended = self.trace_written.wait(timeout)
-        if not ended:
-            raise TimeoutError(f"program {self.state.id} still running after {timeout} s")
-        return self.state
-
-
-def _stop_tracing_after(end: _ProgramEnd) -> None:
-    with end.cond:
-        end.cond.wait_for(lambda: end.state is not None and end.state.id in end.ended)
-    try:
-        _stop_tracing()  # closes the open spans and writes the file
-    finally:
-        end.trace_written.set()
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1,7 +1,7 @@
 """A re-run's cursor over the run it repeats (`state.rerun`, sgl_nb/language/rerun.py).
 
-Each program state of the re-run (the top one and every fork branch) holds a Replay over the
-record of the same program in the original run. The executor starts a state's Nodes in
+Each program state of the re-run (the top one and every fork branch) holds a RerunCursor over
+the record of the same program in the original run. The executor starts a state's Nodes in
 order, so `step` sees them in the order they ran: Node k of the re-run is the record's
 Node k while the program's Python takes the same path. Before the edited Node a Node's
 recorded output is replayed (a gen is not decoded); at it, the edit applies; after it, and
@@ -58,7 +58,7 @@ class RerunReport:
         return "; ".join(parts)
 
 
-class Replay:
+class RerunCursor:
     def __init__(self, record: ProgramRecord | None, at: tuple | None, edit: Edit,
                  report: RerunReport, live: bool = False):
         self.record = record
@@ -68,7 +68,7 @@ class Replay:
         self.diverged = record is None  # positions no longer line up with the record
         self._next = 0
 
-    def step(self, node: Node, branches: list[Replay] = ()) -> Stepped:
+    def step(self, node: Node, branches: list[RerunCursor] = ()) -> Stepped:
         """What to do with `node`, the next Node this state runs. `branches`: a Join's."""
         if any(b.live for b in branches):
             self.live = True  # what the branches gathered differs from the record
@@ -102,8 +102,8 @@ class Replay:
             self.report.diverged = f"{node.label()} ({where}; the record has {was})"
         return None
 
-    def branch(self, index: int, i: int) -> Replay:
-        """The Replay of branch i of the Fork at `index` (the fork Node's own position)."""
+    def branch(self, index: int, i: int) -> RerunCursor:
+        """The cursor of branch i of the Fork at `index` (the fork Node's own position)."""
         rec = None
         if not self.diverged and index < len(self.record.nodes):
             kids = self.record.nodes[index].branches
@@ -111,4 +111,4 @@ class Replay:
         at = None
         if self.at is not None and self.at[0][:1] == ((index, i),):
             at = (self.at[0][1:], self.at[1])
-        return Replay(rec, at, self.edit, self.report, live=self.live)
+        return RerunCursor(rec, at, self.edit, self.report, live=self.live)

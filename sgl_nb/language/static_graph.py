@@ -1,14 +1,15 @@
 """`f.trace(**args)`: the static part of a program as a graph, without running the model.
 
-The program runs against a state that only records Nodes; the first thing that needs a
-generated value (reading `s["x"]`, `s.text()`) ends the static part.
+The program runs against a state whose recorder (StaticRecorder) only keeps the Nodes; the
+first thing that needs a generated value (reading `s["x"]`, `s.text()`) ends the static part.
 """
 
 from __future__ import annotations
 
 import inspect
 
-from sgl_nb.language.state import ForkGroup, ProgramState
+from sgl_nb.language.program_run import ProgramRun
+from sgl_nb.language.state import ProgramState
 from sgl_nb.runtime.compiler.ir import ForkNode, JoinNode, Node, RoleEndNode, RoleNode, dot
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.passes import leading_text
@@ -19,60 +20,63 @@ class _EndOfStatic(Exception):
     pass
 
 
-class TraceState(ProgramState):
-    """Records what a program says; runs nothing."""
+class StaticRecorder:
+    """Records what a program says; runs nothing (the state's recorder for its static
+    graph). Anything that needs a generated value ends the static part."""
 
-    def __init__(self, defaults: dict, parent: TraceState | None = None, roles=None):
-        # Deliberately not ProgramState.__init__: no executor, no backend.
-        self.id, self.defaults, self.parent = id(self), defaults, parent
+    def __init__(self, state: ProgramState, run: ProgramRun, roles=None):
+        self.state, self.run = state, run
         self.roles = roles  # ChatRoles, to show the text role markers will add
-        self.backend = self.debug = self.events = None
-        self.passes, self.pass_counts = frozenset(), {}
-        self._held_text = None
-        self.nodes: list[Node] = []
-        self._open_role = None
-        self._error, self._vars, self._text, self._fork_point = None, {}, "", 0
-        self._copy_of = None
 
-    def _submit(self, expr, frame=None) -> None:
-        line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
-        for cls, fields, _ in self._to_nodes(expr):
-            preds = [self.nodes[-1].id] if self.nodes else []
-            if self.roles is not None and issubclass(cls, RoleNode):
-                fields["text"] = self._role_text(cls, fields["role"])
-            self.nodes.append(cls(program=self.id, preds=preds, file=file, line=line,
-                                  status=Status.TRACED, **fields))
-
-    def _role_text(self, cls: type[RoleNode], role: str) -> str:
-        if cls is RoleEndNode:
-            return self.roles.suffix[role]
-        first = not self.nodes
-        default = self.roles.default_system if first and role != "system" else ""
-        return default + self.roles.prefix[role]
-
-    def __getitem__(self, name: str):
-        raise _EndOfStatic(f"reads s[{name!r}]")
-
-    def sync(self) -> None:
+    def check_open(self) -> None:
         pass
 
-    def text(self) -> str:
-        raise _EndOfStatic("reads s.text()")
+    def preds(self) -> list[int]:
+        return [self.run.nodes[-1].id] if self.run.nodes else []
 
-    def _fork(self, n: int, caller=None) -> ForkGroup:
-        preds = [self.nodes[-1].id] if self.nodes else []
-        node = ForkNode(program=self.id, preds=preds, n=n, status=Status.TRACED)
-        self.nodes.append(node)
-        return _TraceForks(self, [TraceState(self.defaults, self) for _ in range(n)], node)
+    def record(self, node: Node, payload=None) -> None:
+        if self.roles is not None and isinstance(node, RoleNode):
+            node.text = self._role_text(node)
+        node.status = Status.TRACED
+        self.run.nodes.append(node)
+
+    def _role_text(self, node: RoleNode) -> str:
+        if isinstance(node, RoleEndNode):
+            return self.roles.suffix[node.role]
+        first = not self.run.nodes
+        default = self.roles.default_system if first and node.role != "system" else ""
+        return default + self.roles.prefix[node.role]
+
+    def flush(self) -> None:
+        pass
+
+    sync = flush
+
+    def before_read(self, what: str) -> None:
+        raise _EndOfStatic(f"reads {what}")
+
+    def read(self, name: str):
+        raise _EndOfStatic(f"reads s[{name!r}]")
+
+    def fork(self, n: int, caller=None) -> tuple[ForkNode, list[ProgramState]]:
+        node = ForkNode(program=self.run.id, preds=self.preds(), n=n, status=Status.TRACED)
+        self.run.nodes.append(node)
+        return node, [_static_state(self.state.defaults, self.roles, self.state)
+                      for _ in range(n)]
+
+    def join(self, branches: list[ProgramState], fork: ForkNode, mode: str, caller=None):
+        for b in branches:
+            self.run.nodes.extend(b.nodes)
+        preds = [b.nodes[-1].id for b in branches if b.nodes] or [fork.id]
+        self.run.nodes.append(JoinNode(program=self.run.id, preds=preds, mode=mode,
+                                       status=Status.TRACED))
 
 
-class _TraceForks(ForkGroup):
-    def _join(self, mode: str, caller=None) -> None:
-        p = self.parent
-        for s in self.states:
-            p.nodes.extend(s.nodes)
-        preds = [s.nodes[-1].id for s in self.states if s.nodes] or [self.node.id]
-        p.nodes.append(JoinNode(program=p.id, preds=preds, mode=mode, status=Status.TRACED))
+def _static_state(defaults: dict, roles=None, parent: ProgramState | None = None):
+    """A program state that records its program's static graph (no backend, no executor);
+    a branch's role markers show no text, as before a fork's text is known."""
+    return ProgramState(None, defaults, parent=parent, recorder=lambda state, run:
+                        StaticRecorder(state, run, roles if parent is None else None))
 
 
 class ProgramGraph:
@@ -96,7 +100,7 @@ class ProgramGraph:
 
 
 def trace_program(func, args: dict, defaults: dict, roles=None) -> ProgramGraph:
-    state = TraceState(defaults, roles=roles)
+    state = _static_state(defaults, roles)
     ends = None
     try:
         func(state, **args)
