@@ -146,7 +146,8 @@ def branches(s):
 
 
 def started(state, name: str, chars: int = 20):
-    until(lambda: len(state._vars.get(name, "")) > 0 or len(state._text) > chars + 40,
+    until(lambda: len(state.snapshot().vars.get(name, "")) > 0
+          or len(state.snapshot().text) > chars + 40,
           f"{name} generating")
 
 
@@ -154,7 +155,7 @@ def test_state_cancel_keeps_text_and_variables(runtime):
     alone = short.run().text()
     state = story.run(topic="a lighthouse", stream=True)
     other = short.run_async()
-    until(lambda: len(state._text) > 60, "the tale generating")
+    until(lambda: len(state.snapshot().text) > 60, "the tale generating")
     assert state.cancel()
     assert state.wait(timeout=WAIT) is state
     err = state.error()
@@ -178,7 +179,7 @@ def test_future_cancel_and_events_say_cancelled(runtime):
     q = runtime.events.subscribe()
     try:
         fut = story.run_async(topic="a fox")
-        until(lambda: len(fut.state._text) > 40, "the tale generating")
+        until(lambda: len(fut.state.snapshot().text) > 40, "the tale generating")
         assert fut.cancel() and fut.cancelled()
         state = fut.result(timeout=WAIT)
         pid = state.id
@@ -206,11 +207,14 @@ def _drain(q) -> list:
 
 def test_cancel_reaches_fork_branches(runtime):
     state = branches.run(stream=True)
-    until(lambda: len(state._children) == 2 and all(
-        len(c._text) > len(state._text) + 12 for c in state._children), "both branches")
+    def both_going(snap) -> bool:
+        kids = list(snap.branches())
+        return len(kids) == 2 and all(len(c.text) > len(snap.text) + 12 for c in kids)
+
+    until(lambda: both_going(state.snapshot()), "both branches")
     state.cancel()
     state.wait(timeout=WAIT)
-    assert all(isinstance(c.error(), sgl.ProgramCancelled) for c in state._children)
+    assert all(isinstance(c.error, sgl.ProgramCancelled) for c in state.snapshot().branches())
     ideas = state["idea"]  # both branches' partial ideas, gathered
     assert len(ideas) == 2 and all(ideas)
     join = next(n for n in state.nodes if n.kind == "Join")

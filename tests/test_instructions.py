@@ -52,7 +52,7 @@ def test_instruction_events_are_the_listed_instructions(runtime):
     finally:
         runtime.events.unsubscribe(q)
     assert st.error() is None
-    family = {st.id, *(c.id for c in st._children)}
+    family = {st.id, *(c.id for c in st.snapshot().branches())}
     events = [e for e in _drain(q) if e.program in family]
     started = [(e.program, e.node, e.op, e.index) for e in events
                if e.kind == "instruction_started"]
@@ -80,10 +80,11 @@ def test_instruction_events_are_the_listed_instructions(runtime):
 
 def test_the_static_listing_names_what_will_run():
     g = everything.trace(topic="tides")
-    assert not g.complete  # fork() needs the text so far
+    assert g.complete, g.ends  # nothing in it reads a generated value
     text = g.listing()
-    for kind in ("Extend", "Decode", "Score"):
+    for kind in ("Extend", "Decode", "Score", "Fork", "Join"):
         assert kind in text
+    assert [n.name for n in g.nodes if n.name == "detail"] == ["detail"]  # the nested call's
 
 
 def test_lowering_gives_one_typed_instruction_per_step():

@@ -156,7 +156,7 @@ def test_a_forks_branches_wait_for_one_shared_extend(runtime):
                and e.op == "Extend" and e.node == fork.id}
     assert started == {shared.request} and shared.request is not None
     prefix_tokens = len(runtime.tokenizer.encode(shared.text))
-    branches = {c.id for c in st._children}
+    branches = {c.id for c in st.snapshot().branches()}
     decodes = [e for e in events if e.program in branches and e.kind == "instruction_finished"
                and e.op == "Decode"]
     assert len(decodes) == 3

@@ -190,12 +190,12 @@ def test_node_stepping_works_remotely(ep, runtime):
     st.debug.step()
     assert st.debug.wait_until_held(timeout=WAIT)
     gen = st.debug.current
-    assert gen.kind == "Gen" and "a" not in st._vars  # held before the request is sent
+    assert gen.kind == "Gen" and "a" not in st.snapshot().vars  # held before the request is sent
     st.debug.step_instruction()  # remotely a whole Node: the server owns the tokens
     assert st.debug.wait_until_held(timeout=WAIT)
     assert gen.status == "done" and st.debug.current.text == " Then"
     other = two_gens.run(backend=ep)  # another program runs while this one is held
-    assert other.error() is None and "b" not in st._vars
+    assert other.error() is None and "b" not in st.snapshot().vars
     st.debug.continue_()
     assert st["b"] and st.error() is None
     assert st.text() == other.text() == two_gens.run(backend=runtime).text()
