@@ -145,13 +145,16 @@ def test_the_deltas_add_up_to_the_text_and_the_traits_sync_once(default_backend)
     # The static fallback: the same text, coloured, self-contained.
     static = view.static_html()
     assert static.count("<style>") == 1 and ".sgl-generated{" in static
+    body = static.split('class="sgl-stream"')[1]
     spans = re.findall(r'<span class="sgl-(?:template sgl-prompt|prompt|cached|generated|'
-                       r'forced)"[^>]*>([^<]*)</span>', static.split('class="sgl-stream"')[1])
+                       r'forced|drafted)"[^>]*>([^<]*)</span>', body)
     assert "".join(html.unescape(t) for t in spans) == st.text()
     assert 'data-var="answer"' in static and '<span class="sgl-role">user</span>' in static
-    assert len(re.findall(r'<span class="sgl-generated" style="background:#dcfce7" '
-                          r'title="p=[0-9.]+ token \d+" '
-                          r'data-node="\d+">', static)) == 48
+    sampled = (r'<span class="sgl-generated" style="background:#dcfce7" '
+               r'title="p=[0-9.]+ token \d+" data-node="\d+">')
+    drafted = (r'<span class="sgl-drafted" style="background:#cffafe" '
+               r'title="p=[0-9.]+ token \d+ \(drafted by prompt lookup\)" data-node="\d+">')
+    assert len(re.findall(sampled, static)) + len(re.findall(drafted, static)) == 48
 
 
 @slow

@@ -99,9 +99,9 @@ def test_the_final_state_is_recorded_once_whether_a_program_ends_between_or_in_c
     assert any(s.get("status") == "done" for s in _states(client.comm_msgs[2], between))
     saved = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
     assert saved[between]["state"]["status"] == "done"
-    finals = [s["snapshot"] for m in client.comm_msgs[2] for s in [m["data"].get("state", {})]
-              if s.get("snapshot", {}).get("final")]
-    assert finals, "the stream view's final snapshot was not sent again"
+    snapshots = [m["data"].get("state", {}).get("snapshot") for m in client.comm_msgs[2]]
+    assert any(isinstance(s, dict) and s.get("final") for s in snapshots), \
+        "the stream view's final snapshot was not sent again"
     static = next(o for o in nb.cells[1].outputs if "text/html" in o.get("data", {}))
     assert '<span class="sgl-static-status">done</span>' in static["data"]["text/html"]
 
