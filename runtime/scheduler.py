@@ -83,6 +83,9 @@ class Scheduler:
         self.retractions = self.preemptions = self.resumes = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.events = None  # the engine's EventBus: cache hits, inserts and evictions
+        # Requests whose step controller refused their jump in the step being chosen: it is
+        # asked once a step, so a step granted meanwhile goes to the next one, as a jump.
+        self._held_now: set[int] = set()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self.suspended)
@@ -96,6 +99,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         if self.preemption:
             self._rebalance()
+        self._held_now.clear()
         batch = self._extend_batch() or self._decode_batch()
         if batch is not None:
             self.step_no += 1
@@ -172,7 +176,10 @@ class Scheduler:
         for req in [r for r in self.running if r.draft_ids]:
             if budget <= 0:
                 break
-            if top is not None and self.level(req) > top:
+            # A stepped request is left out of the urgent level (it must not hold others
+            # back), so that level may be above its own: a step granted to it runs, as its
+            # decode would.
+            if top is not None and self.level(req) > top and req.gate is None:
                 continue
             if n := self._jump(req, budget):
                 chosen.append((req, n))
@@ -209,6 +216,7 @@ class Scheduler:
         if req.gate is not None and not req.gate():  # held by a step controller
             self.pool.free(req.slots[-n:])
             req.slots = req.slots[:-n]
+            self._held_now.add(req.rid)
             return 0
         req.slice_used += 1
         return n
@@ -298,7 +306,8 @@ class Scheduler:
         if not self.running:
             return None
         # A request held by a step controller sits out this step (and keeps its KV).
-        ready = [r for r in self.running if r.gate is None or r.gate()]
+        ready = [r for r in self.running
+                 if r.rid not in self._held_now and (r.gate is None or r.gate())]
         if not ready:
             return None
         self._make_room_for_decode()

@@ -310,11 +310,11 @@ def test_a_grammar_only_gets_drafts_it_accepts(default_backend):
     ids = rt.tokenizer.encode(" from Northwind Traders, dated 12 March", add_special_tokens=False)
     cut = grammar.allowed_prefix(ids)
     assert 0 < len(cut) < len(ids)
-    assert rt.tokenizer.decode(cut) == " from Northwind Traders, dated"
+    assert rt.tokenizer.decode(cut) == " from Northwind Traders, dated "  # digits apart
     assert grammar.allowed_prefix(ids) == cut  # the matcher did not move
     for t in cut:
         grammar.accept(t)
-    assert grammar.allowed_prefix(ids[len(cut):]) == ids[len(cut):][:1]  # " " before "12"
+    assert grammar.allowed_prefix(ids[len(cut):]) == []
 
     prompt = "Text: " + INVOICE + "\nThe same text without digits: Invoice"
     kw = {"max_tokens": 40, "regex": r"[A-Za-z ,.:]{1,120}"}
@@ -432,6 +432,7 @@ def test_chunks_retraction_and_the_engine_setting(model_path, default_backend):
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert off.token_ids == expected[0].token_ids
     assert accepted > 0 and m["prompt_lookup_accepted"] == accepted  # off unless asked
+    assert any(e.kind == "retracted" for e in events)
     per_step = Counter((e.request, e.step) for e in events if isinstance(e, Token) and e.drafted)
     assert max(per_step.values()) <= 4  # a draft longer than the budget went in chunks
     assert m["running"] == m["waiting"] == m["suspended"] == m["prefilling"] == 0
