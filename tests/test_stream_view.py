@@ -9,6 +9,7 @@ bench (`sgl-nb bench views`) runs on a real Jupyter kernel."""
 
 from __future__ import annotations
 
+import ast
 import html
 import json
 import re
@@ -19,8 +20,9 @@ from support.waits import WAIT, until
 
 import sgl_nb as sgl
 from sgl_nb.cli import main
-from sgl_nb.notebook.widgets import ProgramWidget
-from sgl_nb.notebook.widgets.stream import StreamModel, StreamView
+from sgl_nb.notebook.widgets import ProgramWidget, stream_model
+from sgl_nb.notebook.widgets.stream import StreamView
+from sgl_nb.notebook.widgets.stream_model import StreamModel
 from sgl_nb.tracing.timeline import Timeline
 
 slow = pytest.mark.slow
@@ -390,3 +392,15 @@ def test_the_views_bench_in_a_real_kernel(model_path, tmp_path):
     # At most 30 renders a second, one message each, and the final render's.
     assert row["stream_msgs"] > 0 and row["stream_peak_msgs_in_1s"] <= 30 + 2
     assert row["comm_msg"] > 0 and row["total_bytes"] > row["stream_bytes"]
+
+
+def test_the_model_is_plain_python():
+    """The stream's model (what a replay and the TUI could build too) needs no widget."""
+    path = Path(stream_model.__file__)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"ipywidgets", "anywidget", "traitlets", "IPython"}, imported
+

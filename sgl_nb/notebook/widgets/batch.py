@@ -26,7 +26,7 @@ from sgl_nb.notebook.widgets.compact import (
     line_html,
 )
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
-from sgl_nb.notebook.widgets.stream import StreamModel
+from sgl_nb.notebook.widgets.stream_model import StreamModel
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.runtime.events import Event, EventBus, Forked
 from sgl_nb.runtime.status import Status

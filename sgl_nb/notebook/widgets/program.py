@@ -34,7 +34,8 @@ from sgl_nb.notebook.widgets.call_stack import CallStackPanel, frames_of
 from sgl_nb.notebook.widgets.rerun_panel import RerunPanel, why_reply
 from sgl_nb.notebook.widgets.static_view import static_html, stop_after_cell
 from sgl_nb.notebook.widgets.stepper import StepperView, graph_rows, source_line
-from sgl_nb.notebook.widgets.stream import StreamModel, StreamView
+from sgl_nb.notebook.widgets.stream import StreamView
+from sgl_nb.notebook.widgets.stream_model import StreamModel
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.notebook.widgets.variables import VariablesPanel, variables_of

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from sgl_nb.notebook.widgets.stream import StreamModel
+from sgl_nb.notebook.widgets.stream_model import StreamModel
 
 
 def stream_html(widget) -> str:
