@@ -147,3 +147,7 @@ bench-remote: model vllm
 
 bench-tracing: model phoenix
 	$(WITH_SERVER) phoenix -- $(VENV)/bin/sgl-nb bench tracing --phoenix {url} $(BENCH_ARGS)
+
+# llama.cpp runs in a child process of its own venv's python (sgl_nb/bench/peers_llamacpp.py).
+bench-peers: model llamacpp
+	$(VENV)/bin/sgl-nb bench peers --llamacpp-venv $(LLAMACPP_VENV) --copy $(BENCH_ARGS)

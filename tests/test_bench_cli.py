@@ -35,6 +35,11 @@ DEFAULTS = {
                             "gemma3", "phi3", "olmo2", "granite", "smollm3"],
                "new_tokens": 32, "repeat": 1, "no_general_path": False, "json": None},
     "gguf": {"model": None, "new_tokens": 128, "repeat": 6, "json": None},
+    "copy": {"model": None, "dtype": "float32", "quantization": None, "hf_lookup_tokens": 10,
+             "repeat": 3, "json": None},
+    "peers": {"files": ["Q4_0", "Q4_1", "Q8_0", "F32"], "new_tokens": 128, "repeat": 4,
+              "llamacpp_venv": ".venv-llamacpp", "copy": False, "llama_lookup_tokens": 10,
+              "json": None},
     "serve": {"model": None, "clients": 32, "duration": 180.0, "disconnect_fraction": 1 / 3,
               "warmup": 30.0, "rss_growth_mb": 64.0, "seed": 0, "kv_pool_tokens": None,
               "vllm_bench": None, "vllm_server": None, "rounds": 2, "input_len": 256,
@@ -104,6 +109,55 @@ def test_a_server_that_does_not_answer_fails_before_the_model_loads(argv, says):
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv, url])
     assert str(e.value.code).startswith(says) and "make bench-" in str(e.value.code)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["copy", "--repeat", "0"], "--repeat must be at least 1"),
+    (["copy", "--hf-lookup-tokens", "0"], "--hf-lookup-tokens must be at least 1"),
+    (["peers", "--new-tokens", "1"], "--new-tokens at least 2"),
+    (["peers", "--llama-lookup-tokens", "0"], "--llama-lookup-tokens must be at least 1"),
+])
+def test_copy_and_peers_refuse_bad_numbers_before_loading(argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert says in str(e.value.code)
+
+
+def test_peers_without_llamacpp_venv_says_how_to_build_it(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "peers", "--llamacpp-venv", str(tmp_path / "none")])
+    assert "make llamacpp" in str(e.value.code) and "none/bin/python" in str(e.value.code)
+
+
+def test_peers_gguf_variant_keeps_the_files_metadata_and_values(tmp_path):
+    """A Q8_0 file written from a Q4_1 one: same keys (tokenizer included), same tensors,
+    every quantized weight Q8_0 (the embedding too) within Q8_0's rounding of the Q4_1
+    values, norms untouched."""
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+    from support.tiny_checkpoint import tiny_checkpoint, tiny_config
+    from support.tiny_gguf import write_gguf
+
+    from sgl_nb.bench.peers_gguf import write_variant
+
+    source = tmp_path / "tiny.Q4_1.gguf"
+    write_gguf(tiny_checkpoint(tiny_config("llama"), tmp_path / "llama"), source, "Q4_1")
+    write_variant(source, tmp_path / "tiny.Q8_0.gguf", "Q8_0")
+    a, b = GGUFReader(source), GGUFReader(tmp_path / "tiny.Q8_0.gguf")
+    assert set(a.fields) | {"general.file_type"} == set(b.fields)
+    assert b.fields["general.file_type"].contents() == 7
+    for key in ("tokenizer.ggml.tokens", "llama.block_count"):
+        assert a.fields[key].contents() == b.fields[key].contents()
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        va = quants.dequantize(ta.data, ta.tensor_type)
+        vb = quants.dequantize(tb.data, tb.tensor_type)
+        if ta.tensor_type == GGMLQuantizationType.F32:
+            assert tb.tensor_type == GGMLQuantizationType.F32 and (va == vb).all()
+        else:
+            assert tb.tensor_type == GGMLQuantizationType.Q8_0
+            # Half a Q8_0 step per block, and its fp16 scale's rounding (127 x 2^-11 steps)
+            step = abs(va).reshape(-1, 32).max(axis=1) / 127
+            assert (abs(va - vb).reshape(-1, 32) <= step[:, None] * 0.6 + 1e-6).all()
 
 
 @pytest.mark.slow
