@@ -58,7 +58,7 @@ class ProgramEffects:
 
     def __init__(self, state, run: ProgramRun, executor: Executor):
         self.state, self.run, self.executor = state, run, executor
-        self.id, self.backend, self.events = run.id, state.backend, state.events
+        self.id, self.backend = run.id, state.backend
         self.defaults, self.priority = state.defaults, state.priority
 
     @property
@@ -74,8 +74,7 @@ class ProgramEffects:
     # ---- the executor's host interface ------------------------------------------------
 
     def emit(self, cls: type[Event], **fields) -> None:
-        if self.events is not None:
-            self.events.emit(cls, program=self.id, **fields)
+        self.state.emit(cls, **fields)
 
     def node_started(self, node: Node) -> bool:
         if isinstance(node, InitNode):  # its Instruction runs even for a program cancelled at once

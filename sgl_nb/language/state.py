@@ -75,6 +75,10 @@ class View(Protocol):
 
 
 class ProgramState:
+    """The `s` a program writes to and a caller reads from. What it holds is what the
+    program is (its backend, defaults, call, call stack); what its run produced is its
+    ProgramRun, read here with waiting or through snapshot() without."""
+
     def __init__(self, backend, defaults: dict, parent: ProgramState | None = None,
                  debug: StepController | None = None, passes: frozenset[str] = frozenset(),
                  priority: str = "normal", strategy=LIVE, recorder=None):
