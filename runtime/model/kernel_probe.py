@@ -3,14 +3,15 @@
 A native kernel that crashes on a shape kills the process that called it: in a notebook,
 the user's Jupyter kernel and everything in it.
 So before a model's quantized layers are used, each (kernel, [N, K], dtype) among them runs
-in a child, `python -m sgl_nb.runtime.model.kernel_probe`, on random weights of that shape against
-their dequantized values. One child takes every unchecked shape of a load, reporting each
-verdict as it goes; if it dies (a signal, a non-zero exit, no answer in
-$SGL_NB_PROBE_TIMEOUT s, default 120) the shape it was on is "crashed" and the rest go to a
-new child. That limit starts when the child reports it is ready (torch imported, our
-extension loaded): a start-up takes 2 s on one machine and 10 s on a busy, slower one, and
-is no kernel's fault. The start-up has its own, generous limit ($SGL_NB_PROBE_START_TIMEOUT
-s, default 600), past which the child failed before checking a kernel.
+in a child, `python -m sgl_nb.runtime.model.kernel_probe_child`, on random weights of that
+shape against their dequantized values (runtime/model/kernel_probe_child.py). One child
+takes every unchecked shape of a load, reporting each verdict as it goes; if it dies (a
+signal, a non-zero exit, no answer in $SGL_NB_PROBE_TIMEOUT s, default 120) the shape it was
+on is "crashed" and the rest go to a new child. That limit starts when the child reports it
+is ready (torch imported, our extension loaded): a start-up takes 2 s on one machine and 10
+s on a busy, slower one, and is no kernel's fault. The start-up has its own, generous limit
+($SGL_NB_PROBE_START_TIMEOUT s, default 600), past which the child failed before checking a
+kernel.
 Verdicts are kept in `$SGL_NB_CACHE/kernel_checks/<key>.json`, the key covering
 the CPU, torch and our extension's build, so later loads spawn nothing.
 
@@ -24,7 +25,6 @@ kernel or shape and fault one of crash (SIGSEGV), exit, hang, raise, wrong.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import queue
@@ -48,7 +48,7 @@ from sgl_nb.runtime.model.quantize import INT4_GROUP, dequantize
 FAULT_ENV = "SGL_NB_PROBE_FAULT"
 TIMEOUT_ENV = "SGL_NB_PROBE_TIMEOUT"
 START_TIMEOUT_ENV = "SGL_NB_PROBE_START_TIMEOUT"
-_REPORT = "sgl-nb-probe "  # the prefix of the child's report lines on its stdout
+REPORT_PREFIX = "sgl-nb-probe "  # the prefix of the child's report lines on its stdout
 _ROWS = (1, 3, 9)  # rows per check: a decode row; torch's blocks of 4 rows, part and whole
 _CHUNK = 8192  # weight rows dequantized at a time for the reference (an LM head is large)
 _lock = threading.Lock()
@@ -177,8 +177,8 @@ def _run_child(probes: list[Probe]) -> tuple[dict[str, str | None], str | None]:
     job = json.dumps({"probes": [asdict(p) for p in probes], "extension": _extension_path()})
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_nb.runtime.model.kernel_probe"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=err, text=True,
+            [sys.executable, "-m", "sgl_nb.runtime.model.kernel_probe_child"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
         )
         proc.stdin.write(job)
         proc.stdin.close()
@@ -219,9 +219,9 @@ def _follow(proc: subprocess.Popen, probes: list[Probe]):
                 f"not ready in {wait:g} s"
         if line is None:
             return got, current, None
-        if not line.startswith(_REPORT):
+        if not line.startswith(REPORT_PREFIX):
             continue
-        report = json.loads(line[len(_REPORT):])
+        report = json.loads(line[len(REPORT_PREFIX):])
         if "ready" in report:
             ready = True
         elif "start" in report:
@@ -259,62 +259,6 @@ def _last_line(err) -> str:
 def _extension_path() -> str | None:
     module = _extension()
     return None if module is None else module.__file__
-
-
-# ---- the child side ---------------------------------------------------------------------------
-
-
-def main() -> int:
-    from sgl_nb.runtime.model import linear  # noqa: F401  (check's import, before ready)
-
-    job = json.load(sys.stdin)
-    _use_extension(job["extension"])
-    probes = [Probe(**p) for p in job["probes"]]
-    _report(ready=True)  # the parent's per-probe limit starts here, not at the spawn
-    for i, probe in enumerate(probes):
-        _report(start=i)
-        print(f"sgl-nb: probing {probe.name} on {probe.shape} ({i + 1}/{len(probes)})",
-              file=sys.stderr, flush=True)
-        _report(done=i, why=check(probe, _fault(probe)))
-    return 0
-
-
-def _report(**fields) -> None:
-    print(_REPORT + json.dumps(fields), flush=True)
-
-
-def _use_extension(path: str | None) -> None:
-    """The parent's build of our kernels, loaded by path: the child checks the code the
-    parent runs (the sources on disk may have changed since), and never builds."""
-    module = None
-    if path:
-        spec = importlib.util.spec_from_file_location("sgl_nb_cpu_decode", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    with cpu_decode._lock:
-        cpu_decode._state["module"] = module
-
-
-def _fault(probe: Probe) -> str | None:
-    for entry in os.environ.get(FAULT_ENV, "").split(";"):
-        parts = entry.split()
-        if len(parts) == 3 and parts[0] in ("*", probe.kernel) and \
-                parts[1] in ("*", f"{probe.n}x{probe.k}"):
-            return parts[2]
-    return None
-
-
-def check(probe: Probe, fault: str | None = None) -> str | None:
-    """Build the layer for random weights of the probe's shape and compare it with them."""
-    from sgl_nb.runtime.model import linear  # imports this module's neighbours, not this one
-
-    t = random_quantized(probe)
-    try:
-        layer = linear.quantized_linear(t, None, getattr(torch, probe.dtype), torch.device("cpu"),
-                                        probe.quantization, probe.kernel)
-        return check_layer(layer, t, probe, fault)
-    except RuntimeError as e:  # the kernel rejected the input: a verdict, not a crash
-        return f"{probe.name} raised on {probe.shape}: {str(e).splitlines()[0]}"
 
 
 def random_quantized(probe: Probe) -> dict[str, torch.Tensor]:
@@ -400,7 +344,3 @@ def _reference(x: torch.Tensor, t: dict[str, torch.Tensor], quantization: str, o
         if half is not None:
             bounds.append(half @ w.abs().T)
     return torch.cat(outs, 1), (torch.cat(bounds, 1) if bounds else torch.zeros(()))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

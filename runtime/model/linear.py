@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.model import kernel_rules
+from sgl_nb.runtime.model.kernel_probe import Probe, check_layer, verdicts
 from sgl_nb.runtime.model.kernel_rules import OURS_INT4, OURS_INT8, OURS_Q8_0, aligned
 from sgl_nb.runtime.model.quantize import (
     INT4_GROUP,
@@ -364,10 +365,6 @@ def check_kernels(layers: Iterable[tuple[str, dict[str, torch.Tensor]]], dtype: 
     layer whose kernel and shape have no verdict yet, so that the make_linear calls after
     it find theirs cached (one process per model load, not one per layer). The kernel is
     the one for the weight's own form (quantize.form_of), as in make_linear."""
-    # Imported here, not with the module: were `import sgl_nb` to import kernel_probe,
-    # `python -m sgl_nb.runtime.model.kernel_probe` (the probe process) would run a second copy.
-    from sgl_nb.runtime.model.kernel_probe import Probe, verdicts
-
     device = torch.device(device)
     if device.type != "cpu":
         return
@@ -392,8 +389,6 @@ def _kernel_for(quantization: str, have_weights: bool, n: int, k: int, dtype: to
     kernel, why = kernel_rules.choose(quantization, n, k, dtype, device)
     if kernel is None or device.type != "cpu":
         return kernel, why
-    from sgl_nb.runtime.model.kernel_probe import Probe, verdicts  # see check_kernels
-
     probe = Probe.of(kernel, n, k, dtype)
     return kernel, verdicts([probe])[probe]
 
@@ -414,6 +409,4 @@ def quantized_linear(t: dict[str, torch.Tensor], bias: torch.Tensor | None, dtyp
 
 
 def _check_here(layer: Linear, t, bias, kernel: str, n: int, k: int, dtype, device) -> str | None:
-    from sgl_nb.runtime.model.kernel_probe import Probe, check_layer  # see check_kernels
-
     return check_layer(layer, t, Probe.of(kernel, n, k, dtype), device=device, bias=bias)
