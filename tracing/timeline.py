@@ -269,7 +269,7 @@ class Timeline:
 
     def _node_queued(self, e: NodeQueued) -> None:
         n = self._node(e)
-        if n is None or n.status is not Status.RUNNING or n.kind is not None:
+        if n is None or n.kind is not None:
             return  # it started already (events handed over out of order)
         n.kind, n.name, n.label = e.node_kind, e.name, e.label
         n.line, n.file, n.preds = e.line, e.file, list(e.preds)

@@ -179,7 +179,6 @@ class ProgramWidget(PumpedView, W.VBox):
             model = StreamModel(tl, pid, self._prefix_chars, self.forks)
             finished = self._finished()
             rows = graph_rows(tl, tl.family(pid), self.timings)
-            variables = variables_of(tl, pid)
             text = model.text()
             widgets = [self, *self.stream.widgets(), *self.stepper.widgets(),
                        *self.cache.widgets(), self.variables, self.call_stack]
@@ -197,11 +196,11 @@ class ProgramWidget(PumpedView, W.VBox):
                     # as its snapshot alone (one message, not a patch and the snapshot).
                     for view in (self.variables, self.call_stack, self.cache.tree):
                         view.freeze()
-                if self._side_views_due(rows, len(variables), finished):
+                if self._side_views_due(rows, len(p.variables), finished):
                     self.stepper.update(rows, finished, hold, p.held_node)
                     self.cache.update(self.backend.cache, self._tokenizer(),
                                       self._path_tokens(model, text))
-                    self.variables.update(variables)
+                    self.variables.update(variables_of(tl, pid))
                     self._update_call_stack(finished)
         if finished and not self._final_updated:
             self._final_updated = True
