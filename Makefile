@@ -62,7 +62,9 @@ vllm: $(VLLM_STAMP)
 
 # llama.cpp's Python binding in its own venv, the peer of `make bench-peers`. PyPI has only
 # its sdist: pip compiles llama.cpp with cmake, CPU only, for this machine's instruction set
-# (GGML_NATIVE), so the venv is not portable to another CPU kind. About 10+ minutes on 2 cores.
+# (GGML_NATIVE), so the venv is not portable to another CPU kind; 30+ minutes on 2 busy
+# cores. Without AMX: on a Xeon that has it, ggml's AMX matmul crashed (SIGSEGV) at the first
+# decode; AVX-512 and AVX2 stay. --no-cache-dir: a wheel cached from other flags is not reused.
 LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 
@@ -70,7 +72,9 @@ $(LLAMACPP_STAMP):
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
 		-DGGML_BLAS=OFF -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(LLAMACPP_VENV)/bin/pip install -q --no-compile llama-cpp-python==0.3.36
+		CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+		CXXFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+		$(LLAMACPP_VENV)/bin/pip install -q --no-compile --no-cache-dir llama-cpp-python==0.3.36
 	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama.cpp', llama_cpp.__version__)"
 	touch $(LLAMACPP_STAMP)
 

@@ -36,7 +36,7 @@ DEFAULTS = {
                "new_tokens": 32, "repeat": 1, "no_general_path": False, "json": None},
     "gguf": {"model": None, "new_tokens": 128, "repeat": 6, "json": None},
     "copy": {"model": None, "dtype": "float32", "quantization": None, "hf_lookup_tokens": 10,
-             "repeat": 3, "json": None},
+             "max_tokens": None, "repeat": 3, "json": None},
     "peers": {"files": ["Q4_0", "Q4_1", "Q8_0", "F32"], "new_tokens": 128, "repeat": 4,
               "llamacpp_venv": ".venv-llamacpp", "copy": False, "llama_lookup_tokens": 10,
               "json": None},
@@ -114,6 +114,7 @@ def test_a_server_that_does_not_answer_fails_before_the_model_loads(argv, says):
 @pytest.mark.parametrize("argv, says", [
     (["copy", "--repeat", "0"], "--repeat must be at least 1"),
     (["copy", "--hf-lookup-tokens", "0"], "--hf-lookup-tokens must be at least 1"),
+    (["copy", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["peers", "--new-tokens", "1"], "--new-tokens at least 2"),
     (["peers", "--llama-lookup-tokens", "0"], "--llama-lookup-tokens must be at least 1"),
 ])

@@ -173,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our weights (default: as the checkpoint, dense)")
     parser.add_argument("--hf-lookup-tokens", type=int, default=10,
                         help="transformers' prompt_lookup_num_tokens (its docs suggest 10)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="cap every request's new tokens (default: its own, 160 for an "
+                        "extraction, 320 for an edit)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds, every side once per round; each keeps its fastest")
     add_json_argument(parser)
@@ -181,9 +184,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise SystemExit(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.hf_lookup_tokens < 1:
         raise SystemExit(f"--hf-lookup-tokens must be at least 1, got {args.hf_lookup_tokens}")
     rt, hf, requests = load_sides(args)
+    for r in requests:
+        r.max_tokens = min(r.max_tokens, args.max_tokens or r.max_tokens)
     try:
         print(f"{len(requests)} requests, prompts "
               f"{', '.join(str(len(r.ids)) for r in requests)} tokens", flush=True)

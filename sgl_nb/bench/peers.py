@@ -52,7 +52,9 @@ class LlamaCpp:
             raise SystemExit(f"--llamacpp-venv: no {python}; `make llamacpp` builds "
                              "llama-cpp-python in .venv-llamacpp")
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([str(python), str(CHILD)], stdin=subprocess.PIPE,
+        # -I: the script's folder is not put on sys.path (its copy.py would shadow the
+        # standard library's copy module).
+        self.proc = subprocess.Popen([str(python), "-I", str(CHILD)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.version = self.ask({"ping": True})["version"]
 
