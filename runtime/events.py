@@ -327,6 +327,12 @@ class EventBus:
         _send(event, queues, callbacks)
 
     @property
+    def listeners(self) -> int:
+        """How many subscribers (queues and callbacks) it has now."""
+        with self._lock:
+            return len(self._queues) + len(self._callbacks)
+
+    @property
     def active(self) -> bool:
         """Anyone listening? (Skip building costly event data when not.)"""
         return bool(self._queues or self._callbacks)

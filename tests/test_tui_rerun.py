@@ -36,7 +36,7 @@ def finished_app(runtime, scenario) -> None:
 
 async def select(pilot, label: str) -> None:
     graph = pilot.app.query_one("#graph")
-    i = next(k for k, r in enumerate(graph._rows) if r.label == label)
+    i = next(k for k, r in enumerate(graph.rows) if r.label == label)
     graph.nodes.highlighted = i
     await pilot.pause()
 

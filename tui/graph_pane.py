@@ -39,6 +39,11 @@ class GraphPane(Vertical):
     def nodes(self) -> OptionList:
         return self.query_one("#nodes", OptionList)
 
+    @property
+    def rows(self) -> list[NodeRow]:
+        """The rows shown, in order (the list's highlighted index is one of them)."""
+        return list(self._rows)
+
     def selected_row(self) -> NodeRow | None:
         i = self.nodes.highlighted
         return self._rows[i] if i is not None and i < len(self._rows) else None
