@@ -15,7 +15,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -36,6 +38,34 @@ namespace {
 using namespace sgl_nb;
 
 enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+
+// Where a decode step's time goes (DecodeStep.phase_seconds): the calling thread's wall
+// time between marks, summed over steps. A mark is one clock read (~25 ns, ~250 a step).
+enum Phase : int {
+  kEmbed, kNorms, kQkv, kRope, kAttention, kOProj, kGateUp, kActivation, kDown, kHead,
+  kRefine, kPhases
+};
+constexpr const char* kPhaseNames[kPhases] = {
+    "embedding and rope tables", "norms and residual adds", "qkv matmul", "rope and kv store",
+    "attention", "o matmul", "gate_up matmul", "activation", "down matmul", "lm head matmul",
+    "lm head refinement"};
+
+class PhaseClock {
+ public:
+  explicit PhaseClock(std::array<double, kPhases>& sums) : sums_(sums) {}
+  // The time since the last mark (or restart, or since this clock was made) goes to phase p.
+  void mark(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    sums_[p] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+  // Time from here on is counted (what came before was marked elsewhere).
+  void restart() { last_ = std::chrono::steady_clock::now(); }
+
+ private:
+  std::array<double, kPhases>& sums_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
 
 // One linear layer: its kind and tensors, the bias last (empty when absent):
 // dense [weight panels (cpu_dense_matmul.h) or torch's layout, bias]; int8 [weights
@@ -414,6 +444,15 @@ class DecodeStep {
                                scale);
   }
 
+  // Seconds spent in each phase over the steps since the last call, by name; then zeroes.
+  std::vector<std::pair<std::string, double>> phase_seconds() {
+    std::lock_guard<std::mutex> lock(busy_);
+    std::vector<std::pair<std::string, double>> out;
+    for (int p = 0; p < kPhases; ++p) out.emplace_back(kPhaseNames[p], phase_s_[p]);
+    phase_s_.fill(0.0);
+    return out;
+  }
+
  private:
   void check_family(int64_t layers) {
     const auto per_layer = [&](size_t n, size_t each, const char* what) {
@@ -468,6 +507,7 @@ class DecodeStep {
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                   const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
                   const std::vector<at::Tensor>& v_bufs, double scale) {
+    PhaseClock clock(phase_s_);
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     const at::Tensor positions = positions_in.to(at::kLong).contiguous();
     const int64_t batch = ids.size(0), n = shape_.hidden, vocab = embed_.size(0);
@@ -485,12 +525,17 @@ class DecodeStep {
     }
     std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
     for (const at::Tensor& inv : f_.inv_freqs) ropes.push_back(rope_tables<T>(positions, inv));
+    clock.mark(kEmbed);
     run<T>(h, ropes, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    clock.restart();
     at::Tensor hn = at::empty({batch, n}, embed_.options());
     rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
                        n, eps_);
+    clock.mark(kNorms);
     at::Tensor logits = run_linear(head_, hn).to(at::kFloat).contiguous();
+    clock.mark(kHead);
     if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
+    clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
     if (f_.logits_scaling != 1.0) logits = logits / f_.logits_scaling;
     if (f_.final_softcap > 0) logits = at::tanh(logits / f_.final_softcap) * f_.final_softcap;
@@ -577,15 +622,19 @@ class DecodeStep {
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
   template <typename T>
   at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
-                       at::Tensor& gu, at::Tensor& act, at::Tensor& out) const {
+                       at::Tensor& gu, at::Tensor& act, at::Tensor& out) {
+    PhaseClock clock(phase_s_);
     gu = run_linear(gate_up, x, gu);
+    clock.mark(kGateUp);
     const int64_t rows = x.size(0), inter = gu.size(1) / 2;
     if (!act.defined() || act.size(0) != rows || act.size(1) != inter) {
       act = at::empty({rows, inter}, x.options());
     }
     act_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), rows, inter,
                static_cast<Activation>(f_.activation));
+    clock.mark(kActivation);
     out = run_linear(down, act, out);
+    clock.mark(kDown);
     return out;
   }
 
@@ -594,7 +643,7 @@ class DecodeStep {
   // expert's output times its weight added in ascending expert order, tokens ascending
   // within an expert (in bf16 each add rounds, so the order is the result's).
   template <typename T>
-  at::Tensor moe(const Experts& m, const at::Tensor& x) const {
+  at::Tensor moe(const Experts& m, const at::Tensor& x) {
     const at::Tensor probs = at::softmax(at::linear(x, m.router), -1, at::kFloat);
     auto [weights, chosen] = probs.topk(f_.top_k, -1);
     if (f_.norm_topk_prob) weights = weights / weights.sum(-1, true);
@@ -659,8 +708,11 @@ class DecodeStep {
     at::Tensor& down = outs_[3];
     at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
+      PhaseClock clock(phase_s_);
       pre_norm<T>(hp, norms_[2 * l], xn, batch);
+      clock.mark(kNorms);
       qkv = run_linear(linears_[4 * l], xn, qkv);
+      clock.mark(kQkv);
       if (f_.qk_norm) qk_norm<T>(qkv.data_ptr<T>(), batch, l);
       const int64_t r = f_.rope_of_layer[l];
       rope_and_store<T>(qkv.data_ptr<T>(), r < 0 ? nullptr : ropes[r].first.data_ptr<float>(),
@@ -668,19 +720,26 @@ class DecodeStep {
                         out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                         v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
                         static_cast<float>(scale));
+      clock.mark(kRope);
       attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
                    starts_of(l), indptr + 1, indices, attn.data_ptr<T>(), batch, s,
                    static_cast<float>(f_.attn_softcap));
+      clock.mark(kAttention);
       o = run_linear(linears_[4 * l + 1], attn, o);
+      clock.mark(kOProj);
       add_block<T>(hp, o, post(2 * l), batch);
       pre_norm<T>(hp, norms_[2 * l + 1], xn, batch);
+      clock.mark(kNorms);
       if (!moe_.empty() && moe_[l].router.numel()) {
         at::Tensor y = moe<T>(moe_[l], xn);
+        clock.restart();
         add_block<T>(hp, y, post(2 * l + 1), batch);
       } else {
         down = gated_mlp<T>(linears_[4 * l + 2], linears_[4 * l + 3], xn, gu, act, down);
+        clock.restart();
         add_block<T>(hp, down, post(2 * l + 1), batch);
       }
+      clock.mark(kNorms);
     }
   }
 
@@ -688,6 +747,7 @@ class DecodeStep {
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, final_norm_;
   at::Tensor outs_[5];  // the qkv, o, gate_up, down and activation outputs of the last step
+  std::array<double, kPhases> phase_s_{};  // seconds per Phase since phase_seconds()
   std::mutex busy_;     // outs_ serve one step at a time
   LinearSpec head_;
   at::Tensor head16_;
@@ -777,7 +837,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, int64_t,
                           std::vector<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t,
                           int64_t, double, Family>())
-      .def("logits", &DecodeStep::logits);
+      .def("logits", &DecodeStep::logits)
+      .def("phase_seconds", &DecodeStep::phase_seconds);
   pybind11::class_<Family>(m, "Family")
       .def(pybind11::init<>())
       .def_readwrite("windows", &Family::windows)

@@ -253,3 +253,34 @@ def test_logits_head_refinement_in_the_module_matches_torchs():
         assert torch.allclose(got[above], exact[above], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[below], base[below])
     assert (above.sum(-1) >= 12).all()  # the test has teeth: most of the 16 are strictly above
+
+
+@pytest.mark.parametrize("quantization,n", [("int8", 8), ("int8", 104), ("int4", 4096)])
+def test_quantized_kernel_gives_the_same_bits_on_one_thread_and_on_two(quantization, n):
+    """The worker pool hands out chunks of each thread's part and lets a thread take what
+    is left of the other's (kernels/cpu_worker_pool.h): every output is computed once,
+    by whichever thread, to the bits one thread alone gives."""
+    layer, _ = quantized_layer(quantization, n, 576, seed=3)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    try:
+        ext.set_num_threads(1)
+        alone = [layer(x[:1]), layer(x)]
+        ext.set_num_threads(2)
+        for _ in range(20):  # jobs back to back, the worker awake or not
+            assert torch.equal(layer(x[:1]), alone[0]) and torch.equal(layer(x), alone[1])
+    finally:
+        ext.set_num_threads(0)
+
+
+@pytest.mark.slow
+def test_decode_step_reports_where_its_time_went(model_path):
+    """phase_seconds: every phase of a step by name, the matmuls' and attention's time
+    counted, zeroed once read."""
+    model = Model.load(model_path, quantization="int4")
+    decode_logits(model, fused=True, steps=2)
+    phases = model.decode_phase_seconds()
+    assert {"qkv matmul", "attention", "o matmul", "gate_up matmul", "down matmul",
+            "lm head matmul", "norms and residual adds"} <= phases.keys()
+    assert all(phases[p] > 0 for p in ("qkv matmul", "attention", "down matmul",
+                                       "lm head matmul"))
+    assert set(model.decode_phase_seconds().values()) == {0.0}

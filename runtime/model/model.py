@@ -347,6 +347,12 @@ class Model:
             total += head.refine * head.weight16.shape[1] * head.weight16.element_size()
         return total
 
+    def decode_phase_seconds(self) -> dict[str, float] | None:
+        """Seconds the fused CPU decode step spent in each of its phases (matmuls,
+        attention, norms, ...) since the last call, then zeroed; None without that step."""
+        fused = self._fused_decode()
+        return None if fused is None else dict(fused.phase_seconds())
+
     def fused_decode_ready(self) -> bool:
         """Whether decode steps take the fused CPU path (building it if needed)."""
         return self._fused_decode() is not None

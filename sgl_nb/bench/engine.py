@@ -161,7 +161,13 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     before = linears_floor(model, 1, passes=15)
     floor_b = statistics.median(linears_floor(model, args.requests))
     rt.generate(ids[:8], max_tokens=4)  # warm-up
+    engine = rt.engine
+    model.decode_phase_seconds()  # zeroed: the one-stream run's phases only
+    decodes, forward_s = engine.steps["decode"], engine.step_seconds["decode"]
     stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
+    decodes = engine.steps["decode"] - decodes
+    forward_s = engine.step_seconds["decode"] - forward_s
+    phases = model.decode_phase_seconds() or {}
     floor1 = statistics.median(before + linears_floor(model, 1, passes=15))
     bandwidth = max(bandwidth, read_bandwidth())
     weight_bytes = model.decode_read_bytes()
@@ -181,7 +187,22 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
         "fraction_of_floor": args.new_tokens / stream_s / (bandwidth / weight_bytes),
         "shared_prefix_s": shared_s,
         "shared_prefix_cached_tokens": sum(o.meta["cached_tokens"] for o in outs),
+        "decode_breakdown_ms": decode_breakdown(step, forward_s, decodes, phases),
     }
+
+
+def decode_breakdown(step_s: float, forward_s: float, decodes: int,
+                     phases: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per decode step of the one-stream run by part: the fused step's phases,
+    the forward call beyond them (its Python and the step's set-up), and the engine around
+    the forward (scheduling, picking the token, detokenizing, streaming)."""
+    if decodes == 0:
+        return {}
+    out = {name: 1e3 * s / decodes for name, s in phases.items()}
+    forward_ms = 1e3 * forward_s / decodes
+    out["forward call beyond the phases"] = forward_ms - sum(out.values())
+    out["engine around the forward (python)"] = 1e3 * step_s - forward_ms
+    return out
 
 
 def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]):
@@ -270,7 +291,8 @@ def llama_in_process(args: argparse.Namespace):
 
 # Taken together from one round: the step / floor ratio pairs figures measured under one load.
 STREAM_FIGURES = ("one_stream_s", "one_stream_tok_s", "decode_step_ms", "matmul_floor_ms_b1",
-                  "read_gb_s", "bandwidth_floor_tok_s", "fraction_of_floor")
+                  "read_gb_s", "bandwidth_floor_tok_s", "fraction_of_floor",
+                  "decode_breakdown_ms")
 
 
 def better_round(best: dict | None, new: dict | None) -> dict | None:
@@ -366,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(args, rows)
     print_modes(args, rows)
     print_bandwidth_floor(ours)
+    print_breakdown(ours)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -403,6 +426,20 @@ def print_bandwidth_floor(modes: dict) -> None:
           "over the read bandwidth of a buffer twice the last-level cache, on the engine's "
           "threads; 'of floor': one stream's tok/s over the floor's; 'decode step': the "
           "floor's step time over ours")
+
+
+def print_breakdown(modes: dict) -> None:
+    """Where one stream's decode step went, ms per step, a column per mode."""
+    parts = list(dict.fromkeys(p for m in modes.values() for p in m["decode_breakdown_ms"]))
+    if not parts:
+        return
+    print()
+    print(f"{'one-stream decode step (ms)':<38}" + "".join(f"{label:>10}" for label in modes))
+    for part in parts:
+        print(f"{part:<38}" + "".join(f"{m['decode_breakdown_ms'].get(part, 0.0):>10.3f}"
+                                      for m in modes.values()))
+    print(f"{'step (tokens apart)':<38}" + "".join(f"{m['decode_step_ms']:>10.3f}"
+                                                for m in modes.values()))
 
 
 def print_modes(args: argparse.Namespace, r: dict) -> None:
