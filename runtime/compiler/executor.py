@@ -46,7 +46,7 @@ Done = Callable[[BaseException | None, dict | None], None]
 
 class ProgramHost(Protocol):
     id: int
-    debug: StepController | None
+    stepper: StepController | None  # asked before each Node (None: the program is not stepped)
     # The program body's live frames ({"function", "args"}, outermost first): a queued
     # Node's event names the arguments of the calls it was recorded in.
     call_stack: list[dict]
@@ -173,8 +173,8 @@ class Executor:
             branches = node.instructions[0].branches if node.instructions else ()
             if any(b in self._tracks and not self._tracks[b].idle for b in branches):
                 return False
-        debug = track.host.debug
-        return debug is None or debug.enter_node(node)
+        stepper = track.host.stepper
+        return stepper is None or stepper.enter_node(node)
 
     def _start_next(self, track: _Track) -> None:
         first = track.todo.popleft()
@@ -243,8 +243,8 @@ class Executor:
         node, error = track.node, track.error
         track.node = None
         track.host.node_finished(node, error)
-        if track.host.debug is not None:
-            track.host.debug.after_node(node)
+        if track.host.stepper is not None:
+            track.host.stepper.after_node(node)
 
 
 def _status(error: BaseException | None) -> Status:

@@ -137,9 +137,11 @@ class SglFunction:
                             "cannot pass other values for them")
         return {**args, **self.bind_arguments}
 
-    def _start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
-               passes=None, priority: str = "normal", pool: BodyPool | None = None,
-               shared_prefix: str = "", after=None, strategy=LIVE, **defaults) -> ProgramFuture:
+    def start(self, args: dict, backend=None, debug: bool = False, step: bool = False,
+              passes=None, priority: str = "normal", pool: BodyPool | None = None,
+              shared_prefix: str = "", after=None, strategy=LIVE, **defaults) -> ProgramFuture:
+        """Start the program on its arguments by name (run, run_batch and a re-run start
+        it here); returns at once. `strategy`: LIVE, or a re-run's Rerun."""
         args = self._with_bound(args)
         unknown = set(args) - set(self.arg_names)
         if unknown and not _takes_kwargs(self.func):
@@ -147,7 +149,7 @@ class SglFunction:
         run_defaults = _run_defaults(defaults)
         priority = priority_name(parse_priority(priority))  # a bad name fails here, at once
         controller = StepController(paused=step) if debug or step else None
-        state = ProgramState(backend or get_default_backend(), run_defaults, debug=controller,
+        state = ProgramState(backend or get_default_backend(), run_defaults, stepper=controller,
                              passes=check_passes(passes), priority=priority, strategy=strategy)
         if self.num_api_spec_tokens and state.backend.api_speculation:
             state.spec_tokens = self.num_api_spec_tokens
@@ -187,7 +189,7 @@ class SglFunction:
         if args and isinstance(args[0], ProgramState):
             return self._call_nested(args[0], args[1:], kwargs)
         call, defaults = self._split(args, kwargs)
-        fut = self._start(call, backend, debug=debug, step=step, passes=passes,
+        fut = self.start(call, backend, debug=debug, step=step, passes=passes,
                           priority=priority, **defaults)
         if stream or step:
             return fut.state
@@ -211,7 +213,7 @@ class SglFunction:
     def run_async(self, *args, backend=None, debug: bool = False, step: bool = False,
                   passes=None, priority: str = "normal", **kwargs) -> ProgramFuture:
         call, defaults = self._split(args, kwargs)
-        return self._start(call, backend, debug=debug, step=step, passes=passes,
+        return self.start(call, backend, debug=debug, step=step, passes=passes,
                            priority=priority, **defaults)
 
     def trace(self, *args, backend=None, **kwargs) -> ProgramGraph:
@@ -266,7 +268,7 @@ class SglFunction:
         view = self.last_batch_view = _batch_view_for(self.func.__name__, backend, batch_kwargs)
         try:
             for kw in batch_kwargs:
-                fut = self._start(dict(kw), backend, passes=chosen, priority=priority,
+                fut = self.start(dict(kw), backend, passes=chosen, priority=priority,
                                   pool=pool, shared_prefix=common if shared is None else "",
                                   after=shared, **defaults)
                 if common and shared is None:

@@ -82,7 +82,7 @@ class LiveRecorder:
 
     def join(self, branches: list, fork: ForkNode, mode: str, caller) -> None:
         for b in branches:
-            b._recorder.flush()  # every branch Node is queued before the Join that waits for them
+            b.recorder.flush()  # every branch Node is queued before the Join that waits for them
         preds = [b.nodes[-1].id for b in branches if b.nodes] or [fork.id]
         node = JoinNode(program=self.run.id, preds=preds, mode=mode,
                         branches=tuple(b.id for b in branches),

@@ -75,7 +75,7 @@ def _start(function, args: dict, defaults: dict, options: dict, record: ProgramR
     where = f"{node.label} (line {node.line})" if node.line is not None else node.label
     report = RerunReport(where)
     cursor = RerunCursor(record, (path, index), edit, report)
-    fut = function._start(dict(args), backend, strategy=Rerun(cursor), **options, **defaults)
+    fut = function.start(dict(args), backend, strategy=Rerun(cursor), **options, **defaults)
     fut.state.rerun_report = report
     fut.state.rerun_of = record
     return fut.state if stream else fut.result()

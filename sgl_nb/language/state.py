@@ -80,15 +80,17 @@ class ProgramState:
     ProgramRun, read here with waiting or through snapshot() without."""
 
     def __init__(self, backend, defaults: dict, parent: ProgramState | None = None,
-                 debug: StepController | None = None, passes: frozenset[str] = frozenset(),
+                 stepper: StepController | None = None, passes: frozenset[str] = frozenset(),
                  priority: str = "normal", strategy=LIVE, recorder=None):
         self.priority = priority  # the scheduler's level for this program's requests
         self.passes = passes
         self.pass_counts: dict[str, int] = {}
         self.backend, self.defaults, self.parent = backend, defaults, parent
         self.events = backend.events if backend is not None else None
-        self._run = ProgramRun(next(_state_ids), parent._run if parent is not None else None,
-                               debug, strategy)
+        # The run's data, which the language core changes (effects.py) and reads; readers
+        # elsewhere take snapshot().
+        self.run = ProgramRun(next(_state_ids), parent.run if parent is not None else None,
+                              stepper, strategy)
         # Nested calls `f(s, ...)`: one frame per level, outermost first (a debugger shows it).
         self.call_stack: list[dict] = [] if parent is None else list(parent.call_stack)
         # API speculative execution (sgl_nb/language/speculation.py): tokens a gen asks for
@@ -98,36 +100,36 @@ class ProgramState:
         self.rerun_of = None  # ... and the record of the run it repeats (a ProgramRecord)
         self.ret_value = None  # what the program's function returned (SGLang's name)
         self.views: list[View] = []  # what shows it (add_view)
-        self._copy_of: ForkGroup | None = None  # `with s.copy() as c:` joins this at its end
+        self.copy_of: ForkGroup | None = None  # `with s.copy() as c:` joins this at its end
         # Where its Nodes go (a factory of (state, run)): the executor, or a static graph.
-        self._recorder = (recorder or LiveRecorder)(self, self._run)
+        self.recorder = (recorder or LiveRecorder)(self, self.run)
 
     # ---- what it is ----------------------------------------------------------------------
 
     @property
     def id(self) -> int:
-        return self._run.id
+        return self.run.id
 
     @property
     def nodes(self) -> list[Node]:
         """Its Nodes as handed to the executor, in order (a Join brings its branches')."""
-        return self._run.nodes
+        return self.run.nodes
 
     @property
     def stepper(self) -> StepController | None:
         """The step controller, when the program runs under the debugger."""
-        return self._run.stepper
+        return self.run.stepper
 
     debug = stepper  # the name the stepper had first
 
     @property
     def call(self):
         """The ProgramCall that started it (function.py): rerun() repeats it."""
-        return self._run.call
+        return self.run.call
 
     @property
     def function(self) -> str | None:
-        return self._run.function
+        return self.run.function
 
     @property
     def fn(self):
@@ -150,28 +152,28 @@ class ProgramState:
         ProgramCall. `shared_prefix`: this program also computes that text for others (a
         shared Extend after Init); `after`: such an Extend of another program, which this
         one starts after."""
-        self._run.function, self._run.call = function, call
-        self._recorder.has_body = True
+        self.run.function, self.run.call = function, call
+        self.recorder.has_body = True
         node = InitNode(program=self.id, function=function, shared_prefix=shared_prefix,
                         after=after, call=call.attrs() if call is not None else {})
-        self._recorder.record(node)
+        self.recorder.record(node)
         return node
 
     def body_started(self) -> None:
         """Called on the thread that runs the program's Python, before it starts."""
-        self._recorder.body_thread = threading.current_thread()
+        self.recorder.body_thread = threading.current_thread()
 
     def body_ended(self, error: BaseException | None = None, file: str | None = None):
         """The body has returned (or raised `error`): what it queued runs, then Return."""
         if self.parent is not None:
-            self._recorder.flush()
+            self.recorder.flush()
             return
-        self._recorder.record(ReturnNode(program=self.id, preds=self._recorder.preds()),
+        self.recorder.record(ReturnNode(program=self.id, preds=self.recorder.preds()),
                               (error, file))
 
     def branch(self, strategy) -> ProgramState:
         """A fork branch of this state, as its Fork runs (effects.py)."""
-        return type(self)(self.backend, self.defaults, parent=self, debug=self.stepper,
+        return type(self)(self.backend, self.defaults, parent=self, stepper=self.stepper,
                           passes=self.passes, priority=self.priority, strategy=strategy)
 
     def emit(self, cls, **fields) -> None:
@@ -182,16 +184,17 @@ class ProgramState:
     # ---- the program side ----------------------------------------------------------------
 
     def __iadd__(self, expr) -> ProgramState:
-        self._submit(expr, sys._getframe(1))
+        self.submit(expr, sys._getframe(1))
         return self
 
-    def _submit(self, expr, frame=None) -> None:
-        self._recorder.check_open()
+    def submit(self, expr, frame=None) -> None:
+        """`s += expr`, written at `frame` (the Nodes' file and line; None: unknown)."""
+        self.recorder.check_open()
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         stack = tuple(f["function"] for f in self.call_stack)
-        with self._run.lock:
+        with self.run.lock:
             for cls, fields, payload in self._to_nodes(expr):
-                self._recorder.record(cls(program=self.id, preds=self._recorder.preds(),
+                self.recorder.record(cls(program=self.id, preds=self.recorder.preds(),
                                           file=file, line=line, stack=stack, **fields),
                                       payload)
 
@@ -222,7 +225,7 @@ class ProgramState:
                 for part in expr.content:
                     out.extend(self._to_nodes(part))
             except Exception:
-                self._run.open_role = None  # nothing of the turn was added
+                self.run.open_role = None  # nothing of the turn was added
                 raise
             return [*out, *self._to_nodes(Role(expr.role, False))]
         if isinstance(expr, Role):
@@ -232,20 +235,20 @@ class ProgramState:
 
     def _track_role(self, mark: Role) -> None:
         """Turns do not nest, and each ends the role it began."""
-        if mark.begin and self._run.open_role is not None:
-            raise ValueError(f"nested roles: {mark.role} inside an open {self._run.open_role}")
-        if not mark.begin and self._run.open_role != mark.role:
+        if mark.begin and self.run.open_role is not None:
+            raise ValueError(f"nested roles: {mark.role} inside an open {self.run.open_role}")
+        if not mark.begin and self.run.open_role != mark.role:
             raise ValueError(f"{mark.role}_end without {mark.role}_begin (the open role is "
-                             f"{self._run.open_role})")
-        self._run.open_role = mark.role if mark.begin else None
+                             f"{self.run.open_role})")
+        self.run.open_role = mark.role if mark.begin else None
 
     @contextmanager
     def _role_block(self, role: str):
-        self._submit(Role(role, True), sys._getframe(2))
+        self.submit(Role(role, True), sys._getframe(2))
         try:
             yield self
         finally:
-            self._submit(Role(role, False), sys._getframe(2))
+            self.submit(Role(role, False), sys._getframe(2))
 
     def _role_turn(self, role: str, expr, caller):
         """`with s.user():` (no expr), or SGLang's `s.user(expr)`: the whole turn added at
@@ -253,7 +256,7 @@ class ProgramState:
         if expr is None:
             return self._role_block(role)
         turn = _TURNS[role](expr)
-        self._submit(turn, caller)
+        self.submit(turn, caller)
         return turn
 
     def system(self, expr=None):
@@ -267,11 +270,11 @@ class ProgramState:
 
     @contextmanager
     def var_scope(self, name: str):
-        self._submit(_ScopeMark(name, True))
+        self.submit(_ScopeMark(name, True))
         try:
             yield self
         finally:
-            self._submit(_ScopeMark(name, False))
+            self.submit(_ScopeMark(name, False))
 
     def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> ForkGroup:
         """`size` branches, each starting from this state's text, messages, open role and
@@ -285,20 +288,20 @@ class ProgramState:
         `c = s.copy()` leaves it unjoined."""
         group = self._fork(_fork_size(1, position_ids_offset), sys._getframe(1))
         branch = group.states[0]
-        branch._copy_of = group
+        branch.copy_of = group
         return branch
 
     def __enter__(self) -> ProgramState:
-        if self._copy_of is None:
+        if self.copy_of is None:
             raise TypeError("`with` takes a copy of a state: `with s.copy() as c:`")
         return self
 
     def __exit__(self, *exc) -> None:
-        group, self._copy_of = self._copy_of, None
-        group._join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
+        group, self.copy_of = self.copy_of, None
+        group.join("gather_variable", sys._getframe(1))  # SGLang joins even on an error
 
     def _fork(self, n: int, caller) -> ForkGroup:
-        node, branches = self._recorder.fork(n, caller)
+        node, branches = self.recorder.fork(n, caller)
         return ForkGroup(self, branches, node)
 
     # ---- cancelling ----------------------------------------------------------------------
@@ -308,7 +311,7 @@ class ProgramState:
         `cancelled`, its fork branches are cancelled too, and its Python stops at its next
         `s += ...` or read. The text and variables produced so far are kept; `error()` is a
         ProgramCancelled. Returns at once; False if the program had already ended."""
-        run = self._run
+        run = self.run
         with run.cond:
             if run.finished or run.cancelled:
                 return False
@@ -324,12 +327,12 @@ class ProgramState:
         self.backend.cancel_program(self.id)  # anything submitted and not seen yet
         if self.stepper is not None:
             self.stepper.continue_()  # a held program must not stay held: it has to end
-        self._recorder.executor.wake()
+        self.recorder.executor.wake()
         return True
 
     @property
     def cancelled(self) -> bool:
-        return self._run.cancelled
+        return self.run.cancelled
 
     def interruptible(self, wait):
         """Run a blocking read; an interrupt (Ctrl-C, a Jupyter interrupt) while it waits
@@ -344,52 +347,52 @@ class ProgramState:
         """Block until the program has ended (its body returned and everything it queued
         ran, or it was cancelled, and what waits on its end, such as a cell's trace file,
         has run); returns the state. TimeoutError after `timeout` s."""
-        self._recorder.flush()
-        if not self.interruptible(lambda: self._run.ended.wait(timeout)):
+        self.recorder.flush()
+        if not self.interruptible(lambda: self.run.ended.wait(timeout)):
             raise TimeoutError(f"program {self.id} still running after {timeout} s")
         return self
 
     def on_end(self, task) -> None:
         """Run `task()` once the program has ended, before wait() returns (at once if it
         has ended)."""
-        self._run.on_end(task)
+        self.run.on_end(task)
 
     @property
     def ended(self) -> bool:
         """It has ended, and what waits on its end has run (wait() would not block)."""
-        return self._run.ended.is_set()
+        return self.run.ended.is_set()
 
     # ---- reading results ---------------------------------------------------------------
 
     def sync(self) -> None:
         """Wait until everything queued so far has run; from outside the program (a
         notebook cell reading a streamed run), until the program has finished."""
-        self.interruptible(self._recorder.sync)
+        self.interruptible(self.recorder.sync)
 
     @property
     def held(self) -> bool:
         """Its step controller holds it now (what exists is all there is until a step)."""
-        return self._run.held
+        return self.run.held
 
     @property
     def finished(self) -> bool:
         """Its Return ran: everything it queued has run."""
-        return self._run.finished
+        return self.run.finished
 
     def snapshot(self) -> ProgramSnapshot:
         """The run as it is now, without waiting (sgl_nb/language/snapshot.py)."""
-        return self._run.snapshot()
+        return self.run.snapshot()
 
     def __getitem__(self, name: str):
-        return self.interruptible(lambda: self._recorder.read(name))
+        return self.interruptible(lambda: self.recorder.read(name))
 
     def __setitem__(self, name: str, value) -> None:
-        self._run.bind(name, value)
+        self.run.bind(name, value)
         self.emit(VariableSet, name=name, value=repr(value))  # no Node's event says it
 
     def __contains__(self, name: str) -> bool:
         self.sync()
-        return name in self._run.vars
+        return name in self.run.vars
 
     def get_var(self, name: str):
         """SGLang's spelling of s[name]."""
@@ -400,29 +403,29 @@ class ProgramState:
         self[name] = value
 
     def text(self) -> str:
-        self._recorder.before_read("s.text()")
-        return self._run.text
+        self.recorder.before_read("s.text()")
+        return self.run.text
 
     def messages(self) -> list[dict]:
-        self._recorder.before_read("s.messages()")
-        return [dict(m) for m in self._run.messages]
+        self.recorder.before_read("s.messages()")
+        return [dict(m) for m in self.run.messages]
 
     def variables(self) -> dict:
-        self._recorder.before_read("s.variables()")
-        return dict(self._run.vars)
+        self.recorder.before_read("s.variables()")
+        return dict(self.run.vars)
 
     def get_meta_info(self, name: str) -> dict:
         """What the gen or select bound to `name` reported ({} for another name)."""
-        self._recorder.before_read("s.get_meta_info()")
-        return self._run.meta.get(name, {})
+        self.recorder.before_read("s.get_meta_info()")
+        return self.run.meta.get(name, {})
 
     def error(self) -> BaseException | None:
         self.sync()
-        return self._run.error
+        return self.run.error
 
     @property
     def error_line(self) -> int | None:
-        return self._run.error_line
+        return self.run.error_line
 
     def graph(self) -> str:
         """The Nodes this program ran, each with the Instructions it ran (Init ... Return)."""
@@ -463,8 +466,8 @@ class ProgramState:
 
     def _chunks(self, var_name: str | None) -> Iterator[tuple[str, dict | None]]:
         """(text, meta) as produced; meta: a decoded chunk's token counts and logprobs."""
-        self._recorder.flush()
-        run, i = self._run, 0
+        self.recorder.flush()
+        run, i = self.run, 0
         while True:
             with run.cond:
                 self.interruptible(lambda i=i: run.cond.wait_for(
@@ -493,12 +496,12 @@ class ProgramState:
                 return
             chunk, meta = item
             if with_meta:
-                yield chunk, meta if meta is not None else dict(self._run.meta.get(var_name, {}))
+                yield chunk, meta if meta is not None else dict(self.run.meta.get(var_name, {}))
             else:
                 yield chunk
 
     def __repr__(self) -> str:
-        return f"ProgramState(id={self.id}, text={self._run.text[-60:]!r})"
+        return f"ProgramState(id={self.id}, text={self.run.text[-60:]!r})"
 
 
 def _fork_size(size, position_ids_offset) -> int:
@@ -553,19 +556,18 @@ class ForkGroup:
         for i, s in enumerate(self.states):
             expr = other(i) if callable(other) else \
                 other[i] if isinstance(other, list | tuple) else other
-            s._submit(expr, frame)
+            s.submit(expr, frame)
         return self
 
-    def join(self, mode: str = "gather_variable") -> None:
+    def join(self, mode: str = "gather_variable", caller=None) -> None:
         """Wait for the branches. gather_variable: each variable a branch has that the
         parent does not becomes a list on the parent (one value per branch that has it);
         concate_and_append: the branches' new text is appended to the parent's, in order
-        (no variable is gathered). As SGLang joins."""
-        self._join(mode, sys._getframe(1))
-
-    def _join(self, mode: str, caller) -> None:
+        (no variable is gathered). As SGLang joins. `caller`: the frame the join is written
+        in (default: the caller's)."""
+        caller = caller or sys._getframe(1)
         if mode not in ("gather_variable", "concate_and_append"):
             raise ValueError(
                 f"join mode must be gather_variable or concate_and_append, got {mode!r}"
             )
-        self.parent._recorder.join(self.states, self.node, mode, caller)
+        self.parent.recorder.join(self.states, self.node, mode, caller)
