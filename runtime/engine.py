@@ -117,6 +117,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.cache, self.device, s)
         self.events = EventBus()
         self.scheduler.events = self.events
+        self.cache.events, self.cache.decode = self.events, self.tokenizer.decode
         self.picker = TokenPicker(self.tokenizer, self.eos_ids, s, self.events,
                                   self.scheduler.drop_drafts)
         self._inbox: queue.Queue = queue.Queue()

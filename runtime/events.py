@@ -40,6 +40,11 @@ class EventKind(StrEnum):
     CACHE_HIT = "cache_hit"
     CACHE_INSERT = "cache_insert"
     CACHE_EVICT = "cache_evict"
+    CACHE_NODE_ADDED = "cache_node_added"
+    CACHE_NODE_SPLIT = "cache_node_split"
+    CACHE_NODES_HIT = "cache_nodes_hit"
+    CACHE_NODE_LOCKED = "cache_node_locked"
+    CACHE_NODES_EVICTED = "cache_nodes_evicted"
     FORK = "fork"
     JOIN = "join"
     PAUSED = "paused"
@@ -203,6 +208,66 @@ class CacheEvict(Event):
     tokens: int = 0  # freed
 
 
+# The radix tree's own changes (runtime/radix_cache.py publishes them; the events above are
+# a request's view of the cache): enough to rebuild the tree's shape, edges, hit counts and
+# locks from the stream alone (tracing/cache_tree.py). `tree_node` ids are the tree's, not
+# a program's Nodes; these events belong to no program.
+
+
+@dataclass(**_EVENT)
+class CacheNodeAdded(Event):
+    """A node of the tree: a new leaf, or (from RadixCache.snapshot) one that was there
+    before the listener came."""
+
+    kind: ClassVar[EventKind] = EventKind.CACHE_NODE_ADDED
+    tree_node: int = 0
+    parent: int | None = None  # None: a child of the root
+    key: tuple[int, ...] = ()  # its edge's token ids
+    text: str | None = None  # the edge decoded (None: the cache has no decoder)
+    hits: int = 0
+    lock_ref: int = 0
+
+
+@dataclass(**_EVENT)
+class CacheNodeSplit(Event):
+    """`tree_node`'s edge was cut after `cut` tokens: a new node `upper` takes the first
+    part and becomes its parent; `tree_node` keeps the rest."""
+
+    kind: ClassVar[EventKind] = EventKind.CACHE_NODE_SPLIT
+    tree_node: int = 0
+    cut: int = 0  # (not `at`: a trace reads that name as a Hold)
+    upper: int = 0
+    text: str | None = None  # upper's edge decoded
+    rest_text: str | None = None  # tree_node's edge decoded, after the cut
+
+
+@dataclass(**_EVENT)
+class CacheNodesHit(Event):
+    """A lookup: the nodes its match ran through (root's child first), each hit once."""
+
+    kind: ClassVar[EventKind] = EventKind.CACHE_NODES_HIT
+    tree_nodes: tuple[int, ...] = ()
+    queried: int = 0  # tokens looked up
+    matched: int = 0  # of them found
+
+
+@dataclass(**_EVENT)
+class CacheNodeLocked(Event):
+    """A lock taken (+1) or released (-1) on `tree_node`; it holds its ancestors too."""
+
+    kind: ClassVar[EventKind] = EventKind.CACHE_NODE_LOCKED
+    tree_node: int = 0
+    delta: int = 1
+
+
+@dataclass(**_EVENT)
+class CacheNodesEvicted(Event):
+    kind: ClassVar[EventKind] = EventKind.CACHE_NODES_EVICTED
+    tree_nodes: tuple[int, ...] = ()
+    tokens: int = 0  # freed
+    reset: bool = False  # the cache was reset: its statistics start again from zero
+
+
 @dataclass(**_EVENT)
 class Forked(Event):
     """`program` forked into `children` at its Fork Node."""
@@ -287,11 +352,14 @@ def meta_json(meta: Mapping | None) -> str | None:
 
 
 CACHE_EVENTS = (CacheHit, CacheInsert, CacheEvict)  # changes of the radix cache
+# The tree's own changes: shared by every program, so every view's fold takes them.
+TREE_EVENTS = (CacheNodeAdded, CacheNodeSplit, CacheNodesHit, CacheNodeLocked,
+               CacheNodesEvicted)
 EVENT_TYPES: dict[EventKind, type[Event]] = {
     cls.kind: cls for cls in (
         ProgramStarted, ProgramFinished, NodeQueued, NodeStarted, NodeFinished, VariableSet,
         InstructionStarted, InstructionFinished, Token, CacheHit, CacheInsert, CacheEvict,
-        Forked, Joined, Paused, Resumed, Preempted, Retracted, Failed)
+        *TREE_EVENTS, Forked, Joined, Paused, Resumed, Preempted, Retracted, Failed)
 }
 
 

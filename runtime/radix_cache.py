@@ -23,11 +23,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from sgl_nb.runtime.events import (
+    CacheNodeAdded,
+    CacheNodeLocked,
+    CacheNodesEvicted,
+    CacheNodesHit,
+    CacheNodeSplit,
+    EventBus,
+)
 
 _node_ids = itertools.count()
 
@@ -70,6 +79,10 @@ class RadixCache:
         self._protected = 0
         self._num_nodes = 0  # excluding the root
         self._clock = 0  # logical time: bumped once per match/insert, stored in last_access
+        # Where its changes go (the engine's bus) and how an edge becomes text for them;
+        # payloads are built only while the bus has listeners.
+        self.events: EventBus | None = None
+        self.decode: Callable[[list[int]], str] | None = None
         self._reset_stats()
 
     # ----- sizes and statistics -----
@@ -99,8 +112,10 @@ class RadixCache:
     def reset(self) -> None:
         """Free every unlocked node and zero the statistics. Locked nodes stay: their holders
         still read those slots."""
-        self.evict(self._evictable)
+        freed, gone = self._evict(self._evictable)
         self._reset_stats()
+        if (bus := self._bus()) is not None:
+            bus.emit(CacheNodesEvicted, tree_nodes=tuple(gone), tokens=freed, reset=True)
 
     def _reset_stats(self) -> None:
         self._queried_tokens = 0
@@ -121,7 +136,7 @@ class RadixCache:
         if self.disable or not key:
             return _empty_slots(), self.root
         now = self._tick()
-        node, pos, values = self.root, 0, []
+        node, pos, values, path = self.root, 0, [], []
         while pos < len(key) and (child := node.children.get(key[pos])) is not None:
             n = _common_len(child.key, key, pos)
             if n < len(child.key):
@@ -129,9 +144,13 @@ class RadixCache:
             child.last_access = now
             child.hit_count += count
             values.append(child.value)
+            path.append(child)
             node, pos = child, pos + n
         if count:
             self._matched_tokens += pos
+            if (bus := self._bus()) is not None:
+                bus.emit(CacheNodesHit, tree_nodes=tuple(n.id for n in path),
+                         queried=len(key), matched=pos)
         return (torch.cat(values) if values else _empty_slots()), node
 
     def cached_len(self, key: Sequence[int]) -> int:
@@ -177,6 +196,7 @@ class RadixCache:
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect node and its ancestors from eviction (one lock; undo with dec_lock_ref)."""
         self._check_live(node)
+        self._publish_lock(node, 1)
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
@@ -189,6 +209,7 @@ class RadixCache:
         self._check_live(node)
         if node is not self.root and node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on unlocked node #{node.id}")
+        self._publish_lock(node, -1)
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -201,8 +222,16 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free least-recently-used unlocked leaves until >= num_tokens slots are freed or nothing
         is evictable; whole leaves go, so it may free more. Returns the slots freed."""
+        freed, gone = self._evict(num_tokens)
+        if gone and (bus := self._bus()) is not None:
+            bus.emit(CacheNodesEvicted, tree_nodes=tuple(gone), tokens=freed)
+        return freed
+
+    def _evict(self, num_tokens: int) -> tuple[int, list[int]]:
+        """evict's work: the slots freed and the ids of the nodes that went."""
+        gone: list[int] = []
         if num_tokens <= 0:
-            return 0
+            return 0, gone
         # Only leaves can go (their slots are the ends of cached sequences); a parent whose last
         # child went joins the heap, so a long idle branch is eaten from its tip upwards.
         heap = [(n.last_access, n.id, n) for n in self.nodes() if n.is_leaf() and n.lock_ref == 0]
@@ -212,10 +241,11 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             freed += self._delete_leaf(leaf)
+            gone.append(leaf.id)
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._evicted_tokens += freed
-        return freed
+        return freed, gone
 
     # ----- views -----
 
@@ -226,6 +256,18 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(reversed(node.children.values()))
+
+    def snapshot(self) -> list[CacheNodeAdded]:
+        """The tree as it is now, as the events that would build it (parents first): what
+        a view that starts listening folds before the changes that follow. Read on the
+        caller's thread; RuntimeError if the engine changed the tree meanwhile."""
+        out = []
+        for n in self.nodes():
+            parent = n.parent.id if n.parent is not None and n.parent is not self.root else None
+            out.append(CacheNodeAdded(tree_node=n.id, parent=parent, key=n.key,
+                                      text=self._text(n.key), hits=n.hit_count,
+                                      lock_ref=n.lock_ref))
+        return out
 
     def format_tree(self, tokenizer: Any = None, max_depth: int = 8, max_tokens: int = 16) -> str:
         """Readable multi-line tree. With a tokenizer (anything with .decode(list[int])) edges
@@ -253,6 +295,18 @@ class RadixCache:
 
     # ----- internals -----
 
+    def _bus(self) -> EventBus | None:
+        """The bus when someone listens (else building a payload is wasted)."""
+        bus = self.events
+        return bus if bus is not None and bus.active else None
+
+    def _text(self, key: tuple[int, ...]) -> str | None:
+        return self.decode(list(key)) if self.decode is not None else None
+
+    def _publish_lock(self, node: TreeNode, delta: int) -> None:
+        if node is not self.root and (bus := self._bus()) is not None:
+            bus.emit(CacheNodeLocked, tree_node=node.id, delta=delta)
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -270,6 +324,10 @@ class RadixCache:
         parent.children[key[0]] = leaf
         self._evictable += len(key)  # a new node has no locks, whatever its ancestors hold
         self._num_nodes += 1
+        if (bus := self._bus()) is not None:
+            bus.emit(CacheNodeAdded, tree_node=leaf.id,
+                     parent=None if parent is self.root else parent.id, key=key,
+                     text=self._text(key))
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child's edge after n tokens; returns the new upper node. The child object keeps
@@ -286,6 +344,9 @@ class RadixCache:
         child.parent.children[child.key[0]] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         self._num_nodes += 1  # sizes are unchanged: both halves share the lock state
+        if (bus := self._bus()) is not None:
+            bus.emit(CacheNodeSplit, tree_node=child.id, cut=n, upper=upper.id,
+                     text=self._text(upper.key), rest_text=self._text(child.key))
         return upper
 
     def _delete_leaf(self, leaf: TreeNode) -> int:

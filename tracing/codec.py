@@ -85,7 +85,7 @@ def id_attrs(program: int | None, node: int | None, request: int | None) -> dict
 # An event's fields under other names in a trace: the Node's and the Instruction's kind.
 _WIRE_NAME = {"node_kind": "kind", "op": "kind"}
 _ENUMS = {"status": Status, "node_kind": NodeKind, "op": Op, "at": Hold}
-_TUPLES = ("preds", "stack", "stack_args", "children")
+_TUPLES = ("preds", "stack", "stack_args", "children", "key", "tree_nodes")
 _ENUM_TUPLES = {"ops": Op}
 _OWN = {cls: tuple(f.name for f in fields(cls) if f.name not in _BASE)
         for cls in EVENT_TYPES.values()}

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sgl_nb.runtime.events import (
+    TREE_EVENTS,
     CacheEvict,
     CacheHit,
     CacheInsert,
@@ -37,6 +38,7 @@ from sgl_nb.runtime.events import (
     VariableSet,
 )
 from sgl_nb.runtime.token_choice import TokenChoice
+from sgl_nb.tracing.cache_tree import CacheTree
 
 # The Node kinds whose output is part of the program's text.
 _TEXT_KINDS = (NodeKind.TEXT, NodeKind.ROLE_BEGIN, NodeKind.ROLE_END, NodeKind.GEN,
@@ -164,6 +166,7 @@ class Timeline:
         self.nodes: dict[int, NodeView] = {}
         self.cache: dict = _empty_cache()
         self.cache_events: list[Event] = []
+        self.cache_tree = CacheTree()  # the radix tree, from its own events
         self._by_request: dict[int, InstructionView] = {}  # the request's live instruction
         self._fork_parent: dict[int, int] = {}  # child program id -> parent program id
         self._forks: dict[int, list[int]] = {}  # fork Node id -> its branches, in order
@@ -213,6 +216,8 @@ class Timeline:
                 self._error(e)
             case CacheHit() | CacheInsert() | CacheEvict():
                 self._cache(e)
+            case _ if isinstance(e, TREE_EVENTS):
+                self.cache_tree.apply(e)
 
     def _program(self, pid: int | None) -> ProgramView | None:
         if pid is None:
@@ -503,6 +508,8 @@ class Family:
     def take(self, e: Event) -> list[Event]:
         """The events to fold now: `e` if it is ours (with the branches' waiting events
         after a fork), none if not."""
+        if isinstance(e, TREE_EVENTS):  # the radix tree is every program's
+            return [e]
         if e.program not in self.programs:
             if isinstance(e, NodeQueued) and e.program is not None:
                 self._strays.setdefault(e.program, []).append(e)
