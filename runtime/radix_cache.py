@@ -35,6 +35,7 @@ from sgl_nb.runtime.events import (
     CacheNodesEvicted,
     CacheNodesHit,
     CacheNodeSplit,
+    Event,
     EventBus,
 )
 
@@ -257,7 +258,7 @@ class RadixCache:
             yield node
             stack.extend(reversed(node.children.values()))
 
-    def snapshot(self) -> list[CacheNodeAdded]:
+    def snapshot(self) -> list[Event]:
         """The tree as it is now, as the events that would build it (parents first): what
         a view that starts listening folds before the changes that follow. Read on the
         caller's thread; RuntimeError if the engine changed the tree meanwhile."""
@@ -267,6 +268,9 @@ class RadixCache:
             out.append(CacheNodeAdded(tree_node=n.id, parent=parent, key=n.key,
                                       text=self._text(n.key), hits=n.hit_count,
                                       lock_ref=n.lock_ref))
+        # and its figures so far, so a view's hit rate and evictions are the cache's own
+        out.append(CacheNodesHit(queried=self._queried_tokens, matched=self._matched_tokens))
+        out.append(CacheNodesEvicted(tokens=self._evicted_tokens))
         return out
 
     def format_tree(self, tokenizer: Any = None, max_depth: int = 8, max_tokens: int = 16) -> str:

@@ -41,8 +41,10 @@ class CacheTree:
         self.queried_tokens = 0
         self.matched_tokens = 0
         self.evicted_tokens = 0
+        self.changes = 0  # events applied: a view redraws when it moves
 
     def apply(self, e: Event) -> None:
+        self.changes += 1
         match e:
             case CacheNodeAdded():
                 self._add(e)
@@ -143,6 +145,19 @@ class CacheTree:
             else:
                 stack.extend(_child_rows(node, indent, depth + 1))
         return "\n".join(lines)
+
+
+def snapshot_events(cache) -> list[Event]:
+    """The events that build a RadixCache's tree as it is now (its `snapshot`), for a view
+    that starts listening after the tree has grown; [] for None (no local cache)."""
+    if cache is None:
+        return []
+    for _ in range(3):  # the engine thread may change the tree while it is read
+        try:
+            return cache.snapshot()
+        except RuntimeError:
+            continue
+    return []
 
 
 def _count(node: CacheNode) -> int:

@@ -153,7 +153,7 @@ class DebuggerApp(App):
         s = self.session
         if s.mode == "replay":
             return
-        changes = len(s.timeline.cache_events)
+        changes = len(s.timeline.cache_events) + s.timeline.cache_tree.changes
         if changes != self._tree_events:  # the tree only changes with a cache event
             self._tree_events = changes
             self.query_one(CachePane).show(s.timeline, s.rows(), s.cache_tree())

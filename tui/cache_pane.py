@@ -1,5 +1,6 @@
-"""The radix cache: its tree (live, read from the engine at most a few times a second) or,
-in a replay, the changes the trace recorded (hits, inserts, evictions)."""
+"""The radix cache: its tree as the events built it (the Timeline's cache_tree, live and
+in a replay alike) or, from a trace recorded before the tree's own events existed, the
+changes it recorded (hits, inserts, evictions)."""
 
 from __future__ import annotations
 

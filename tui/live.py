@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
 from sgl_nb.runtime.events import CacheEvict, Event
+from sgl_nb.tracing.cache_tree import snapshot_events
 from sgl_nb.tracing.timeline import Family, Timeline
 from sgl_nb.tui.program_file import ProgramFile
 from sgl_nb.tui.rows import NodeRow, Position, Where, number_rows, ordered_rows, started_rows
@@ -31,15 +32,15 @@ class LiveSession:
         self.backend, self.program = backend, program
         self._bus = backend.events
         self._queue = self._bus.subscribe()  # before the run starts: no event is missed
+        tree_so_far = snapshot_events(getattr(backend, "cache", None))
         self.state = start() if start is not None else program.function.run(
             backend=backend, step=True, passes=passes, **program.args)
         self.debug = self.state.debug
         self.breakpoints: set[Breakpoint] = self.debug.breakpoints
-        self.timeline = Timeline()
+        self.timeline = Timeline(tree_so_far)  # the radix tree's events follow
         self._family = Family(self.state.id)
         self._file = str(program.path)
         self.title = f"{program.name} · {program.path.name}"
-        self._last_tree: str | None = None
 
     # ---- events ------------------------------------------------------------------------
 
@@ -105,11 +106,10 @@ class LiveSession:
         return error_line_in(self.timeline, self.state.id)
 
     def cache_tree(self) -> str | None:
-        try:
-            self._last_tree = self.backend.engine.cache.format_tree(self.backend.tokenizer)
-        except (RuntimeError, AttributeError, KeyError, IndexError):
-            pass  # the engine thread changed the tree while we walked it: keep the last one
-        return self._last_tree
+        """The radix tree as this session's events built it (None: a remote backend)."""
+        if getattr(self.backend, "cache", None) is None:
+            return None
+        return self.timeline.cache_tree.format_tree(self.backend.tokenizer.decode)
 
     # ---- controls ----------------------------------------------------------------------
 

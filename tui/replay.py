@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_nb.runtime.compiler.step_controller import Breakpoint
-from sgl_nb.runtime.events import InstructionStarted, NodeStarted, Token
+from sgl_nb.runtime.events import TREE_EVENTS, InstructionStarted, NodeStarted, Token
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.rows import (
@@ -41,6 +41,7 @@ class ReplaySession:
         if not timeline.events:
             raise ValueError(f"{name}: the trace holds no events")
         self.full = timeline
+        self._has_tree = any(isinstance(e, TREE_EVENTS) for e in timeline.events)
         self.breakpoints: set[Breakpoint] = set()
         roots = [p for p in timeline.programs.values() if p.parent is None]
         self._root = roots[0].id if roots else None
@@ -106,7 +107,11 @@ class ReplaySession:
         return error_line_in(self.timeline, self._root)
 
     def cache_tree(self) -> str | None:
-        return None  # a trace records the cache's changes, not its tree
+        """The radix tree as the trace's events built it up to here; None when the trace
+        has none of the tree's events (recorded before they existed): its changes then."""
+        if not self._has_tree:
+            return None
+        return self.timeline.cache_tree.format_tree()
 
     # ---- controls ----------------------------------------------------------------------
 

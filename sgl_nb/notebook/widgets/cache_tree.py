@@ -1,8 +1,9 @@
-"""The cache tree: the engine's radix tree as it is now, each edge's text decoded, its hit
-count, locked (in use by a running request) or evictable, and the path of this program's
-text highlighted. Nested <details> collapse, the box scrolls, and past `max_nodes` the rest
-is summarised, so a long tree stays readable. One row per tree node (keyed.py): a render
-sends only the nodes whose text, hits, lock or children changed."""
+"""The cache tree: the radix tree as its events tell it (tracing/cache_tree.py's CacheTree,
+folded by the Timeline, so a live run and a replay draw it the same way), each edge's text
+decoded, its hit count, locked (in use by a running request) or evictable, and the path of
+this program's text highlighted. Nested <details> collapse, the box scrolls, and past
+`max_nodes` the rest is summarised, so a long tree stays readable. One row per tree node
+(keyed.py): a render sends only the nodes whose text, hits, lock or children changed."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def path_nodes(root, tokens: list[int]) -> list[int]:
 
 
 class TreeItems:
-    """The rows of a RadixCache: a head line of figures, then one row per tree node nested
-    under its parent; `decode` turns a key into text (memoised by the caller)."""
+    """The rows of a CacheTree (or anything that reads like a RadixCache): a head line of
+    figures, then one row per tree node nested under its parent; `decode` turns a node's
+    edge into text (memoised by the caller)."""
 
     def __init__(self, decode, on_path: set[int], max_nodes: int = 300, edge_chars: int = 48,
                  open_depth: int = 1):
@@ -87,7 +89,7 @@ class TreeItems:
             self._node(c, key, depth + 1, out)
 
     def _label(self, node) -> str:
-        text = self.decode(node.key)
+        text = self.decode(node)
         short = text if len(text) <= self.edge_chars else text[: self.edge_chars - 1] + "…"
         lock = (f'<span class="sgl-locked">locked×{node.lock_ref}</span>' if node.lock_ref
                 else '<span class="sgl-evictable">evictable</span>')
@@ -132,12 +134,13 @@ class CacheTreeView(W.VBox):
         super().__init__(children=[self.tree], **kwargs)
 
     def update(self, cache, tokenizer, program_tokens: list[int] | None = None) -> None:
-        """Set every trait from the cache as it is now; call inside hold_sync."""
+        """Set every trait from the tree (a Timeline's cache_tree) as it is now; call inside
+        hold_sync. None: the backend has no local radix cache."""
         if cache is None:
             self.tree.show([Item("none", "<i>this backend has no local radix cache</i>")])
             return
         self.path = path_nodes(cache.root, program_tokens or [])
-        view = TreeItems(lambda key: self._decode(tokenizer, key), set(self.path),
+        view = TreeItems(lambda node: self._decode(tokenizer, node), set(self.path),
                          self.max_nodes)
         try:
             self.tree.show(view.items(cache))
@@ -148,10 +151,17 @@ class CacheTreeView(W.VBox):
         self.locked_tokens, self.evictable_tokens = s["protected_tokens"], s["evictable_tokens"]
         self.hit_rate = round(s["hit_rate"], 4)
 
-    def _decode(self, tokenizer, key: tuple) -> str:
+    def _decode(self, tokenizer, node) -> str:
+        """The edge's text as its events carried it (the engine decoded it), else decoded
+        here, else its token ids."""
+        key, text = node.key, getattr(node, "text", None)
+        if text is not None:
+            return text
+        if tokenizer is None:
+            return str(list(key))
         text = self._decoded.get(key)
         if text is None:
-            text = tokenizer.decode(list(key)) if tokenizer is not None else str(list(key))
+            text = tokenizer.decode(list(key))
             if len(self._decoded) > 4096:
                 self._decoded.clear()
             self._decoded[key] = text

@@ -39,7 +39,8 @@ from sgl_nb.notebook.widgets.stream_model import StreamModel
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
 from sgl_nb.notebook.widgets.timing import Timings
 from sgl_nb.notebook.widgets.variables import VariablesPanel, variables_of
-from sgl_nb.runtime.events import CACHE_EVENTS, Event, Forked
+from sgl_nb.runtime.events import CACHE_EVENTS, TREE_EVENTS, Event, Forked
+from sgl_nb.tracing.cache_tree import CacheTree, snapshot_events
 from sgl_nb.tracing.timeline import Family, Timeline
 
 # While tokens stream, the views beside the stream (stepper, cache tree, variables, call
@@ -77,6 +78,8 @@ class ProgramWidget(PumpedView, W.VBox):
         self.rerun_panel: RerunPanel | None = None  # built on the user's first selection
         self._render_thread: int | None = None  # the thread inside render(), if any
         self._queue = backend.events.subscribe()
+        for e in snapshot_events(backend.cache):  # the tree so far; its events follow
+            self.timeline.apply(e)
         self.title_text = title
         self.title = W.HTML(f"<b>%%sgl {html.escape(title)}</b>")
         self.stream = StreamView()
@@ -198,8 +201,8 @@ class ProgramWidget(PumpedView, W.VBox):
                         view.freeze()
                 if self._side_views_due(rows, len(p.variables), finished):
                     self.stepper.update(rows, finished, hold, p.held_node)
-                    self.cache.update(self.backend.cache, self._tokenizer(),
-                                      self._path_tokens(model, text))
+                    self.cache.update(tl.cache_tree if self.backend.cache is not None else None,
+                                      self._tokenizer(), self._path_tokens(model, text))
                     self.variables.update(variables_of(tl, pid))
                     self._update_call_stack(finished)
         if finished and not self._final_updated:
@@ -396,15 +399,18 @@ def _output_parent() -> tuple | None:
 
 
 class LiveCacheTree(CacheTreeView):
-    """`%sgl_cache`: the cache tree, re-rendered (throttled) on every cache event until
-    `stop()` (a newer view stops the older one, so only one pump runs)."""
+    """`%sgl_cache`: the cache tree folded from the engine's events (after a snapshot of
+    the tree so far), re-rendered (throttled) on every change until `stop()` (a newer view
+    stops the older one, so only one pump runs)."""
 
     _current: LiveCacheTree | None = None
 
     def __init__(self, backend, rate: float = 10.0, **kwargs):
         super().__init__(**kwargs)
         self.backend = backend
+        self.model = CacheTree()
         self._queue = backend.events.subscribe()
+        self._fold(snapshot_events(backend.cache))
         self._stopped = threading.Event()
         self.render()
         if LiveCacheTree._current is not None:
@@ -413,12 +419,16 @@ class LiveCacheTree(CacheTreeView):
         self.pump = EventPump(self._queue, self._fold, self.render, self._stopped.is_set,
                               rate=rate, on_stop=self._unsubscribe).start()
 
-    def _fold(self, events: list[Event]) -> None:
-        pass  # the tree is read from the engine itself; events only say when to re-read
+    def _fold(self, events: list[Event]) -> bool:
+        mine = [e for e in events if isinstance(e, TREE_EVENTS)]
+        for e in mine:
+            self.model.apply(e)
+        return bool(mine)
 
     def render(self) -> None:
         with held(self.widgets()):
-            self.update(self.backend.cache, self.backend.tokenizer)
+            self.update(self.model if self.backend.cache is not None else None,
+                        self.backend.tokenizer)
 
     def stop(self) -> None:
         self._stopped.set()
