@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 
 from sgl_nb.language.rerun_strategy import LIVE, LiveRun, Rerun
@@ -67,6 +67,22 @@ class ProgramRun:
             self.text += text
             self.stream.append((var, text, meta))
             self.cond.notify_all()
+
+    def chunks(self, var_name: str | None, wait: Callable) -> Iterator[tuple[str, dict | None]]:
+        """(text, meta) as produced (only variable `var_name`'s, if given), until the end;
+        meta: a decoded chunk's token counts and logprobs. `wait(fn)` runs each blocking
+        wait (the façade's interruptible)."""
+        i = 0
+        while True:
+            with self.cond:
+                wait(lambda i=i: self.cond.wait_for(lambda: len(self.stream) > i or self.finished))
+                items, done = self.stream[i:], self.finished and len(self.stream) <= i
+            if done:
+                return
+            i += len(items)
+            for var, chunk, meta in items:
+                if var_name is None or var == var_name:
+                    yield chunk, meta
 
     def bind(self, name: str, value) -> None:
         with self.cond:

@@ -20,16 +20,8 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from sgl_nb.language.errors import ProgramCancelled, ProgramError
-from sgl_nb.language.expressions import (
-    Concat,
-    Gen,
-    Role,
-    RoleBlock,
-    Select,
-    assistant,
-    system,
-    user,
-)
+from sgl_nb.language.expression_nodes import ScopeMark, expression_nodes
+from sgl_nb.language.expressions import Role, assistant, system, user
 from sgl_nb.language.program_run import ProgramRun
 from sgl_nb.language.recorder import LiveRecorder
 from sgl_nb.language.rerun import rerun_state
@@ -37,18 +29,7 @@ from sgl_nb.language.rerun_cursor import MISSING
 from sgl_nb.language.rerun_strategy import LIVE
 from sgl_nb.language.snapshot import ProgramSnapshot
 from sgl_nb.language.token_info import TokenInfo, token_info
-from sgl_nb.runtime.compiler.ir import (
-    GenNode,
-    InitNode,
-    Node,
-    ReturnNode,
-    RoleBeginNode,
-    RoleEndNode,
-    SelectNode,
-    TextNode,
-    VarScopeNode,
-    dot,
-)
+from sgl_nb.runtime.compiler.ir import InitNode, Node, ReturnNode, dot
 from sgl_nb.runtime.compiler.listing import listing
 from sgl_nb.runtime.compiler.step_controller import StepController
 from sgl_nb.runtime.events import VariableSet
@@ -59,13 +40,6 @@ _state_ids = itertools.count(1)
 
 
 _TURNS = {"system": system, "user": user, "assistant": assistant}
-
-
-class _ScopeMark:
-    """Where `with s.var_scope(name):` starts or ends."""
-
-    def __init__(self, name: str, begin: bool):
-        self.name, self.begin = name, begin
 
 
 class View(Protocol):
@@ -193,54 +167,11 @@ class ProgramState:
         line, file = (frame.f_lineno, frame.f_code.co_filename) if frame else (None, None)
         stack = tuple(f["function"] for f in self.call_stack)
         with self.run.lock:
-            for cls, fields, payload in self._to_nodes(expr):
+            for cls, fields, payload in expression_nodes(expr, self.run, self.defaults,
+                                                         self.backend):
                 self.recorder.record(cls(program=self.id, preds=self.recorder.preds(),
                                           file=file, line=line, stack=stack, **fields),
                                       payload)
-
-    def _to_nodes(self, expr) -> list[tuple[type[Node], dict, object]]:
-        """What `s += expr` adds: (Node class, its fields, the expression it came from)."""
-        if isinstance(expr, str):
-            return [(TextNode, {"text": expr}, expr)]
-        if isinstance(expr, Concat):
-            return [n for part in expr.parts for n in self._to_nodes(part)]
-        if isinstance(expr, _ScopeMark):
-            return [(VarScopeNode, {"name": expr.name, "begin": expr.begin}, expr)]
-        if isinstance(expr, Gen):
-            params = expr.sampling(self.defaults)
-            if self.backend is not None and ("regex" in params or "json_schema" in params):
-                # Compiled here, in the program's thread: a bad pattern fails at its line,
-                # before any token is generated.
-                self.backend.check_grammar(params.get("regex"), params.get("json_schema"))
-            return [(GenNode, {"name": expr.name, "sampling": params}, expr)]
-        if isinstance(expr, Select):
-            fields = {"name": expr.name, "choices": expr.choices, "method": expr.method}
-            allowed = expr.allowed()
-            if len(allowed) < len(expr.choices):  # the gen's grammar ruled some out
-                fields["allowed"] = allowed
-            return [(SelectNode, fields, expr)]
-        if isinstance(expr, RoleBlock):
-            out = self._to_nodes(Role(expr.role, True))
-            try:
-                for part in expr.content:
-                    out.extend(self._to_nodes(part))
-            except Exception:
-                self.run.open_role = None  # nothing of the turn was added
-                raise
-            return [*out, *self._to_nodes(Role(expr.role, False))]
-        if isinstance(expr, Role):
-            self._track_role(expr)
-            return [(RoleBeginNode if expr.begin else RoleEndNode, {"role": expr.role}, expr)]
-        raise TypeError(f"cannot add {type(expr).__name__} to a program state: {expr!r}")
-
-    def _track_role(self, mark: Role) -> None:
-        """Turns do not nest, and each ends the role it began."""
-        if mark.begin and self.run.open_role is not None:
-            raise ValueError(f"nested roles: {mark.role} inside an open {self.run.open_role}")
-        if not mark.begin and self.run.open_role != mark.role:
-            raise ValueError(f"{mark.role}_end without {mark.role}_begin (the open role is "
-                             f"{self.run.open_role})")
-        self.run.open_role = mark.role if mark.begin else None
 
     @contextmanager
     def _role_block(self, role: str):
@@ -270,11 +201,11 @@ class ProgramState:
 
     @contextmanager
     def var_scope(self, name: str):
-        self.submit(_ScopeMark(name, True))
+        self.submit(ScopeMark(name, True))
         try:
             yield self
         finally:
-            self.submit(_ScopeMark(name, False))
+            self.submit(ScopeMark(name, False))
 
     def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> ForkGroup:
         """`size` branches, each starting from this state's text, messages, open role and
@@ -467,18 +398,7 @@ class ProgramState:
     def _chunks(self, var_name: str | None) -> Iterator[tuple[str, dict | None]]:
         """(text, meta) as produced; meta: a decoded chunk's token counts and logprobs."""
         self.recorder.flush()
-        run, i = self.run, 0
-        while True:
-            with run.cond:
-                self.interruptible(lambda i=i: run.cond.wait_for(
-                    lambda: len(run.stream) > i or run.finished))
-                items, done = run.stream[i:], run.finished and len(run.stream) <= i
-            if done:
-                return
-            i += len(items)
-            for var, chunk, meta in items:
-                if var_name is None or var == var_name:
-                    yield chunk, meta
+        yield from self.run.chunks(var_name, self.interruptible)
 
     async def text_async_iter(self, var_name: str | None = None,
                               return_meta_data: bool = False):
