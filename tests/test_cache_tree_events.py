@@ -20,6 +20,7 @@ from sgl_nb.tracing import load
 from sgl_nb.tracing.cache_tree import CacheTree
 from sgl_nb.tracing.codec import event_data, event_from, event_name
 from sgl_nb.tracing.timeline import Timeline
+from sgl_nb.tui.replay import ReplaySession
 
 
 def decode(ids: list[int]) -> str:
@@ -152,3 +153,8 @@ def test_a_replayed_trace_draws_the_live_cache_tree(default_backend, tmp_path):
         view.update(tl.cache_tree, None)
     assert views[0].tree.html() == views[1].tree.html()
     assert "radix" in views[1].tree.html() and views[1].nodes == len(replay.cache_tree.shape())
+    # the TUI's cache pane: the replay's tree at its end is the live one
+    session = ReplaySession(replay, path.name)
+    before = session.cache_tree()
+    assert session.continue_() == "end" and session.cache_tree() == live.cache_tree.format_tree()
+    assert before != session.cache_tree()  # at the start, the tree as it was then
