@@ -17,7 +17,7 @@ from sgl_nb.notebook.widgets import CacheTreeView
 from sgl_nb.runtime.events import TREE_EVENTS, EventBus
 from sgl_nb.runtime.radix_cache import RadixCache
 from sgl_nb.tracing import load
-from sgl_nb.tracing.cache_tree import CacheTree
+from sgl_nb.tracing.cache_tree import CacheTree, tree_now
 from sgl_nb.tracing.codec import event_data, event_from, event_name
 from sgl_nb.tracing.timeline import Timeline
 from sgl_nb.tui.replay import ReplaySession
@@ -102,6 +102,7 @@ def test_a_late_listener_starts_from_the_snapshot():
     for e in late:
         tree.apply(e)
     assert tree.shape() == shape_of(cache) and tree.stats() == cache.stats()
+    assert tree_now(cache).format_tree(decode) == cache.format_tree(Letters())  # %sgl_cache --text
 
 
 def test_nothing_is_built_without_a_listener():

@@ -160,6 +160,14 @@ def snapshot_events(cache) -> list[Event]:
     return []
 
 
+def tree_now(cache) -> CacheTree:
+    """A RadixCache's tree folded from its snapshot: what a one-off view prints."""
+    tree = CacheTree()
+    for e in snapshot_events(cache):
+        tree.apply(e)
+    return tree
+
+
 def _count(node: CacheNode) -> int:
     stack, n = [node], 0
     while stack:

@@ -221,7 +221,9 @@ class SglMagics(Magics):
             print("this backend has no local radix cache")
             return None
         if args.text:
-            print(rt.cache.format_tree(rt.tokenizer))
+            from sgl_nb.tracing.cache_tree import tree_now
+
+            print(tree_now(rt.cache).format_tree(rt.tokenizer.decode))
             return None
         from sgl_nb.notebook.widgets import LiveCacheTree
 

@@ -28,7 +28,7 @@ from sgl_nb.notebook.widgets.compact import (
 from sgl_nb.notebook.widgets.compact import line_parts as program_parts
 from sgl_nb.notebook.widgets.stream_model import StreamModel
 from sgl_nb.notebook.widgets.throttle import EventPump, PumpedView, held
-from sgl_nb.runtime.events import Event, EventBus, Forked
+from sgl_nb.runtime.events import TREE_EVENTS, Event, EventBus, Forked
 from sgl_nb.runtime.status import Status
 from sgl_nb.tracing.timeline import Timeline
 
@@ -118,6 +118,10 @@ class BatchSummary(PumpedView, StaticCopy, W.VBox):
         changed = False
         with self._lock:
             for e in sorted(events, key=lambda e: e.seq):
+                if isinstance(e, TREE_EVENTS):  # the radix tree: every opened item's cache tab
+                    for replay in self._replays.values():
+                        replay.events.publish(e)
+                    continue
                 item = self._root.get(e.program)
                 if item is None:
                     continue
