@@ -80,11 +80,16 @@ class ProgramEffects:
     def emit(self, cls: type[Event], **fields) -> None:
         self.state.emit(cls, **fields)
 
+    def program_queued(self, init: InitNode) -> None:
+        """program_started, said as the Init Node is queued: before the Nodes its body
+        queues (node_queued, on the body's thread), which may come long before Init runs
+        (a program waiting for a shared prefix)."""
+        self.emit(ProgramStarted, function=init.function, priority=self.priority,
+                  model=self.model_name(), **init.call)
+
     def node_started(self, node: Node) -> bool:
         if isinstance(node, InitNode):  # its Instruction runs even for a program cancelled at once
             node.status = Status.RUNNING
-            self.emit(ProgramStarted, function=node.function, priority=self.priority,
-                      model=self.model_name(), **node.call)
             return True
         if isinstance(node, ReturnNode):
             return True  # a cancelled or failed program still ends

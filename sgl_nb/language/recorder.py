@@ -42,6 +42,8 @@ class LiveRecorder:
 
     def record(self, node: Node, payload=None) -> None:
         with self.run.lock:
+            if isinstance(node, InitNode):
+                self.effects.program_queued(node)
             self.buffer.append(node)
             self.run.payloads[node.id] = payload
             if not isinstance(node, TextNode):  # text may still fuse with what follows
