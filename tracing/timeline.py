@@ -1,7 +1,8 @@
-"""The Timeline: a pure fold of runtime Events into programs, Nodes, Instructions, tokens
-and cache changes. The same fold serves a live run (events from `rt.events.subscribe`) and
-a replay (events rebuilt from a trace file by `sgl_nb.tracing.load`), so the TUI and the
-notebook widgets step through both the same way. No threads, no I/O."""
+"""The Timeline: a pure fold of runtime Events into programs, Nodes, Instructions, tokens,
+cache changes and the radix tree (tracing/cache_tree.py). The same fold serves a live run
+(events from `rt.events.subscribe`) and a replay (events rebuilt from a trace file by
+`sgl_nb.tracing.load`), so the TUI and the notebook widgets step through both the same
+way. No threads, no I/O."""
 
 from __future__ import annotations
 
