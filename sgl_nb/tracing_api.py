@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from sgl_nb.backends.backend import is_backend
 from sgl_nb.tracing import session
+from sgl_nb.tracing.cache_tree import snapshot_events
 
 
 def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None = None,
@@ -30,7 +31,7 @@ def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None =
                         f"sgl.RuntimeEndpoint, got {type(rt).__name__}")
     session.enable(rt.events, file=file, endpoint=endpoint, exporter=exporter,
                    service_name=service_name, resource_attributes=resource_attributes,
-                   level=level, model=rt.model_name)
+                   level=level, model=rt.model_name, seed=snapshot_events(rt.cache))
 
 
 def disable_tracing() -> None:

@@ -159,3 +159,21 @@ def test_a_replayed_trace_draws_the_live_cache_tree(default_backend, tmp_path):
     before = session.cache_tree()
     assert session.continue_() == "end" and session.cache_tree() == live.cache_tree.format_tree()
     assert before != session.cache_tree()  # at the start, the tree as it was then
+
+
+@pytest.mark.slow
+def test_a_trace_started_after_the_tree_grew_holds_the_tree_so_far(default_backend, tmp_path):
+    rt = default_backend
+    rt.flush_cache()
+    assert ask.run(q="What is a radix tree?").error() is None  # before tracing
+    until(lambda: rt.engine.cache.protected_size() == 0, "the requests' locks released")
+    path = tmp_path / "late.jsonl"
+    sgl.enable_tracing(file=path, runtime=rt)
+    try:
+        assert ask.run(q="What is a radix sort?").error() is None
+        until(lambda: rt.engine.cache.protected_size() == 0, "the requests' locks released")
+    finally:
+        sgl.disable_tracing()
+    replay = load(path)
+    assert len(replay.cache_tree.shape()) > 2  # the first prompt's branch and the second's
+    assert replay.cache_tree.shape() == shape_of(rt.engine.cache)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -13,6 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from sgl_nb.runtime.events import Event
 from sgl_nb.tracing import codec
 from sgl_nb.tracing.exporters import GuardedExporter, JsonFileExporter, otlp_http_exporter
 from sgl_nb.tracing.spans import SpanRecorder
@@ -42,9 +44,10 @@ _lock = threading.Lock()
 def enable(bus, *, file: str | os.PathLike | None = None, endpoint: str | None = None,
            exporter: SpanExporter | None = None, service_name: str = "sgl-nb",
            resource_attributes: dict | None = None, level: str = "node",
-           model: str | None = None) -> TracingSession:
+           model: str | None = None, seed: Sequence[Event] = ()) -> TracingSession:
     """Trace every program on `bus` (a runtime's EventBus) from now on. Replaces the
-    tracing that was on, if any."""
+    tracing that was on, if any. `seed`: events recorded first, for what exists before
+    tracing starts (the radix tree so far, as its snapshot), so a replay starts from it."""
     if level not in ("node", "token"):
         raise ValueError(f"tracing level must be 'node' or 'token', got {level!r}")
     exporters = _exporters(file, endpoint, exporter)
@@ -73,6 +76,8 @@ def enable(bus, *, file: str | os.PathLike | None = None, endpoint: str | None =
         old, _session = _session, session
     if old is not None:
         _close(old)
+    for e in seed:
+        session.recorder(e)
     bus.subscribe(session.recorder)
     return session
 
