@@ -13,6 +13,10 @@ ratio is also given as the median over rounds of the two measured seconds apart.
 are decode tok/s (first token to last: prefill left out) and end-to-end tok/s. It also
 counts the leading greedy tokens the two engines agree on.
 
+On a busy machine set OMP_WAIT_POLICY=PASSIVE (the child inherits it): llama.cpp's OpenMP
+threads otherwise spin-wait for each other and its speed collapses (measured: 1.4-5 tok/s
+against 25-54 with it, same load).
+
 `--copy` adds the copy workload (sgl_nb/bench/copy_workload.py) on the Q4_1 row: prompt
 lookup on and off on both engines (llama.cpp's LlamaPromptLookupDecoding).
 """
@@ -103,7 +107,7 @@ def load_ours(qtypes: list[str], files: dict[str, Path]) -> dict:
         dtype, quantization = ROWS[qtype]
         print(f"ours: loading {files[qtype].name} as {quantization or dtype} ...", flush=True)
         runtimes[qtype] = Runtime(str(files[qtype]), dtype=dtype, quantization=quantization,
-                                  kv_pool_tokens=4096)
+                                  kv_pool_tokens=8192)
     return runtimes
 
 
