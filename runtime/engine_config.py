@@ -38,10 +38,11 @@ class EngineConfig:
     # Prompt lookup (n-gram speculation): where the output copies its context, the tokens
     # that followed the latest earlier occurrence of its last few tokens are drafted and
     # checked in one extend step (runtime/prompt_lookup.py; same output, token for token).
-    # None: on unless the weights are quantized. Measured on bench copy's workload (2-core
+    # None: on with fp32 weights, off otherwise. Measured on bench copy's workload (2-core
     # CPU, loaded): fp32 1.7x (15.1 vs 8.9 tok/s, same tokens); int4 0.9x, and its greedy
     # output was not the same (the extend that verifies runs int4 through the torch layer
-    # loop, the decode step through the fused C++ kernels: near-ties resolve apart).
+    # loop, the decode step through the fused C++ kernels: near-ties resolve apart); bf16
+    # likewise (test_quantization's batch-equals-one-at-a-time differed with it on).
     prompt_lookup: bool | None = None
     # Why this token: the k most likely tokens of each step, with what the grammar masked,
     # kept on every request (Request.token_choices, GenerateOutput.tokens, token events).
@@ -59,9 +60,7 @@ class EngineConfig:
             raise ValueError(f"token_alternatives must be an integer >= 0, got {alts!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
-        if self.prompt_lookup is None:
-            object.__setattr__(self, "prompt_lookup", self.quantization is None)
-        if not isinstance(self.prompt_lookup, bool):
+        if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
             raise ValueError(f"prompt_lookup must be True, False or None, got "
                              f"{self.prompt_lookup!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -70,6 +69,9 @@ class EngineConfig:
         # Resolved once here: a bad dtype or quantization name fails before the model loads.
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.torch_device,
                                                         self.quantization))
+        if self.prompt_lookup is None:
+            object.__setattr__(self, "prompt_lookup", self.quantization is None
+                               and self.dtype == torch.float32)
 
     @property
     def torch_device(self) -> torch.device:
