@@ -70,7 +70,7 @@ def quantized_layer(quantization: str, n: int, k: int, seed: int = 0):
     t = quantize(w, quantization)
     layer, why = make_linear(w, None, torch.bfloat16, "cpu", quantization, t)
     assert why is None and isinstance(layer, Int4Linear | Int8Linear)
-    assert layer._ext is not None  # our kernel, not torch's
+    assert layer.native  # our kernel, not torch's
     return layer, dequantize(t, quantization)  # int4's fp16 scale and min: the kernel's own
 
 
@@ -104,7 +104,7 @@ def test_int8_layer_whose_outputs_fill_no_whole_panel_takes_torchs_kernel():
     t = quantize(w, "int8")
     layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int8", t)
     assert why is None and isinstance(layer, Int8Linear)
-    assert layer._ext is None and layer.panels is None and layer.qweight.shape == (90, 64)
+    assert not layer.native and layer.panels is None and layer.qweight.shape == (90, 64)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = x.float() @ dequantize(t, "int8").T
     assert (layer(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
@@ -116,7 +116,7 @@ def test_int4_layer_with_an_odd_number_of_groups_takes_torchs_kernel():
     t = quantize(w, "int4")
     layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int4", t)
     assert why is None and isinstance(layer, Int4Linear)
-    assert layer._ext is None and layer.small is None
+    assert not layer.native and layer.small is None
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = x.float() @ dequantize(t, "int4").T
     assert (layer(x).float() - want).abs().max() <= 3e-2 * want.abs().max()
@@ -125,7 +125,7 @@ def test_int4_layer_with_an_odd_number_of_groups_takes_torchs_kernel():
 def dense_layer(dtype: torch.dtype, n: int, k: int) -> tuple[DenseLinear, torch.Tensor]:
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05).to(dtype)
     layer = DenseLinear(w)
-    assert layer._ext is not None and layer.weight is None  # our kernel, weight in panels
+    assert layer.native and layer.weight is None  # our kernel, weight in panels
     return layer, w
 
 
@@ -157,7 +157,7 @@ def test_dense_layer_whose_outputs_fill_no_whole_panel_takes_atens_matmul():
     w = torch.randn(101, 64, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(101, generator=torch.Generator().manual_seed(1))
     layer = DenseLinear(w, bias)
-    assert layer._ext is None and layer.panels is None
+    assert not layer.native and layer.panels is None
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     assert torch.allclose(layer(x), x @ w.T + bias, atol=1e-5)
 
@@ -165,7 +165,7 @@ def test_dense_layer_whose_outputs_fill_no_whole_panel_takes_atens_matmul():
 def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tensor]:
     """Logits of a few decode steps of two requests over a prefilled prompt, fed the same
     tokens on both paths."""
-    model._fused = None if fused else False
+    model.use_fused_decode(fused)
     pool = model.new_kv_pool(512)
     prompts = [list(range(100, 140)), list(range(300, 317))]
     slots = [torch.arange(1, 41), torch.arange(200, 217)]
@@ -178,7 +178,7 @@ def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tenso
         batch = build_batch(True, [[t] for t in nxt], starts, slots, [s[-1:] for s in slots],
                             model.device)
         logits.append(model.forward(batch, pool))
-    assert (model._fused is not False) == fused
+    assert model.fused_decode_ready() == fused
     return logits
 
 
@@ -242,9 +242,8 @@ def test_logits_head_refinement_in_the_module_matches_torchs():
     w16 = (torch.randn(1000, 64, generator=gen) * 0.2).bfloat16()
     h = torch.randn(5, 64, generator=gen).bfloat16()
     head = LogitsHead(DenseLinear(w16), w16, refine=16)
-    assert head._ext is not None
-    torch_ops = LogitsHead(DenseLinear(w16), w16, refine=16)
-    torch_ops._ext = None
+    assert head.native
+    torch_ops = LogitsHead(DenseLinear(w16), w16, refine=16, native=False)
     base = head.linear(h).float()
     exact = h.float() @ w16.float().T
     sixteenth = base.topk(16, dim=-1).values[:, -1:]

@@ -125,7 +125,7 @@ def test_kernels_compute_exactly_with_the_blocks_at_fp32(qtype, rows):
     w = dequantize(form)
     layer, why = make_linear(w, None, torch.float32, "cpu", "int4", form)
     assert why is None and isinstance(layer, Int4Linear if FORM[qtype] == "int4" else Int8Linear)
-    assert layer._ext is not None  # ours: no other kernel takes Q8_0's scales
+    assert layer.native  # ours: no other kernel takes Q8_0's scales
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     got = layer(x).double()
     want = x.double() @ w.double().T

@@ -51,7 +51,7 @@ def _weights(quantization: str, n: int, k: int) -> tuple[torch.Tensor, dict]:
     return w, quantize(w, quantization)
 
 
-def _layers(shapes=SHAPES) -> dict:
+def make_layers(shapes=SHAPES) -> dict:
     """(layer, why) of make_linear for each (quantization, N, K)."""
     out = {}
     for quantization, n, k in shapes:
@@ -70,10 +70,10 @@ def test_one_probe_process_checks_every_new_shape_once(cache, capfd):
     err = capfd.readouterr().err
     assert err.count(CHECKING) == 1 and f"checking 3 {CHECKING}" in err
     assert list(_verdicts(cache).values()) == [None, None, None]
-    layers = _layers()  # from the verdicts: no second process
+    layers = make_layers()  # from the verdicts: no second process
     assert CHECKING not in capfd.readouterr().err
     assert all(why is None for _, why in layers.values())
-    assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][0]._ext is not None
+    assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][0].native
     assert layers[SHAPES[1]][0].kernel == "torch-int8"
     assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][0].small is None
 
@@ -89,7 +89,7 @@ def test_a_crash_in_the_probe_process_keeps_only_that_shape_dense(cache, monkeyp
         "ours-int8 64x96 bfloat16": None, "torch-int8 90x64 bfloat16": crashed,
         "torch-int4 32x96 bfloat16": None,
     }
-    layers = _layers()
+    layers = make_layers()
     assert isinstance(layers[SHAPES[1]][0], DenseLinear) and layers[SHAPES[1]][1] == crashed
     assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][1] is None
     assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][1] is None
@@ -100,7 +100,7 @@ def test_a_crash_in_the_probe_process_keeps_only_that_shape_dense(cache, monkeyp
 def test_a_probe_process_that_exits_or_hangs_is_a_crash(cache, monkeypatch, fault, status):
     monkeypatch.setenv(FAULT_ENV, f"* 90x64 {fault}")
     monkeypatch.setenv(TIMEOUT_ENV, "10")
-    (layer, why), = _layers([("int8", 90, 64)]).values()
+    (layer, why), = make_layers([("int8", 90, 64)]).values()
     assert isinstance(layer, DenseLinear)
     assert why == f"torch's int8 kernel crashed on [90, 64] bf16 in a probe process {status}"
 
@@ -118,7 +118,7 @@ def test_the_probe_limit_starts_when_the_child_is_ready(cache, monkeypatch, tmp_
     """A start-up longer than the per-probe limit is not a kernel's fault."""
     _slow_start(tmp_path, monkeypatch, 15)
     monkeypatch.setenv(TIMEOUT_ENV, "10")
-    (layer, why), = _layers([("int8", 90, 64)]).values()
+    (layer, why), = make_layers([("int8", 90, 64)]).values()
     assert why is None and not isinstance(layer, DenseLinear)
 
 
@@ -126,7 +126,7 @@ def test_a_child_never_ready_fails_before_any_kernel_and_caches_nothing(cache, m
                                                                         tmp_path):
     _slow_start(tmp_path, monkeypatch, 3600)
     monkeypatch.setenv(START_TIMEOUT_ENV, "2")
-    (layer, why), = _layers([("int8", 90, 64)]).values()
+    (layer, why), = make_layers([("int8", 90, 64)]).values()
     assert isinstance(layer, DenseLinear)
     assert why.startswith("the kernel probe process failed before checking a kernel "
                           "(not ready in 2 s")
@@ -139,17 +139,17 @@ def test_a_child_never_ready_fails_before_any_kernel_and_caches_nothing(cache, m
 ])
 def test_a_kernel_that_raises_or_computes_wrongly_is_not_used(cache, monkeypatch, fault, reason):
     monkeypatch.setenv(FAULT_ENV, f"ours-int8 * {fault}")
-    (layer, why), = _layers([("int8", 64, 96)]).values()
+    (layer, why), = make_layers([("int8", 64, 96)]).values()
     assert isinstance(layer, DenseLinear) and why.startswith(reason)
 
 
 def test_a_second_process_takes_the_cached_verdicts_and_spawns_none(cache, capfd):
-    _layers(SHAPES[:1])
+    make_layers(SHAPES[:1])
     assert CHECKING in capfd.readouterr().err
     # A fresh process in which any probe process would crash: the verdict is the file's.
     code = ("import test_kernel_probe as t\n"
-            "(layer, why), = t._layers(t.SHAPES[:1]).values()\n"
-            "assert why is None and layer._ext is not None, why\n")
+            "(layer, why), = t.make_layers(t.SHAPES[:1]).values()\n"
+            "assert why is None and layer.native, why\n")
     again = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
                            env={**os.environ, FAULT_ENV: "* * crash"}, capture_output=True,
                            text=True, timeout=300)
@@ -159,13 +159,13 @@ def test_a_second_process_takes_the_cached_verdicts_and_spawns_none(cache, capfd
 
 @pytest.mark.parametrize("change", ["cpu", "torch"])
 def test_another_cpu_or_torch_version_checks_again(cache, monkeypatch, capfd, change):
-    _layers(SHAPES[:1])
+    make_layers(SHAPES[:1])
     monkeypatch.setenv(FAULT_ENV, "* * crash")  # from here on a probe crashes: it shows
     if change == "cpu":
         monkeypatch.setattr(cpu_decode, "cpu_key", lambda: "Another CPU | avx2 fma")
     else:
         monkeypatch.setattr(torch, "__version__", "2.99.0")
-    (layer, why), = _layers(SHAPES[:1]).values()
+    (layer, why), = make_layers(SHAPES[:1]).values()
     assert isinstance(layer, DenseLinear) and "crashed" in why
     assert len(list((cache / "kernel_checks").glob("*.json"))) == 2
     assert capfd.readouterr().err.count(CHECKING) == 2
@@ -177,13 +177,13 @@ def test_a_probe_process_that_cannot_start_caches_nothing(cache, monkeypatch, tm
     (broken / "sgl_nb" / "__init__.py").write_text("raise SystemExit('no sgl_nb here')\n")
     monkeypatch.setenv("PYTHONPATH", str(broken))  # the child imports this one first
     monkeypatch.chdir(tmp_path)  # not the checkout's own (python -m puts the cwd first)
-    (layer, why), = _layers(SHAPES[:1]).values()
+    (layer, why), = make_layers(SHAPES[:1]).values()
     assert isinstance(layer, DenseLinear)
     assert why.startswith("the kernel probe process failed before checking a kernel "
                           "(exit status 1: no sgl_nb here)")
     assert not list((cache / "kernel_checks").glob("*.json"))
     monkeypatch.delenv("PYTHONPATH")  # not cached: the next load checks it
-    (layer, why), = _layers(SHAPES[:1]).values()
+    (layer, why), = make_layers(SHAPES[:1]).values()
     assert why is None and isinstance(layer, Int8Linear)
 
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import sgl_nb.kernels as kernels  # noqa: E402
 from sgl_nb.kernels import reference  # noqa: E402
 from sgl_nb.runtime.model.forward_batch import build_batch  # noqa: E402
-from sgl_nb.runtime.model.model import Model, _family, _fused_step  # noqa: E402
+from sgl_nb.runtime.model.model import Model, decode_family, fused_step  # noqa: E402
 from sgl_nb.runtime.model.model_config import ModelConfig  # noqa: E402
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -338,17 +338,17 @@ def test_fused_decode_step_matches_the_layer_loop(family, dtype):
     weights = AutoModelForCausalLM.from_config(hf).state_dict()
     config = ModelConfig.from_dict(hf.to_dict())
     model = Model(config, weights, dtype=dtype)
-    step = _fused_step(ext, model)
+    step = fused_step(ext, model)
     want = _decode_steps(model, fused=False)
     got = _decode_steps(model, fused=step)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, **FUSED_TOLERANCE[dtype])
     if family != "llama":  # Llama's step is the plain one
         plain = ext.Family()
-        real = _family(ext, model)
+        real = decode_family(ext, model)
         for name in ("routers", "expert_kinds", "expert_tensors", "top_k", "norm_topk_prob"):
             setattr(plain, name, getattr(real, name))  # a MoE layer has no dense MLP to run
-        plain = _fused_step(ext, model, plain)
+        plain = fused_step(ext, model, plain)
         llama_shaped = _decode_steps(model, fused=plain)
         assert max((p - w).abs().max().item() for p, w in zip(llama_shaped, want)) > 1e-2
 
@@ -360,21 +360,21 @@ def test_fused_decode_step_refuses_a_wrong_family():
     family = ext.Family()
     family.windows = [8]
     with pytest.raises(RuntimeError, match="windows must have 1 per layer"):
-        _fused_step(ext, model, family)
+        fused_step(ext, model, family)
     family = ext.Family()
     family.rotary_dim = 63
     with pytest.raises(RuntimeError, match="rotary_dim even"):
-        _fused_step(ext, model, family)
+        fused_step(ext, model, family)
     moe_config = ModelConfig.from_dict(tiny_config("qwen3_moe").to_dict())
     moe = Model(moe_config, AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).state_dict())
     with pytest.raises(RuntimeError, match="layer 0 has neither a dense MLP nor experts"):
-        _fused_step(ext, moe, ext.Family())
+        fused_step(ext, moe, ext.Family())
 
 
 def _decode_steps(model, fused) -> list[torch.Tensor]:
     """Logits of 4 decode steps of two requests (prompts of 40 and 5 tokens), after a
     prefill through the layer loop; `fused`: the step decoding (False: the layer loop)."""
-    model._fused = fused
+    model.use_fused_decode(fused)
     pool = model.new_kv_pool(128)
     slots = [torch.arange(1, 41), torch.arange(60, 65)]
     prompts = [list(range(300, 340)), list(range(400, 405))]

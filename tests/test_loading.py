@@ -376,7 +376,7 @@ def test_sgl_model_magic_loads_a_gguf_path(ipython_shell, capsys, tiny_llama, tm
         s += PROMPTS[0] + sgl.gen("more", max_tokens=8, ignore_eos=True)
 
     magics = ipython_shell.magics_manager.registry["SglMagics"]
-    before, owned = current_backend(), magics._owned_runtime
+    before, owned = current_backend(), magics.owned_runtime
     try:
         ipython_shell.run_line_magic("sgl_model", f'"{gguf}"')
         rt = sgl.get_default_backend()
@@ -386,6 +386,5 @@ def test_sgl_model_magic_loads_a_gguf_path(ipython_shell, capsys, tiny_llama, tm
         assert state.text() == PROMPTS[0] + rt.tokenizer.decode(want)  # the GGUF's weights
     finally:
         sgl.set_default_backend(before)
-        if magics._owned_runtime is not owned:
-            magics._owned_runtime.shutdown()
-            magics._owned_runtime = owned
+        if magics.owned_runtime is not owned:
+            magics.release_owned_runtime()

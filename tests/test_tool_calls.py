@@ -629,7 +629,7 @@ def test_history_goes_through_the_familys_own_template(family):
     out = client.chat.completions.create(model="m", messages=history, tools=TOOLS,
                                          tool_choice="none", temperature=0, max_tokens=8,
                                          extra_body={"ignore_eos": True})
-    seen_id = tool_calls._template_id(call_id, tool_calls.template_of(rt.tokenizer))
+    seen_id = tool_calls.template_call_id(call_id, tool_calls.template_of(rt.tokenizer))
     assert len(seen_id) == (9 if name == "mistral" else len(call_id))
     listed = [{"type": "function", "function": {k: v for k, v in t["function"].items()
                                                 if k != "strict"}} for t in TOOLS]

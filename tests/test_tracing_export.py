@@ -30,7 +30,7 @@ from sgl_nb.runtime.events import (
 from sgl_nb.tracing import session
 
 
-def _hand_program(bus: EventBus) -> None:
+def hand_program(bus: EventBus) -> None:
     """One small program's events, as the runtime publishes them."""
     bus.emit(ProgramStarted, program=1, function="f", priority="normal")
     bus.emit(NodeStarted, program=1, node=7, node_kind=NodeKind.GEN, name="x", line=3,
@@ -47,7 +47,7 @@ def test_otlp_json_lines_use_hex_ids_and_integer_enums(tmp_path):
     path = tmp_path / "t.jsonl"
     bus = EventBus()
     session.enable(bus, file=path, service_name="svc", resource_attributes={"team": "a"})
-    _hand_program(bus)
+    hand_program(bus)
     session.disable()
     lines = path.read_text().splitlines()
     assert lines
@@ -92,7 +92,7 @@ def test_user_tracer_provider_is_used():
         trace.set_tracer_provider(provider)
         bus = EventBus()
         session.enable(bus)  # no destination of ours: the user's processors are enough
-        t._hand_program(bus)
+        t.hand_program(bus)
         session.disable()
         spans = mem.get_finished_spans()
         print(sorted(s.name for s in spans), spans[0].resource.attributes["service.name"])

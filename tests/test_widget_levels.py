@@ -310,15 +310,16 @@ def test_the_level_from_the_shell_config_and_unloading(shell):
         assert m.widget == "compact"
         assert [c for c in shell.configurables if isinstance(c, SglMagics)] == [m]
         assert shell.find_cell_magic("sgl").__self__ is m
-        assert function._batch_view == m.batch_view
+        assert function.batch_view_factory() == m.batch_view
         unload_ipython_extension(shell)
-        assert function._batch_view is None
+        assert function.batch_view_factory() is None
         view, widgets, *_ = _batch(shell, "range(2)")
         assert view is None and widgets == []  # no summary once unloaded
     finally:
         del shell.config["SglMagics"]
         load_ipython_extension(shell)
-    assert magics(shell).widget == "full" and function._batch_view == magics(shell).batch_view
+    assert magics(shell).widget == "full"
+    assert function.batch_view_factory() == magics(shell).batch_view
 
 
 # ---- a real kernel: what a saved notebook keeps ---------------------------------------------

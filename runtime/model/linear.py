@@ -102,6 +102,12 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
     @property
+    def native(self) -> bool:
+        """Whether our kernel (kernels/cpu_dense_matmul.h) computes this layer,
+        rather than ATen's matmul."""
+        return self._ext is not None
+
+    @property
     def read_bytes(self) -> int:
         """Bytes of weights (and bias) one call reads, whatever the number of rows."""
         return _nbytes(self.panels if self.weight is None else self.weight, self.bias)
@@ -151,6 +157,12 @@ class Int8Linear:
         if self.bias is not None:
             y += self.bias  # in place: no second output tensor
         return y
+
+    @property
+    def native(self) -> bool:
+        """Whether our kernel (kernels/cpu_quant_matmul.h) computes this layer,
+        rather than torch's int8 kernel."""
+        return self._ext is not None
 
     @property
     def read_bytes(self) -> int:
@@ -228,6 +240,12 @@ class Int4Linear:
         return y
 
     @property
+    def native(self) -> bool:
+        """Whether our kernel (kernels/cpu_quant_matmul.h) computes this layer,
+        rather than torch's int4 kernel."""
+        return self._ext is not None
+
+    @property
     def read_bytes(self) -> int:
         if self.small is not None:
             return _nbytes(*self.small, self.bias)
@@ -283,15 +301,24 @@ class LogitsHead:
     matmul (16-bit, or int8: half the bytes to read) only has to rank them.
     """
 
-    def __init__(self, linear: Linear, weight16: torch.Tensor | None, refine: int = 16):
+    def __init__(self, linear: Linear, weight16: torch.Tensor | None, refine: int = 16,
+                 native: bool = True):
+        """`native` False: the refinement takes torch's ops even where our kernel would
+        (the tests compare the two)."""
         self.linear = linear
         self.weight16 = weight16  # None: fp32 activations, the matmul is already exact
         self.refine = min(refine, linear.out_features)
-        usable = (weight16 is not None and weight16.device.type == "cpu"
+        usable = (native and weight16 is not None and weight16.device.type == "cpu"
                   and weight16.dtype == torch.bfloat16)
         # On CPU kernels/cpu_logits.h does the refinement in one call (torch's topk alone
         # took ~0.25 ms of a decode step); torch's ops elsewhere.
         self._ext = cpu_decode.load() if usable and cpu_decode.available() else None
+
+    @property
+    def native(self) -> bool:
+        """Whether our kernel (kernels/cpu_logits.h) does the refinement, rather than
+        torch's ops."""
+        return self._ext is not None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.linear(h).float()

@@ -7,7 +7,7 @@ activation, mixture-of-experts MLPs.
 The arithmetic mirrors transformers op for op (fp32 RMSNorm, RoPE as
 q*cos + rotate_half(q)*sin, residual order), so greedy tokens match it exactly. On the CPU,
 decode steps of every family go through kernels/cpu_decode.cpp's fused step, which reads the
-same fields (its Family, built by _family below).
+same fields (its Family, built by decode_family below).
 """
 
 from __future__ import annotations
@@ -357,6 +357,13 @@ class Model:
         """Whether decode steps take the fused CPU path (building it if needed)."""
         return self._fused_decode() is not None
 
+    def use_fused_decode(self, step: bool | object = True) -> None:
+        """Which path decode steps take. True (the default): the fused CPU step, built on
+        the next decode where it is usable (see _fused_decode); False: the torch layer
+        loop, always; a cpu_decode DecodeStep (fused_step's): that one. Tests compare the
+        paths this way."""
+        self._fused = None if step is True else step
+
     def _fused_decode(self):
         """kernels/cpu_decode.cpp's decode step (token ids to logits) for this model, or
         None where the torch path runs (CUDA, float16, head_dim not a multiple of 8,
@@ -366,7 +373,7 @@ class Model:
             usable = (self.device.type == "cpu" and self.config.head_dim % 8 == 0
                       and self.dtype in (torch.float32, torch.bfloat16))
             if usable and cpu_decode.available():
-                self._fused = _fused_step(cpu_decode.load(), self)
+                self._fused = fused_step(cpu_decode.load(), self)
         return self._fused or None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -439,7 +446,7 @@ def _linear_spec(layer: Linear | None) -> tuple[int, list[torch.Tensor]]:
     return 0, [layer.weight if layer.panels is None else layer.panels, bias]
 
 
-def _fused_step(module, model: Model, family=None):
+def fused_step(module, model: Model, family=None):
     """cpu_decode.cpp's DecodeStep of `model`; `family` (a module.Family) replaces what its
     config says (tests build the plain Llama step of another family this way)."""
     c, head = model.config, model.lm_head
@@ -454,7 +461,7 @@ def _fused_step(module, model: Model, family=None):
     return module.DecodeStep(
         norms, kinds, tensors, model.embed, model.norm, head_kind, head_tensors, head16,
         head.refine, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-        _family(module, model) if family is None else family,
+        decode_family(module, model) if family is None else family,
     )
 
 
@@ -463,7 +470,7 @@ _ACTIVATION_CODES = {Activation.SILU: 0, Activation.GELU_TANH: 1}
 _QK_NORM_CODES = {QKNorm.NONE: 0, QKNorm.PER_HEAD: 1, QKNorm.WHOLE: 2}
 
 
-def _family(module, model: Model):
+def decode_family(module, model: Model):
     """ModelConfig's differences from Llama as cpu_decode.cpp's Family takes them (its enums
     by value, empty tensors for what a layer lacks)."""
     c, f = model.config, module.Family()

@@ -349,6 +349,11 @@ def set_batch_view(factory) -> None:
     _batch_view = factory
 
 
+def batch_view_factory() -> Callable | None:
+    """The run_batch view factory set_batch_view set (None: none)."""
+    return _batch_view
+
+
 def _batch_view_for(name: str, backend, batch_kwargs: list[dict]):
     factory = _batch_view
     return factory(name, backend, batch_kwargs) if factory is not None else None

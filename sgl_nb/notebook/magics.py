@@ -15,6 +15,7 @@ import shlex
 import shutil
 import tempfile
 import threading
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -26,6 +27,9 @@ from sgl_nb.backends.backend import is_backend
 from sgl_nb.language.function import get_default_backend, set_batch_view, set_default_backend
 from sgl_nb.language.state import ProgramState
 from sgl_nb.notebook.cell_program import compile_cell, parse_args
+
+if TYPE_CHECKING:
+    from sgl_nb.backends.local_runtime import Runtime
 
 PRIORITIES = ("interactive", "normal", "batch")
 # What a %%sgl cell (and a cell's run_batch) shows: the full widget, one line, or nothing.
@@ -59,6 +63,18 @@ class SglMagics(Magics):
         self.tracing = False
         self._owned_runtime = None  # a Runtime `%sgl_model PATH` loaded (shut down on switch)
         self._cell_thread: threading.Thread | None = None  # the thread running a cell, if any
+
+    @property
+    def owned_runtime(self) -> Runtime | None:
+        """The Runtime `%sgl_model PATH` loaded (None: none); the next switch shuts it down."""
+        return self._owned_runtime
+
+    def release_owned_runtime(self) -> None:
+        """Shut down the Runtime `%sgl_model PATH` loaded, if any, and forget it. Whoever
+        calls this sets the default backend to another one first."""
+        old, self._owned_runtime = self._owned_runtime, None
+        if old is not None:
+            old.shutdown()
 
     @validate("widget")
     def _check_widget(self, proposal):

@@ -293,7 +293,7 @@ def template_messages(messages: list[Message], template: ChatTemplate,
 def _template_message(m: Message, template: ChatTemplate, native: bool) -> dict:
     entry: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.role == "tool":
-        entry["tool_call_id"] = _template_id(m.tool_call_id or "", template)
+        entry["tool_call_id"] = template_call_id(m.tool_call_id or "", template)
         if m.name:
             entry["name"] = m.name
     elif m.tool_calls and native and template.renders_calls:
@@ -305,7 +305,7 @@ def _template_message(m: Message, template: ChatTemplate, native: bool) -> dict:
 
 
 def _call_for_template(call: ToolCall, template: ChatTemplate) -> dict:
-    return {"id": _template_id(call.id, template), "type": "function",
+    return {"id": template_call_id(call.id, template), "type": "function",
             "function": {"name": call.function.name, "arguments": _arguments(call)}}
 
 
@@ -317,7 +317,7 @@ def _arguments(call: ToolCall) -> Any:
         return call.function.arguments
 
 
-def _template_id(call_id: str, template: ChatTemplate) -> str:
+def template_call_id(call_id: str, template: ChatTemplate) -> str:
     """Mistral's template refuses ids that are not 9 letters or digits: a call's id and
     its result's tool_call_id map to the same 9 characters there."""
     if template.format is ToolCallFormat.MISTRAL:
