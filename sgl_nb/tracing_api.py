@@ -9,6 +9,7 @@ import os
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from sgl_nb.backends.backend import is_backend
+from sgl_nb.runtime.events import CacheNodeAdded
 from sgl_nb.tracing import session
 from sgl_nb.tracing.cache_tree import snapshot_events
 
@@ -31,12 +32,19 @@ def enable_tracing(file: str | os.PathLike | None = None, endpoint: str | None =
                         f"sgl.RuntimeEndpoint, got {type(rt).__name__}")
     session.enable(rt.events, file=file, endpoint=endpoint, exporter=exporter,
                    service_name=service_name, resource_attributes=resource_attributes,
-                   level=level, model=rt.model_name, seed=snapshot_events(rt.cache))
+                   level=level, model=rt.model_name, seed=_tree_so_far(rt))
 
 
 def disable_tracing() -> None:
     """Stop tracing; close the spans still open and export everything recorded."""
     session.disable()
+
+
+def _tree_so_far(rt) -> list:
+    """The radix tree as tracing starts, for a replay to start from (nothing for an empty
+    tree: a trace of a fresh runtime holds only its own events)."""
+    tree = snapshot_events(rt.cache)
+    return tree if any(isinstance(e, CacheNodeAdded) for e in tree) else []
 
 
 def _default_runtime():

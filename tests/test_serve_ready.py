@@ -18,7 +18,7 @@ from support.serve_child import ServeChild
 from support.waits import WAIT, until
 
 from sgl_nb.server.runner import bind, make_server
-from sgl_nb.server.serve import API_KEY_ENV
+from sgl_nb.server.serve import API_KEY_ENV, GRACE_SECONDS
 
 HEAVY = ("torch", "transformers", "numpy", "uvicorn", "fastapi")
 
@@ -53,7 +53,8 @@ def test_on_ready_comes_once_the_socket_accepts(runtime):
         with socket.create_connection(address, timeout=WAIT):
             accepted.append(True)
 
-    server = make_server(runtime, quiet=True, api_key=None, thread=True, on_ready=ready)
+    server = make_server(runtime, quiet=True, api_key=None, thread=True, model_names=None,
+                         grace=GRACE_SECONDS, on_ready=ready)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     until(lambda: accepted or not thread.is_alive(), "the ready callback")

@@ -60,6 +60,7 @@ def traced(default_backend, tmp_path_factory):
     """One traced run of the three programs, to an in-memory exporter and a file, with the
     live events alongside."""
     rt = default_backend
+    rt.flush_cache()  # an empty tree: the trace holds the live events alone, no snapshot
     path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     mem = InMemorySpanExporter()
     q = rt.events.subscribe()

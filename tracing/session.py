@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -76,8 +76,8 @@ def enable(bus, *, file: str | os.PathLike | None = None, endpoint: str | None =
         old, _session = _session, session
     if old is not None:
         _close(old)
-    for e in seed:
-        session.recorder(e)
+    for i, e in enumerate(seed):  # before every published event, in their own order
+        session.recorder(replace(e, seq=i - len(seed)))
     bus.subscribe(session.recorder)
     return session
 
