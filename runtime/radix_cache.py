@@ -139,7 +139,7 @@ class RadixCache:
         now = self._tick()
         node, pos, values, path = self.root, 0, [], []
         while pos < len(key) and (child := node.children.get(key[pos])) is not None:
-            n = _common_len(child.key, key, pos)
+            n = common_prefix_len(child.key, key[pos : pos + len(child.key)])
             if n < len(child.key):
                 child = self._split(child, n)  # next lookup then misses: the loop ends here
             child.last_access = now
@@ -162,7 +162,7 @@ class RadixCache:
             return 0
         node, pos = self.root, 0
         while pos < len(key) and (child := node.children.get(key[pos])) is not None:
-            n = _common_len(child.key, key, pos)
+            n = common_prefix_len(child.key, key[pos : pos + len(child.key)])
             pos += n
             if n < len(child.key):
                 break
@@ -185,7 +185,7 @@ class RadixCache:
             if child is None:
                 self._add_leaf(node, key[pos:], value[pos:], now)
                 return pos
-            n = _common_len(child.key, key, pos)
+            n = common_prefix_len(child.key, key[pos : pos + len(child.key)])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -369,16 +369,20 @@ def _as_tokens(key: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     return tuple(key)
 
 
-def _common_len(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-    """Length of the common prefix of edge and key[pos:]."""
-    if key[pos : pos + len(edge)] == edge:  # the usual case, compared at C speed
-        return len(edge)
-    n = 0
-    for a, b in zip(edge, key[pos:], strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """How many items a and b (sequences of one type) share from the start. Slices compare
+    at C speed: the usual case (all of the shorter) is one compare, else the range halves."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _subtree(node: TreeNode) -> Iterator[TreeNode]:

@@ -35,7 +35,7 @@ from sgl_nb.runtime.events import (
 )
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.priority import priority_name
-from sgl_nb.runtime.radix_cache import RadixCache
+from sgl_nb.runtime.radix_cache import RadixCache, common_prefix_len
 from sgl_nb.runtime.request import EMPTY_SLOTS, Request
 from sgl_nb.runtime.scheduled_batch import ScheduledBatch, make_batch
 
@@ -54,14 +54,6 @@ IN_BATCH_SHARE_MIN = 32
 # first ("lpm"), so requests sharing a prefix run together while it is still cached. Past
 # LPM_MAX_QUEUE the ranking costs more than it saves and the queue goes in arrival order.
 LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler:

@@ -17,6 +17,7 @@ from sgl_nb.language.diff import (
     PairOp,
     RunDiff,
     divergence_lines,
+    fit,
     settings_lines,
     summary,
 )
@@ -119,7 +120,7 @@ def _cells(p: NodePair, first: bool, width: int) -> list[Text]:
         style = "bold reverse " + style  # the first divergence stands out
     indent = "  " * len(p.branch) + (f"[{p.branch[-1][1]}] " if p.branch else "")
     same = p.op is PairOp.SAME
-    return [Text(MARKS[p.op], style=style), Text(_fit(indent + p.label, LABEL_WIDTH), style),
+    return [Text(MARKS[p.op], style=style), Text(fit(indent + p.label, LABEL_WIDTH), style),
             Text(_output(p.a, width), style), Text("=" if same else _output(p.b, width), style),
             Text(_pair_figure(p, "output_tokens"), style=style),
             Text(_pair_figure(p, "cached_tokens"), style=style),
@@ -127,11 +128,7 @@ def _cells(p: NodePair, first: bool, width: int) -> list[Text]:
 
 
 def _output(n, width: int) -> str:
-    return "" if n is None else _fit(repr(n.text), width)
-
-
-def _fit(s: str, width: int) -> str:
-    return s if len(s) <= width else s[: width - 1] + "…"
+    return "" if n is None else fit(repr(n.text), width)
 
 
 def _pair_figure(p: NodePair, key: str) -> str:

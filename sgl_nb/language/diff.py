@@ -501,15 +501,15 @@ def _table_lines(d: RunDiff) -> list[str]:
     rows = [head]
     for p in d.pairs:
         a, b = _cell_texts(p)
-        rows.append(f" {MARKS[p.op]} {_fit(_indent(p) + p.label, 30):<30} {a:<24} {b:<24} "
+        rows.append(f" {MARKS[p.op]} {fit(_indent(p) + p.label, 30):<30} {a:<24} {b:<24} "
                     f"{_both(p, _out_tokens):>7} {_both(p, _cached):>9} "
                     f"{_both(p, _secs):>11}")
     return rows
 
 
 def _cell_texts(p: NodePair, width: int = 24) -> tuple[str, str]:
-    a = "" if p.a is None else _fit(repr(p.a.text), width)
-    b = "" if p.b is None else _fit(repr(p.b.text), width)
+    a = "" if p.a is None else fit(repr(p.a.text), width)
+    b = "" if p.b is None else fit(repr(p.b.text), width)
     if p.op is PairOp.SAME:
         b = "="  # the same output: shown once
     return a, b
@@ -544,7 +544,8 @@ def _secs(n: NodeRecord | None) -> str:
     return "" if n.seconds is None else f"{n.seconds:.2f}"
 
 
-def _fit(s: str, width: int) -> str:
+def fit(s: str, width: int) -> str:
+    """s cut to `width` characters, an ellipsis marking the cut."""
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
@@ -555,7 +556,7 @@ def _pct(p: float | None) -> str:
 
 
 def _value(v) -> str:
-    return v if v is ABSENT else _fit(repr(v), 60)
+    return v if v is ABSENT else fit(repr(v), 60)
 
 
 # ---- HTML ---------------------------------------------------------------------------------

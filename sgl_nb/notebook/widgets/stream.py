@@ -42,6 +42,7 @@ from sgl_nb.notebook.widgets.stream_model import (
     render_html,
     stream_stats,
 )
+from sgl_nb.runtime.radix_cache import common_prefix_len
 
 _CSS = """
 .sgl-stream{white-space:pre-wrap;font-family:monospace;font-size:12px;line-height:1.5;
@@ -217,7 +218,7 @@ class StreamView(anywidget.AnyWidget):
         out = []
         for lane, items in lanes.items():
             sent = self._sent.get(lane, [])
-            at = _common_prefix(sent, items)
+            at = common_prefix_len(sent, items)
             if at == len(sent) == len(items) and lane in self._sent:
                 continue
             out.append([lane, at, items[at:]])
@@ -322,18 +323,3 @@ class StreamView(anywidget.AnyWidget):
             reply = self.on_why(content.get("node"), content.get("index"))
             with self._send_lock:
                 self._send_custom(reply)
-
-
-def _common_prefix(a: list, b: list) -> int:
-    """How many items a and b share from the start."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
