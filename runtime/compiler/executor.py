@@ -55,6 +55,10 @@ class ProgramHost(Protocol):
         """Publish a `cls` event of this program (runtime/events.py)."""
         ...
 
+    def listening(self) -> bool:
+        """Anyone subscribed to this program's events (else costly fields are skipped)."""
+        ...
+
     def node_started(self, node: Node) -> bool:
         """Called as the Node is about to start: whether its Instructions run (not when it
         is skipped or cancelled)."""
@@ -102,9 +106,9 @@ class Executor:
     def add(self, host: ProgramHost, nodes: list[Node]) -> None:
         """Queue a program's Nodes (lowered: node.instructions set), in order. Their
         node_queued events go out from the caller's thread, while its frames are live."""
-        frames = list(host.call_stack)
+        frames = list(host.call_stack) if host.listening() else None
         for n in nodes:
-            if n.kind not in PROGRAM_NODES:
+            if frames is not None and n.kind not in PROGRAM_NODES:
                 host.emit(NodeQueued, node=n.id, node_kind=n.kind, name=n.name, line=n.line,
                           file=n.file, label=n.label(), preds=tuple(n.preds),
                           stack=tuple(n.stack), stack_args=stack_args(n.stack, frames),

@@ -80,6 +80,10 @@ class ProgramEffects:
     def emit(self, cls: type[Event], **fields) -> None:
         self.state.emit(cls, **fields)
 
+    def listening(self) -> bool:
+        events = self.state.events
+        return events is not None and events.active
+
     def program_queued(self, init: InitNode) -> None:
         """program_started, said as the Init Node is queued: before the Nodes its body
         queues (node_queued, on the body's thread), which may come long before Init runs
