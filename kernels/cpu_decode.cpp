@@ -891,4 +891,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::gil_scoped_release no_gil;
     return int4_linear(x, nib, scale, zero, bias);
   });
+  m.def("kernel_isa", [] { return quant_isa_name(quant_isa().load()); },
+        "the instruction set the bf16 int4/int8 kernels use now");
+  m.def("kernel_isas", &quant_isa_names, "the ones this build has, widest (the default) first");
+  m.def("set_isa", &set_quant_isa, "use one of kernel_isas() (they give the same bits)");
 }

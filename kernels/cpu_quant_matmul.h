@@ -38,9 +38,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -337,6 +339,168 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 }
 #endif
 
+#ifdef SGL_NB_AVX512_VNNI
+// One row of x against a whole panel of 8 weight rows with AVX-512 VNNI: one zmm holds two
+// weight rows' 32-byte units (rows 2h, 2h + 1 are 64 adjacent bytes of the panel), x's 32
+// bytes are broadcast to both halves, and dpbusd gives in one instruction the int32 lanes
+// that maddubs, add and madd give (lane i: the sum over bytes 4i..4i+3, exact either way).
+// The float part is the AVX2 kernel's lane for lane: the same cvt, the same factor
+// scale x dx, the same fma into each output's 8 lanes (one half of a zmm), and hsum on
+// each half, so the two paths give the same bits. The factors of 8 groups are computed at
+// once, [row 2h's 8 x dx, row 2h + 1's 8 x dx], and each pair of groups takes its lanes
+// with one permute (AVX2 spends 3 operations per row and pair on them).
+
+// Eight fp16 values of row a and eight of row b as fp32 [a0..a7, b0..b7]; lanes outside
+// `m` are zero and not read (the end of a weight row may be the end of the tensor).
+inline __m512 load_half_rows(const uint16_t* a, const uint16_t* b, __mmask8 m) {
+  const __m128i ha = _mm_maskz_loadu_epi16(m, a), hb = _mm_maskz_loadu_epi16(m, b);
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(ha), hb, 1));
+}
+
+// Eight fp32 values in both halves.
+inline __m512 broadcast8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// 32 bytes in both halves.
+inline __m512i broadcast32(const void* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
+// The 16 outputs' halves of acc (rows 2h, 2h + 1 per zmm), summed as the AVX2 kernels sum.
+inline void store_halves(const __m512 (&acc)[4], float* out) {
+  for (int h = 0; h < 4; ++h) {
+    out[2 * h] = hsum(lower_half(acc[h]));
+    out[2 * h + 1] = hsum(upper_half(acc[h]));
+  }
+}
+
+// int4_block<1, 8> (its arguments, dx per group: QuantizedRows::dx). Per two weight rows
+// and two groups: load, 2 masks, a shift, 2 dpbusd, cvt, permute, fma (AVX2: 14 per row).
+inline void int4_panel_vnni(const uint8_t* w, int64_t ps, const int8_t* xq, int64_t k,
+                            const float* dx, int64_t fs, const uint16_t* scale,
+                            const uint16_t* min, const float* xsum, float* out) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi32(2);
+  __m512 acc[4];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t pairs = k / (2 * kGroup);
+  for (int64_t g0 = 0; g0 < 2 * pairs; g0 += 8) {
+    const __m512 d = broadcast8(dx + g0);
+    __m512 f[4];
+    for (int h = 0; h < 4; ++h) {
+      f[h] = _mm512_mul_ps(load_half_rows(scale + 2 * h * fs + g0, scale + (2 * h + 1) * fs + g0,
+                                          0xFF), d);
+    }
+    // Pair p's factors: [f_2p x 4, f_2p+1 x 4] of each row, as int4_block's s2 x dx2.
+    __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9);
+    for (int64_t p = g0 / 2; p < std::min(pairs, g0 / 2 + 4); ++p) {
+      const __m512i xlo = broadcast32(xq + p * 2 * kGroup);
+      const __m512i xhi = broadcast32(xq + p * 2 * kGroup + kGroup);
+      for (int h = 0; h < 4; ++h) {
+        const __m512i b = _mm512_loadu_si512(w + p * ps + 2 * h * kGroup);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, mask), xlo);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(b, 4), mask), xhi);
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, f[h]),
+                                 acc[h]);
+      }
+      pick = _mm512_add_epi32(pick, two);
+    }
+  }
+  for (int64_t g = 0; g < fs; g += 8) {
+    const __m512 xs = broadcast8(xsum + g);
+    for (int h = 0; h < 4; ++h) {
+      acc[h] = _mm512_fmadd_ps(
+          load_half_rows(min + 2 * h * fs + g, min + (2 * h + 1) * fs + g, 0xFF), xs, acc[h]);
+    }
+  }
+  store_halves(acc, out);
+}
+
+// int8_block<1, 8, Blocks>. dpbusd multiplies unsigned by signed bytes: w + 128 (w with its
+// top bit flipped) times x is w . x + 128 sum(x), so the accumulator starts at
+// -128 sum(x) per lane, computed once per group for the four zmm (the sign trick, |w| times
+// x carrying w's sign, costs 3 operations per zmm).
+template <bool Blocks>
+inline void int8_panel_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64_t k,
+                            const float* dx, const uint16_t* ws, int64_t wss, float* out) {
+  const __m512i flip = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();
+  __m512 acc[4];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t groups = k / kGroup;
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    __m512 f[4];
+    if constexpr (Blocks) {
+      const __m512 d = broadcast8(dx + g0);
+      const auto m = static_cast<__mmask8>((1u << std::min<int64_t>(8, groups - g0)) - 1);
+      for (int h = 0; h < 4; ++h) {
+        f[h] = _mm512_mul_ps(d, load_half_rows(ws + 2 * h * wss + g0,
+                                               ws + (2 * h + 1) * wss + g0, m));
+      }
+    }
+    // Group g's factors: [d_2h,g x dx_g x 8, d_2h+1,g x dx_g x 8], as int8_block's f.
+    __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    for (int64_t g = g0; g < std::min(groups, g0 + 8); ++g) {
+      const __m512i x = broadcast32(xq + g * kGroup);
+      const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, x));
+      for (int h = 0; h < 4; ++h) {
+        const __m512i b = _mm512_loadu_si512(w + g * gs + 2 * h * kGroup);
+        const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_xor_si512(b, flip), x);
+        const __m512 fh = Blocks ? _mm512_permutexvar_ps(pick, f[h]) : _mm512_set1_ps(dx[g]);
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fh, acc[h]);
+      }
+      pick = _mm512_add_epi32(pick, _mm512_set1_epi32(1));
+    }
+  }
+  store_halves(acc, out);
+}
+#endif
+
+// Which instruction set the bf16 paths' one-row kernels use: by default the widest this
+// build has; a test switches between them in one build (they give the same bits).
+enum class QuantIsa : int { kScalar, kAvx2, kAvx512Vnni };
+
+// This build's, widest first.
+inline std::vector<QuantIsa> built_quant_isas() {
+#if defined(SGL_NB_AVX512_VNNI)
+  return {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2};
+#elif defined(SGL_NB_AVX2)
+  return {QuantIsa::kAvx2};
+#else
+  return {QuantIsa::kScalar};
+#endif
+}
+
+inline std::atomic<QuantIsa>& quant_isa() {
+  static std::atomic<QuantIsa> isa{built_quant_isas().front()};
+  return isa;
+}
+
+inline std::string quant_isa_name(QuantIsa isa) {
+  constexpr const char* kNames[] = {"scalar", "avx2", "avx512_vnni"};
+  return kNames[static_cast<int>(isa)];
+}
+
+inline std::vector<std::string> quant_isa_names() {
+  std::vector<std::string> names;
+  for (QuantIsa isa : built_quant_isas()) names.push_back(quant_isa_name(isa));
+  return names;
+}
+
+inline void set_quant_isa(const std::string& name) {
+  for (QuantIsa isa : built_quant_isas()) {
+    if (name == quant_isa_name(isa)) return quant_isa().store(isa);
+  }
+  std::string known;
+  for (const auto& n : quant_isa_names()) known += (known.empty() ? "" : ", ") + n;
+  TORCH_CHECK(false, "quantized kernels: no instruction set '", name, "' in this build (",
+              known, ")");
+}
+
+// Whether one-row blocks take the AVX-512 VNNI kernels, read once per matmul.
+inline bool vnni_enabled() {
+  return quant_isa().load(std::memory_order_relaxed) == QuantIsa::kAvx512Vnni;
+}
+
 // fp32 activations, as they are: the exact path. Each output is the fp32 dot product of x
 // with the dequantized weight, rearranged as y = sum_g scale_g (q_g . x_g) + sum_g min_g
 // sum(x_g), so that it differs from the fp32 model's matmul by fp32 rounding in another
@@ -549,10 +713,21 @@ struct Int4Weights {
     prefetch_bytes(nib + panel_row_offset(j0, x.k / 2, kGroup), kRowPanel * x.k / 2);
   }
 
+  bool vnni = vnni_enabled();
+
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
     const int64_t s = x.stride;
     constexpr int64_t unit = kGroup;  // two groups of 16 bytes
+#ifdef SGL_NB_AVX512_VNNI
+    if constexpr (NR == 1 && NC == kRowPanel) {
+      if (vnni) {
+        return int4_panel_vnni(nib + panel_row_offset(j0, x.k / 2, unit), kRowPanel * unit,
+                               x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * s, s,
+                               scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
+      }
+    }
+#endif
     int4_block<NR, NC>(nib + panel_row_offset(j0, x.k / 2, unit), unit, kRowPanel * unit,
                        x.xq.data() + r0 * x.k, x.k, x.dx_pairs.data() + r0 * 4 * s, s,
                        scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
@@ -573,11 +748,22 @@ struct Int8Weights {
     prefetch_bytes(w + panel_row_offset(j0, x.k, kGroup), kRowPanel * x.k);
   }
 
+  bool vnni = vnni_enabled();
+
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
     const int8_t* wj = w + panel_row_offset(j0, x.k, kGroup);
     const float* dx = x.dx.data() + r0 * x.stride;
     const int8_t* xq = x.xq.data() + r0 * x.k;
+#ifdef SGL_NB_AVX512_VNNI
+    if constexpr (NR == 1 && NC == kRowPanel) {
+      if (vnni && !row_scale) {
+        return int8_panel_vnni<true>(wj, kRowPanel * kGroup, xq, x.k, dx,
+                                     block_scale + j0 * x.groups, x.groups, out);
+      }
+      if (vnni) return int8_panel_vnni<false>(wj, kRowPanel * kGroup, xq, x.k, dx, nullptr, 0, out);
+    }
+#endif
     if (!row_scale) {
       int8_block<NR, NC, true>(wj, kGroup, kRowPanel * kGroup, xq, x.k, dx, x.stride,
                                block_scale + j0 * x.groups, x.groups, out);

@@ -10,6 +10,11 @@
 #include <immintrin.h>
 #define SGL_NB_AVX2 1
 #endif
+// AVX-512 with the u8 x s8 dot product (dpbusd): cpu_quant_matmul.h's one-row kernels.
+#if defined(SGL_NB_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SGL_NB_AVX512_VNNI 1
+#endif
 
 namespace sgl_nb {
 
@@ -31,6 +36,14 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#ifdef SGL_NB_AVX512_VNNI
+// The lower and upper 256 bits of v (AVX512F alone: no DQ's extractf32x8).
+inline __m256 lower_half(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 upper_half(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
 
 // Four sums of eight lanes in one __m128, each added as ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7))
 // whichever of the four it is: pass a vector twice for fewer sums and get the same bits.
