@@ -114,7 +114,10 @@ class Engine:
                                        self.pool.capacity, s)
         self.context_len = self.requests.context_len
         self.cache = RadixCache(self.pool)
-        self.scheduler = Scheduler(self.pool, self.cache, self.device, s)
+        # torch's own count is read before anything sets it: extend steps keep it.
+        extend_threads = torch.get_num_threads()
+        fused = off_main_thread(self.model.fused_decode_ready)
+        self.scheduler = Scheduler(self.pool, self.cache, self.device, s, drafts_as_decodes=fused)
         self.events = EventBus()
         self.scheduler.events = self.events
         self.cache.events, self.cache.decode = self.events, self.tokenizer.decode
@@ -135,9 +138,7 @@ class Engine:
         self.forced_tokens = 0
         self.started = time.monotonic()
         self.step_seconds = {"extend": 0.0, "decode": 0.0}
-        # torch's own count is read before anything sets it: extend steps keep it.
-        self.threads = StepThreads(extend_threads=torch.get_num_threads(),
-                                   fused=off_main_thread(self.model.fused_decode_ready))
+        self.threads = StepThreads(extend_threads=extend_threads, fused=fused)
         self._thread = threading.Thread(target=self._loop, name="sgl-nb-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -317,7 +318,7 @@ class Engine:
         back)."""
         computed = [r.fill_len - n for r, n in zip(batch.reqs, batch.new_lens)]
         if self.device.type == "cpu":
-            self.threads.use_for(batch.is_decode)
+            self.threads.use_for(batch.forward.is_decode)
         t0 = time.perf_counter()
         try:
             logits = self.model.forward(batch.forward, self.pool)

@@ -37,12 +37,11 @@ class EngineConfig:
     jump_forward: bool = True
     # Prompt lookup (n-gram speculation): where the output copies its context, the tokens
     # that followed the latest earlier occurrence of its last few tokens are drafted and
-    # checked in one extend step (runtime/prompt_lookup.py; same output, token for token).
-    # None: on with fp32 weights, off otherwise. Measured on bench copy's workload (2-core
-    # CPU, loaded): fp32 1.7x (15.1 vs 8.9 tok/s, same tokens); int4 0.9x, and its greedy
-    # output was not the same (the extend that verifies runs int4 through the torch layer
-    # loop, the decode step through the fused C++ kernels: near-ties resolve apart); bf16
-    # likewise (test_quantization's batch-equals-one-at-a-time differed with it on).
+    # checked in one step (runtime/prompt_lookup.py; same output, token for token, in every
+    # dtype: scheduled_batch.py's decode-shaped check). None: on with fp32 weights, off
+    # otherwise. Measured on bench copy's workload (2-core CPU, loaded): fp32 1.7x (same
+    # tokens); int4 slower (a checked row costs int4's bf16 kernels about a third of a
+    # decode in arithmetic, where an fp32 row rides on the weight read).
     prompt_lookup: bool | None = None
     # Why this token: the k most likely tokens of each step, with what the grammar masked,
     # kept on every request (Request.token_choices, GenerateOutput.tokens, token events).

@@ -4,6 +4,13 @@ model's ForwardBatch, and which extra rows of logits score a prompt or check dra
 The model returns the logits of each request's last new token, and, when the step asks
 for them (ForwardBatch.score_rows), the logits of further rows: first the scored ones,
 then the jump-forward ones, in the order of `scored` and `drafts`.
+
+A step of drafts only (jump-forward, prompt lookup: every request checks its drafts) can
+run decode-shaped: each new token a row of its own whose KV range ends at itself, so that
+the model's decode path computes it (on CPU the fused C++ step, which gives every row the
+bits a decode of that token alone would: the output is the one decoding gives, in every
+dtype, and one pass reads the weights once for all the drafts). The flattened rows are
+the same either way, so `scored`, `drafts` and logits_at index them alike.
 """
 
 from __future__ import annotations
@@ -42,10 +49,9 @@ class ScheduledBatch:
     forward: ForwardBatch
     scored: list[ScoredRows]
     drafts: list[DraftRows]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.forward.is_decode
+    # A decode step (one token per running request); a step of drafts is not one, even
+    # when its forward is decode-shaped (forward.is_decode).
+    is_decode: bool
 
     def draft_logits(self, i: int, last: torch.Tensor,
                      extra: torch.Tensor | None) -> torch.Tensor:
@@ -59,8 +65,9 @@ class ScheduledBatch:
 
 
 def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
-               device: torch.device) -> ScheduledBatch:
-    """chosen: (request, tokens it computes); its slots already include the new ones."""
+               device: torch.device, drafts_as_decodes: bool = False) -> ScheduledBatch:
+    """chosen: (request, tokens it computes); its slots already include the new ones.
+    drafts_as_decodes: a step whose every request checks drafts runs decode-shaped."""
     reqs = [r for r, _ in chosen]
     lens = [n for _, n in chosen]
     starts = [r.fill_len - n for r, n in chosen]
@@ -69,10 +76,32 @@ def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
     rows: list[int] = []
     scored = _score_rows(reqs, starts, lens, rows)
     drafts = [] if is_decode else _draft_rows(reqs, starts, lens, rows)
+    if drafts_as_decodes and not is_decode and not scored and all(r.draft_ids for r in reqs):
+        fb = _drafts_as_decodes(reqs, tokens, starts, lens, device, rows or None)
+    else:
+        fb = build_batch(
+            is_decode, tokens, starts, [r.slots for r in reqs], out_loc, device, rows or None,
+        )
+    return ScheduledBatch(reqs, lens, fb, scored, drafts, is_decode)
+
+
+def _drafts_as_decodes(reqs: list[Request], tokens: list[list[int]], starts: list[int],
+                       lens: list[int], device: torch.device,
+                       score_rows: list[int] | None) -> ForwardBatch:
+    """The decode-shaped forward of a step of drafts: the token at position p of a request
+    is a row that sees the request's slots up to p (its own included: the decode path
+    stores every row's KV before any row attends)."""
     fb = build_batch(
-        is_decode, tokens, starts, [r.slots for r in reqs], out_loc, device, rows or None,
+        True,
+        [[t] for toks in tokens for t in toks],
+        [p for s, n in zip(starts, lens) for p in range(s, s + n)],
+        [r.slots[: p + 1] for r, s, n in zip(reqs, starts, lens) for p in range(s, s + n)],
+        [r.slots[p : p + 1] for r, s, n in zip(reqs, starts, lens) for p in range(s, s + n)],
+        device,
+        score_rows,
     )
-    return ScheduledBatch(reqs, lens, fb, scored, drafts)
+    fb.logits_at = torch.tensor(lens).cumsum(0).sub_(1).to(device)
+    return fb
 
 
 def _score_rows(reqs: list[Request], starts: list[int], lens: list[int],

@@ -58,9 +58,12 @@ LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
 
 class Scheduler:
     def __init__(self, pool: KVPool, cache: RadixCache, device: torch.device,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, drafts_as_decodes: bool = False):
+        """drafts_as_decodes: steps of drafts only run decode-shaped (the model's fused CPU
+        decode computes them; scheduled_batch.py)."""
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
+        self.drafts_as_decodes = drafts_as_decodes
         self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
         self.time_slice, self.preemption = c.time_slice, c.preemption
         self.starvation_steps, self.schedule_policy = c.starvation_steps, c.schedule_policy
@@ -337,7 +340,7 @@ class Scheduler:
             for r, n in chosen:
                 if not r.draft_ids:  # a jump's tokens are output, not prompt
                     r.prefill_tokens += n
-        return make_batch(is_decode, chosen, self.device)
+        return make_batch(is_decode, chosen, self.device, self.drafts_as_decodes)
 
     # ---- after a step -------------------------------------------------------------------
 

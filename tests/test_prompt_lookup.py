@@ -273,6 +273,29 @@ def test_greedy_copy_is_the_same_and_drafts_are_taken(default_backend):
 
 
 @slow
+@pytest.mark.parametrize("mode", [{"quantization": "int4"}, {"dtype": "bfloat16"}])
+def test_16_bit_and_int4_give_the_same_output_with_it(model_path, mode):
+    """Where the extend path and the decode step round apart (16-bit activations, int4
+    weights), the drafts are checked decode-shaped (scheduled_batch._drafts_as_decodes):
+    the fused decode step gives each drafted row the bits a lone decode would, so the
+    output is the same token for token. (Checked by the torch extend, near-ties resolved
+    apart and the int4 copy changed.)"""
+    messages = [[{"role": "user", "content": "Repeat this text exactly, word for word:\n\n"
+                  + INVOICE}],
+                [{"role": "user", "content": "Rename the function `total` to `order_total`. "
+                  "Reply with the whole code only.\n\n" + CODE}]]
+    with Runtime(model_path, **mode) as rt:
+        assert rt.engine.scheduler.drafts_as_decodes
+        prompts = [rt.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                   for m in messages]
+        off = [rt.generate(p, max_tokens=100, prompt_lookup=False) for p in prompts]
+        on, m_on, _ = _run_recorded(rt, lambda: [rt.generate(p, max_tokens=100, prompt_lookup=True)
+                                                 for p in prompts])
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert m_on["prompt_lookup_accepted"] > sum(len(o.token_ids) for o in on) // 3
+
+
+@slow
 def test_same_output_as_without_it_over_eight_programs(default_backend):
     """Chat copies, a code edit, a regex extraction (drafts cut to what the grammar
     accepts), JSON extraction (jump-forward's drafts and ours in one request), a frequency

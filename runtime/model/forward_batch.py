@@ -15,6 +15,9 @@ class ForwardBatch:
     kv_indptr has B+1 entries and request b's KV slots (its cached prefix and its new
     tokens, in position order) are kv_indices[kv_indptr[b]:kv_indptr[b+1]];
     logits_at holds, per request, the row of its last new token.
+    Decode-shaped (is_decode): one token per row, B == T; a step of drafts may run so
+    (scheduled_batch._drafts_as_decodes), its rows then more than its requests, logits_at
+    picking each request's last.
     """
 
     is_decode: bool

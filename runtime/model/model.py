@@ -275,11 +275,15 @@ class Model:
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
         fused = self._fused_decode() if batch.is_decode else None
-        if fused is not None:  # decode: one token per request, each row's logits
-            return fused.logits(
+        if fused is not None:  # decode-shaped: one token per row, each row's logits
+            rows = fused.logits(
                 batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
                 batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
             )
+            if batch.score_rows is None and batch.logits_at.numel() == rows.shape[0]:
+                return rows  # a decode step: a row per request
+            last = rows[batch.logits_at]
+            return last if batch.score_rows is None else (last, rows[batch.score_rows])
         # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
         # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
         # modes); rms_norm hands the matmuls their 16-bit input.
