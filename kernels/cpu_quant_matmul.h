@@ -33,14 +33,14 @@
 // horizontal sum), so a row's result never depends on the other rows: a request decodes to
 // the same bits in any batch, and prefill computes the bits decode would.
 //
-// Where the build has AVX-512 VNNI (-march=native on such a CPU), one row of x against a
-// panel of 8 weight rows (decode) takes dpbusd (u8 x s8 summed by 4 bytes into int32, one
-// instruction for maddubs + add + madd), two weight rows per 512-bit register. The integers
-// are the AVX2 kernel's and the float part is its lane for lane, so the bits are the same
-// (quant_isa switches between them for the tests). On a 2-core Sapphire Rapids VM: 1.45x
-// (int4) and 1.8x (Q8_0) the AVX2 kernel in cache on one core; streaming from memory on two
-// threads 1.1x (int4 layers) and 1.25-1.3x (the Q8_0 LM head), compute and memory time
-// adding up per core (measured).
+// Where the build has AVX-512 VNNI (-march=native on such a CPU), the bf16 path's blocks
+// take dpbusd (u8 x s8 summed by 4 bytes into int32, one instruction for maddubs + add +
+// madd), two weight rows per 512-bit register. The integers are the AVX2 kernels' and the
+// float part is theirs lane for lane, so the bits are the same (quant_isa switches between
+// them for the tests). On a 2-core Sapphire Rapids VM, in cache on one core: 1.45x (int4)
+// and 1.75x (Q8_0) the AVX2 kernels at one row of x, 1.25-1.45x at 4 to 64; streaming from
+// memory on two threads at one row, 1.1x (int4 layers) and 1.25-1.3x (the Q8_0 LM head):
+// compute and memory time add up per core (measured).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -349,7 +349,7 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 #endif
 
 #ifdef SGL_NB_AVX512_VNNI
-// One row of x against a whole panel of 8 weight rows with AVX-512 VNNI: one zmm holds two
+// Blocks of NR rows of x against 2H weight rows with AVX-512 VNNI: one zmm holds two
 // weight rows' 32-byte units (rows 2h, 2h + 1 are 64 adjacent bytes of the panel), x's 32
 // bytes are broadcast to both halves, and dpbusd gives in one instruction the int32 lanes
 // that maddubs, add and madd give (lane i: the sum over bytes 4i..4i+3, exact either way).
@@ -376,11 +376,15 @@ inline __m512i broadcast32(const void* p) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
-// The 16 outputs' halves of acc (rows 2h, 2h + 1 per zmm), summed as the AVX2 kernels sum.
-inline void store_halves(const __m512 (&acc)[4], float* out) {
-  for (int h = 0; h < 4; ++h) {
-    out[2 * h] = hsum(lower_half(acc[h]));
-    out[2 * h + 1] = hsum(upper_half(acc[h]));
+// out[r * 2H + c] = the sum of acc[r][c / 2]'s half c % 2 (weight rows 2h, 2h + 1 per
+// zmm), summed as the AVX2 kernels sum.
+template <int NR, int H>
+inline void store_halves(const __m512 (&acc)[NR][H], float* out) {
+  for (int r = 0; r < NR; ++r) {
+    for (int h = 0; h < H; ++h) {
+      out[r * 2 * H + 2 * h] = hsum(lower_half(acc[r][h]));
+      out[r * 2 * H + 2 * h + 1] = hsum(upper_half(acc[r][h]));
+    }
   }
 }
 
@@ -394,79 +398,98 @@ inline __m512i high_nibbles(__m512i b) {
 #endif
 }
 
-// int4_block<1, 8> (its arguments, dx per group: QuantizedRows::dx). Per two weight rows
-// and two groups: load, mask, high_nibbles, 2 dpbusd, cvt, permute, fma, where AVX2 takes
-// 14 operations per row (1.45x in cache on one core, measured).
-inline void int4_panel_vnni(const uint8_t* w, int64_t ps, const int8_t* xq, int64_t k,
+// int4_block<NR, 2 H> (its arguments, dx per group: QuantizedRows::dx, row stride fs; the
+// weight rows are 2H adjacent rows of a panel). Per two weight rows, a row of x and two
+// groups: mask, high_nibbles, 2 dpbusd, cvt, permute, fma, where AVX2 takes 14 operations
+// per weight row (1.45x in cache on one core at one row of x, measured).
+template <int NR, int H>
+inline void int4_block_vnni(const uint8_t* w, int64_t ps, const int8_t* xq, int64_t k,
                             const float* dx, int64_t fs, const uint16_t* scale,
                             const uint16_t* min, const float* xsum, float* out) {
   const __m512i mask = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi32(2);
-  __m512 acc[4];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512 acc[NR][H];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
   const int64_t pairs = k / (2 * kGroup);
   for (int64_t g0 = 0; g0 < 2 * pairs; g0 += 8) {
-    const __m512 d = broadcast8(dx + g0);
-    __m512 f[4];
-    for (int h = 0; h < 4; ++h) {
-      f[h] = _mm512_mul_ps(load_half_rows(scale + 2 * h * fs + g0, scale + (2 * h + 1) * fs + g0,
-                                          0xFF), d);
+    __m512 f[NR][H];
+    for (int r = 0; r < NR; ++r) {
+      const __m512 d = broadcast8(dx + r * fs + g0);
+      for (int h = 0; h < H; ++h) {
+        f[r][h] = _mm512_mul_ps(
+            load_half_rows(scale + 2 * h * fs + g0, scale + (2 * h + 1) * fs + g0, 0xFF), d);
+      }
     }
     // Pair p's factors: [f_2p x 4, f_2p+1 x 4] of each row, as int4_block's s2 x dx2.
     __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9);
     for (int64_t p = g0 / 2; p < std::min(pairs, g0 / 2 + 4); ++p) {
-      const __m512i xlo = broadcast32(xq + p * 2 * kGroup);
-      const __m512i xhi = broadcast32(xq + p * 2 * kGroup + kGroup);
-      for (int h = 0; h < 4; ++h) {
+      for (int h = 0; h < H; ++h) {
         const __m512i b = _mm512_loadu_si512(w + p * ps + 2 * h * kGroup);
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, mask), xlo);
-        dot = _mm512_dpbusd_epi32(dot, high_nibbles(b), xhi);
-        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, f[h]),
-                                 acc[h]);
+        const __m512i lo = _mm512_and_si512(b, mask), hi = high_nibbles(b);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* x = xq + r * k + p * 2 * kGroup;
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, broadcast32(x));
+          dot = _mm512_dpbusd_epi32(dot, hi, broadcast32(x + kGroup));
+          acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                      _mm512_permutexvar_ps(pick, f[r][h]), acc[r][h]);
+        }
       }
       pick = _mm512_add_epi32(pick, two);
     }
   }
   for (int64_t g = 0; g < fs; g += 8) {
-    const __m512 xs = broadcast8(xsum + g);
-    for (int h = 0; h < 4; ++h) {
-      acc[h] = _mm512_fmadd_ps(
-          load_half_rows(min + 2 * h * fs + g, min + (2 * h + 1) * fs + g, 0xFF), xs, acc[h]);
+    for (int h = 0; h < H; ++h) {
+      const __m512 low = load_half_rows(min + 2 * h * fs + g, min + (2 * h + 1) * fs + g, 0xFF);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][h] = _mm512_fmadd_ps(low, broadcast8(xsum + r * fs + g), acc[r][h]);
+      }
     }
   }
   store_halves(acc, out);
 }
 
-// int8_block<1, 8, Blocks>. dpbusd multiplies unsigned by signed bytes: w + 128 (w with its
-// top bit flipped) times x is w . x + 128 sum(x), so the accumulator starts at
-// -128 sum(x) per lane, computed once per group for the four zmm (the sign trick, |w| times
-// x carrying w's sign, costs 3 operations per zmm). 1.8x AVX2 in cache on one core.
-template <bool Blocks>
-inline void int8_panel_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64_t k,
-                            const float* dx, const uint16_t* ws, int64_t wss, float* out) {
+// int8_block<NR, 2 H, Blocks> (the weight rows: 2H adjacent rows of a panel). dpbusd
+// multiplies unsigned by signed bytes: w + 128 (w with its top bit flipped) times x is
+// w . x + 128 sum(x), so each row of x's accumulator starts at -128 sum(x) per lane,
+// computed once per group for its H zmm (the sign trick, |w| times x carrying w's sign,
+// costs 3 operations per zmm). 1.8x AVX2 in cache on one core at one row of x, measured.
+template <int NR, int H, bool Blocks>
+inline void int8_block_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64_t k,
+                            const float* dx, int64_t ds, const uint16_t* ws, int64_t wss,
+                            float* out) {
   const __m512i flip = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();
-  __m512 acc[4];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512 acc[NR][H];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
   const int64_t groups = k / kGroup;
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-    __m512 f[4];
+    __m512 f[NR][H];
     if constexpr (Blocks) {
-      const __m512 d = broadcast8(dx + g0);
       const auto m = static_cast<__mmask8>((1u << std::min<int64_t>(8, groups - g0)) - 1);
-      for (int h = 0; h < 4; ++h) {
-        f[h] = _mm512_mul_ps(d, load_half_rows(ws + 2 * h * wss + g0,
-                                               ws + (2 * h + 1) * wss + g0, m));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 d = broadcast8(dx + r * ds + g0);
+        for (int h = 0; h < H; ++h) {
+          f[r][h] = _mm512_mul_ps(d, load_half_rows(ws + 2 * h * wss + g0,
+                                                    ws + (2 * h + 1) * wss + g0, m));
+        }
       }
     }
     // Group g's factors: [d_2h,g x dx_g x 8, d_2h+1,g x dx_g x 8], as int8_block's f.
     __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
     for (int64_t g = g0; g < std::min(groups, g0 + 8); ++g) {
-      const __m512i x = broadcast32(xq + g * kGroup);
-      const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, x));
-      for (int h = 0; h < 4; ++h) {
-        const __m512i b = _mm512_loadu_si512(w + g * gs + 2 * h * kGroup);
-        const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_xor_si512(b, flip), x);
-        const __m512 fh = Blocks ? _mm512_permutexvar_ps(pick, f[h]) : _mm512_set1_ps(dx[g]);
-        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fh, acc[h]);
+      __m512i x[NR], start[NR];
+      for (int r = 0; r < NR; ++r) {
+        x[r] = broadcast32(xq + r * k + g * kGroup);
+        start[r] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, x[r]));
+      }
+      for (int h = 0; h < H; ++h) {
+        const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(w + g * gs + 2 * h * kGroup), flip);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(start[r], b, x[r]);
+          const __m512 fr =
+              Blocks ? _mm512_permutexvar_ps(pick, f[r][h]) : _mm512_set1_ps(dx[r * ds + g]);
+          acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fr, acc[r][h]);
+        }
       }
       pick = _mm512_add_epi32(pick, _mm512_set1_epi32(1));
     }
@@ -475,7 +498,7 @@ inline void int8_panel_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64
 }
 #endif
 
-// Which instruction set the bf16 paths' one-row kernels use: by default the widest this
+// Which instruction set the bf16 paths' kernels use: by default the widest this
 // build has; a test switches between them in one build (they give the same bits).
 enum class QuantIsa : int { kScalar, kAvx2, kAvx512Vnni };
 
@@ -516,7 +539,7 @@ inline void set_quant_isa(const std::string& name) {
               known, ")");
 }
 
-// Whether one-row blocks take the AVX-512 VNNI kernels, read once per matmul.
+// Whether the blocks take the AVX-512 VNNI kernels, read once per matmul.
 inline bool vnni_enabled() {
   return quant_isa().load(std::memory_order_relaxed) == QuantIsa::kAvx512Vnni;
 }
@@ -740,11 +763,12 @@ struct Int4Weights {
     const int64_t s = x.stride;
     constexpr int64_t unit = kGroup;  // two groups of 16 bytes
 #ifdef SGL_NB_AVX512_VNNI
-    if constexpr (NR == 1 && NC == kRowPanel) {
+    if constexpr (NC % 2 == 0) {
       if (vnni) {
-        return int4_panel_vnni(nib + panel_row_offset(j0, x.k / 2, unit), kRowPanel * unit,
-                               x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * s, s,
-                               scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
+        return int4_block_vnni<NR, NC / 2>(nib + panel_row_offset(j0, x.k / 2, unit),
+                                           kRowPanel * unit, x.xq.data() + r0 * x.k, x.k,
+                                           x.dx.data() + r0 * s, s, scale + j0 * s, min + j0 * s,
+                                           x.xsum.data() + r0 * s, out);
       }
     }
 #endif
@@ -776,12 +800,15 @@ struct Int8Weights {
     const float* dx = x.dx.data() + r0 * x.stride;
     const int8_t* xq = x.xq.data() + r0 * x.k;
 #ifdef SGL_NB_AVX512_VNNI
-    if constexpr (NR == 1 && NC == kRowPanel) {
+    if constexpr (NC % 2 == 0) {
       if (vnni && !row_scale) {
-        return int8_panel_vnni<true>(wj, kRowPanel * kGroup, xq, x.k, dx,
-                                     block_scale + j0 * x.groups, x.groups, out);
+        return int8_block_vnni<NR, NC / 2, true>(wj, kRowPanel * kGroup, xq, x.k, dx, x.stride,
+                                                 block_scale + j0 * x.groups, x.groups, out);
       }
-      if (vnni) return int8_panel_vnni<false>(wj, kRowPanel * kGroup, xq, x.k, dx, nullptr, 0, out);
+      if (vnni) {
+        return int8_block_vnni<NR, NC / 2, false>(wj, kRowPanel * kGroup, xq, x.k, dx, x.stride,
+                                                  nullptr, 0, out);
+      }
     }
 #endif
     if (!row_scale) {

@@ -1,10 +1,10 @@
 """The AVX-512 VNNI quantized kernels (kernels/cpu_quant_matmul.h) against the AVX2 ones.
 
-One row of x against a panel of 8 weight rows (decode) takes dpbusd where the build has
-AVX-512 VNNI; its float part is the AVX2 kernel's, so the two give the same bits, and a row
-decoded alone (VNNI) gets the bits it gets in a batch (AVX2's blocks of several rows). The
-module's set_isa switches between them in one build. Our kernels take N a multiple of 8
-only (an int8 layer of other N goes to torch's kernel: tests/test_cpu_decode.py).
+Where the build has AVX-512 VNNI, the blocks (one row of x against a panel of 8 weight
+rows, up to 4 rows against 2) take dpbusd; their float part is the AVX2 kernels', so the two
+give the same bits, and a row decoded alone gets the bits it gets in a batch. The module's
+set_isa switches between them in one build. Our kernels take N a multiple of 8 only (an
+int8 layer of other N goes to torch's kernel: tests/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def test_vnni_gives_the_avx2_bits_and_the_batch_bits(isa, form, n, k):
         vnni = layer(x[:rows])
         assert torch.equal(vnni, avx2), (form, n, k, rows)
         assert_close_to_dequantized(vnni, x[:rows], w)
-    # Decode (one row: VNNI) gives a row the bits a batch (AVX2's blocks of rows) gives it.
+    # Decode (one row, a panel of 8) gives a row the bits a batch (blocks of up to 4 rows
+    # against 2 weight rows) gives it, with either instruction set.
     isa("avx2")
     batch = layer(x)
     isa(VNNI)
