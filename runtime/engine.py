@@ -332,8 +332,11 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.steps[kind] += 1
         self.step_seconds[kind] += seconds
-        if batch.is_decode or all(r.draft_ids for r in batch.reqs):  # a decode or a verify
-            self.picker.lookup.costs.add(not batch.is_decode, seconds)
+        costs = self.picker.lookup.costs
+        if batch.is_decode:
+            costs.add_decode(seconds)
+        elif all(r.draft_ids for r in batch.reqs):  # a verify
+            costs.add_verify(seconds, sum(batch.new_lens))
         return StepLogits(*logits) if isinstance(logits, tuple) else StepLogits(logits, None)
 
     def _rows_to_pick(self, batch: ScheduledBatch, logits: StepLogits) -> PickRows:

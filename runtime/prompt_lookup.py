@@ -24,29 +24,32 @@ from dataclasses import dataclass, field
 # The n-gram sizes matched, the longest first.
 MAX_NGRAM, MIN_NGRAM = 3, 2
 # What a verify pass costs against a decode step, on the default model (SmolLM2-135M), one
-# request with 300 tokens of context, on the 2-core CPU (medians of 12 interleaved rounds,
-# measured while other jobs loaded the machine, so the absolute times are 3-6x the quiet
-# ones; the ratios are what matter):
+# request with 300 tokens of context, on the 2-core CPU, through the torch extend path
+# (medians of 12 interleaved rounds on a loaded machine: the ratios are what matter):
 #   fp32: decode 197 ms; extend of 1+k tokens: k=1 282, k=2 318, k=4 351, k=6 371, k=8 382,
 #         k=10 396, k=12 446, k=16 508 ms: a verify of 1+10 costs 2.0 decodes.
 #   int4: decode 87 ms; k=1 179, k=2 206, k=4 264, k=6 266, k=8 349, k=10 304, k=12 364,
-#         k=16 458 ms: 3.5 decodes (the fused C++ decode step gains more from int4 than
-#         the torch layer loop that extends).
-# So the verify pass costs 2-4 decodes whatever its length up to ~10 and more past it: a
-# draft of up to MAX_DRAFT tokens; a verify pays when it yields more tokens than it costs
-# decodes, which the engine measures as it runs (StepCosts), so the same rule holds for
-# fp32, int4 and CUDA. bench copy's workload (fields quoted, code renamed), fp32: 676 of
-# 1088 drafted tokens taken, 15.1 vs 8.9 tok/s (1.7x); int4: 0.9x (EngineConfig turns it
-# off by default there). Text that copies nothing pays a missed verify now and then (the
-# backoff below).
-MAX_DRAFT = 10
+#         k=16 458 ms: 3.5 decodes.
+# Checked decode-shaped through the fused step (scheduled_batch.py), a verify costs about
+# a decode plus a fixed cost per further row: the weights are read once, and each row adds
+# its arithmetic, ~0.2 of a decode at fp32 (the matmuls wait on memory), ~0.3 with int4's
+# bf16 kernels. The engine measures both as it runs (StepCosts), so the rule below holds
+# for fp32, int4 and CUDA.
+# A request's draft length: FIRST_DRAFT, doubled (up to MAX_DRAFT) after a verify that took
+# every draft, halved after one that took none. Copies come in runs (a field, a line of
+# code): inside one every draft is taken and longer drafts save more steps; past its end
+# none is, and a short draft costs the least. On bench copy's workload and on text that
+# copies nothing, in decodes' worth of work (a decode 1, a verify of k drafts 1 + 0.18 k):
+# fixed 10 drafts 1.49x and 0.97x; this 1.65x and 1.01x; a length fitted to each
+# request's acceptance rate (a geometric model, which misses the runs) 1.57x and 1.02x.
+FIRST_DRAFT, MAX_DRAFT = 8, 16
 # After a verify that did not pay (fewer tokens than its cost in decodes), the request
 # drafts nothing for this many of its next tokens, doubling at each further such verify up
 # to MAX_BACKOFF; a verify that paid resets it. Text that does not copy then costs a
 # failed verify now and then, not every step.
 FIRST_BACKOFF, MAX_BACKOFF = 2, 64
-# Until both kinds of step have been timed: fp32's measured ratio above.
-DEFAULT_COST_RATIO = 2.0
+# Until a verify has been timed: what a further row costs in decodes (fp32's, above).
+DEFAULT_ROW_COST = 0.2
 COST_EMA = 0.1  # the weight of each new step time in its running average
 # Drafting waits for steps of at most this many requests: beside other decodes, a request
 # with drafts takes an extend step that they sit out (runtime/scheduler.py), and a batched
@@ -95,25 +98,33 @@ class NgramIndex:
 
 @dataclass
 class StepCosts:
-    """Running averages of decode steps' and verify steps' seconds (the engine times them):
-    how many decodes a verify costs."""
+    """Running averages of a decode step's seconds and of the seconds each row past the
+    first adds to a verify step (the engine times both): a verify of k drafts costs
+    about 1 + k * row / decode decodes."""
 
     decode: float = 0.0
-    verify: float = 0.0
+    row: float | None = None  # None: no verify timed yet
 
-    def add(self, verify: bool, seconds: float) -> None:
-        now = self.verify if verify else self.decode
-        now = seconds if now == 0.0 else (1 - COST_EMA) * now + COST_EMA * seconds
-        if verify:
-            self.verify = now
-        else:
-            self.decode = now
+    def add_decode(self, seconds: float) -> None:
+        self.decode = _ema(self.decode or None, seconds)
+
+    def add_verify(self, seconds: float, rows: int) -> None:
+        if self.decode > 0.0 and rows > 1:
+            self.row = _ema(self.row, max(seconds - self.decode, 0.0) / (rows - 1))
+
+    def ratio(self, drafts: int) -> float:
+        """What a verify of `drafts` drafts costs, in decodes."""
+        return 1.0 + drafts * self.row_cost
 
     @property
-    def ratio(self) -> float:
-        if self.decode == 0.0 or self.verify == 0.0:
-            return DEFAULT_COST_RATIO
-        return self.verify / self.decode
+    def row_cost(self) -> float:
+        if self.row is None or self.decode == 0.0:
+            return DEFAULT_ROW_COST
+        return self.row / self.decode
+
+
+def _ema(now: float | None, seconds: float) -> float:
+    return seconds if now is None else (1 - COST_EMA) * now + COST_EMA * seconds
 
 
 @dataclass
@@ -125,6 +136,7 @@ class RequestLookup:
     pending: int = 0  # drafts of its current proposal not yet checked (0: none of ours)
     resume_at: int = 0  # no drafting before its output has this many tokens
     backoff: int = FIRST_BACKOFF
+    length: int = FIRST_DRAFT  # of its next draft
 
 
 class PromptLookup:
@@ -147,7 +159,7 @@ class PromptLookup:
             return []
         seen = len(state.index.tokens) - state.prompt_len
         state.index.extend(output_ids[seen:])
-        drafts = state.index.draft(min(MAX_DRAFT, limit))
+        drafts = state.index.draft(min(state.length, limit))
         if drafts and allowed is not None:
             drafts = allowed(drafts)
         state.pending = len(drafts)
@@ -170,8 +182,12 @@ class PromptLookup:
         state = self._requests.get(rid)
         if state is None:
             return  # it finished on one of them
-        state.pending = 0
-        if 1 + accepted >= self.costs.ratio:
+        drafted, state.pending = state.pending, 0
+        if accepted == drafted:
+            state.length = min(2 * state.length, MAX_DRAFT)
+        elif accepted == 0:
+            state.length = max(state.length // 2, 1)
+        if 1 + accepted >= self.costs.ratio(drafted):
             state.backoff = FIRST_BACKOFF
             return
         state.resume_at = output_len + state.backoff

@@ -21,10 +21,14 @@ from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus, Token
 from sgl_nb.runtime.prompt_lookup import (
     FIRST_BACKOFF,
+    FIRST_DRAFT,
+    MAX_BACKOFF,
+    MAX_DRAFT,
     MAX_NGRAM,
     MIN_NGRAM,
     NgramIndex,
     PromptLookup,
+    StepCosts,
 )
 from sgl_nb.runtime.request import Request
 from sgl_nb.runtime.sampling_params import SamplingParams
@@ -163,6 +167,33 @@ def test_backoff_after_a_miss_and_reset_after_a_hit():
     assert lookup.propose(9, prompt, out + [2, 3], 10)
     lookup.forget(9)
     assert not lookup.drafting(9)
+
+
+def test_step_costs_learn_what_a_row_adds():
+    costs = StepCosts()
+    assert costs.ratio(10) == pytest.approx(3.0)  # fp32's measured cost until timed
+    costs.add_verify(0.05, 11)  # no decode timed yet: nothing to measure a row against
+    assert costs.row is None
+    for _ in range(50):
+        costs.add_decode(0.010)
+        costs.add_verify(0.010 + 10 * 0.003, 11)
+    assert costs.row_cost == pytest.approx(0.3)
+    assert costs.ratio(4) == pytest.approx(2.2)
+
+
+def test_drafts_grow_while_all_are_taken_and_shrink_while_none_are():
+    lookup = PromptLookup()
+    prompt, out = list(range(1, 40)) * 2, [1, 2, 3]  # a draft of any length is found
+    lengths = []
+    for taken in ("all", "all", "all", "one", "none", "none", "none", "none", "none"):
+        drafts = lookup.propose(5, prompt, out, 64)
+        lengths.append(len(drafts))
+        lookup.checked(5, {"all": len(drafts), "one": 1, "none": 0}[taken], len(out))
+        out = [*out, *[0] * 2 * MAX_BACKOFF, 1, 2, 3]  # past any backoff, the same tail
+    assert lengths == [FIRST_DRAFT, 2 * FIRST_DRAFT, MAX_DRAFT, MAX_DRAFT, MAX_DRAFT,
+                       MAX_DRAFT // 2, MAX_DRAFT // 4, MAX_DRAFT // 8, MAX_DRAFT // 16]
+    assert len(lookup.propose(5, prompt, out, 64)) == 1  # never below one
+    assert len(lookup.propose(9, prompt, out, 3)) == 3  # nor above the tokens left
 
 
 def test_the_pick_of_a_drafted_row_is_the_rejection_rule():
