@@ -254,6 +254,33 @@ def test_cache_tree_shows_locked_nodes_while_a_request_runs(default_backend):
     assert w.wait(WAIT)
 
 
+def test_a_cut_tree_shows_the_path_and_the_nodes_in_use(model_path):
+    """Past max_nodes the view cuts what no one uses: this program's path and the locked
+    nodes come first, whatever order the tree holds its children in."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sgl_nb.runtime.radix_cache import RadixCache
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    cache = RadixCache(None)
+    texts = [f"Document number {i} says something else." for i in range(40)]
+    for text in texts:
+        ids = tok.encode(text)
+        cache.insert(ids, torch.arange(len(ids)))
+    _, node = cache.match_prefix(tok.encode(texts[-1]))
+    cache.inc_lock_ref(node)
+    view = CacheTreeView(max_nodes=4)
+    view.update(cache, tok, program_tokens=tok.encode(texts[-2]))
+    tree = html.unescape(view.tree.html())
+    assert "more nodes" in tree and "locked×1" in tree
+    # Digits split the edges: "Document number ", "3", then "8 ..." (the program's) before
+    # "9 ..." (the locked one).
+    edges = re.findall(r'class="sgl-edge" title="([^"]*)"', tree)
+    assert edges == ["Document number ", "3", "8 says something else.",
+                     "9 says something else."]
+
+
 def test_throttle_limits_the_rate():
     now = [100.0]
     t = Throttle(rate=30, clock=lambda: now[0])

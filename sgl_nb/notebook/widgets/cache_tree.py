@@ -2,7 +2,8 @@
 folded by the Timeline, so a live run and a replay draw it the same way), each edge's text
 decoded, its hit count, locked (in use by a running request) or evictable, and the path of
 this program's text highlighted. Nested <details> collapse, the box scrolls, and past
-`max_nodes` the rest is summarised, so a long tree stays readable. One row per tree node
+`max_nodes` the rest is summarised (this program's path and the nodes in use come first,
+so they are never the ones cut), so a long tree stays readable. One row per tree node
 (keyed.py): a render sends only the nodes whose text, hits, lock or children changed."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class TreeItems:
                             f'tokens cached ({s["protected_tokens"]} locked, '
                             f'{s["evictable_tokens"]} evictable) · hit rate {s["hit_rate"]:.1%}'
                             f' · evicted {s["evicted_tokens"]}</div>')]
-        kids = _children(cache.root)
+        kids = self._first_what_matters(_children(cache.root))
         for c in kids:
             self._node(c, "", 0, out)
         if not kids:
@@ -75,7 +76,7 @@ class TreeItems:
         if self.count >= self.max_nodes:
             return
         self.count += 1
-        kids = _children(node)
+        kids = self._first_what_matters(_children(node))
         on = node.id in self.on_path
         key = f"c{node.id}"
         label = f'<span data-node="{node.id}">{self._label(node)}</span>'
@@ -87,6 +88,11 @@ class TreeItems:
                         cls=cls))
         for c in kids:
             self._node(c, key, depth + 1, out)
+
+    def _first_what_matters(self, kids: list) -> list:
+        """This program's path first, then nodes in use (a lock holds its ancestors too),
+        then the rest: past max_nodes what is cut is what no one is using."""
+        return sorted(kids, key=lambda n: (n.id not in self.on_path, n.lock_ref == 0))
 
     def _label(self, node) -> str:
         text = self.decode(node)
