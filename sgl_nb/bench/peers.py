@@ -82,9 +82,10 @@ class LlamaCpp:
 
 
 def ours_stream(rt, ids: list[int], n: int) -> dict:
-    """One stream on our engine, figures in the child's shape."""
+    """One stream on our engine, figures in the child's shape; prompt lookup off, as
+    llama.cpp's one stream has none (--copy compares the two with it)."""
     rt.flush_cache()
-    out = rt.generate(ids, max_tokens=n, ignore_eos=True)
+    out = rt.generate(ids, max_tokens=n, ignore_eos=True, prompt_lookup=False)
     seconds, ttft = out.meta["e2e_latency"], out.meta["ttft"]
     return {"tokens": list(out.token_ids), "seconds": seconds, "decode_seconds": seconds - ttft}
 

@@ -25,8 +25,12 @@ def model(path: str, threads: int, lookup: int) -> Llama:
     key = (path, threads, lookup)
     if key not in _loaded:
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+        # With a draft model llama-cpp-python keeps every row's logits but sizes its score
+        # buffer by the logits_all argument: without it, a prompt past n_batch tokens fails
+        # ("could not broadcast ... into shape (0,)").
         _loaded[key] = Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=threads,
-                             n_threads_batch=threads, draft_model=draft, verbose=False)
+                             n_threads_batch=threads, draft_model=draft,
+                             logits_all=draft is not None, verbose=False)
     return _loaded[key]
 
 
