@@ -38,11 +38,13 @@ MAX_NGRAM, MIN_NGRAM = 3, 2
 # A request's draft length: FIRST_DRAFT, doubled (up to MAX_DRAFT) after a verify that took
 # every draft, halved after one that took none. Copies come in runs (a field, a line of
 # code): inside one every draft is taken and longer drafts save more steps; past its end
-# none is, and a short draft costs the least. On bench copy's workload and on text that
-# copies nothing, in decodes' worth of work (a decode 1, a verify of k drafts 1 + 0.18 k):
-# fixed 10 drafts 1.49x and 0.97x; this 1.65x and 1.01x; a length fitted to each
-# request's acceptance rate (a geometric model, which misses the runs) 1.57x and 1.02x.
-FIRST_DRAFT, MAX_DRAFT = 8, 16
+# none is, and a short draft costs the least. On bench copy's workload (128 tokens a
+# request) and on 4 prompts that copy nothing, decode work saved (a decode costs 1, a
+# verify of k drafts 1 + 0.18 k, fp32's): fixed 10 drafts 1.49x and 0.97x; this, from 8
+# up to 16, 1.65x and 1.01x; from 4 up to 16 1.73x and 1.03x (from 2: 1.62x; up to 8:
+# 1.59x; up to 32: 1.48x); a length fitted to each request's acceptance rate (a
+# geometric model, which misses the runs) 1.57x and 1.02x.
+FIRST_DRAFT, MAX_DRAFT = 4, 16
 # After a verify that did not pay (fewer tokens than its cost in decodes), the request
 # drafts nothing for this many of its next tokens, doubling at each further such verify up
 # to MAX_BACKOFF; a verify that paid resets it. Text that does not copy then costs a
