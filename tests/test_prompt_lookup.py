@@ -474,7 +474,9 @@ def test_chunks_retraction_and_the_engine_setting(model_path, default_backend):
 
     expected = submit_all(rt, prompt_lookup=False)
     need = sum(len(rt.tokenizer.encode(p)) + 50 for p in prompts + plain)
-    with Runtime(model_path, kv_pool_tokens=need // 3, max_prefill_tokens=4,
+    # A fifth of what all need: one code request (91 slots) still fits alone, any two
+    # running together outgrow the pool.
+    with Runtime(model_path, kv_pool_tokens=need // 5, max_prefill_tokens=4,
                  prompt_lookup=False, time_slice=4, max_running=2) as small:
         q = small.events.subscribe()
         outs = submit_all(small, prompt_lookup=True)
