@@ -14,6 +14,7 @@ import ipywidgets as W
 from traitlets import Float, Int, List
 
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+from sgl_nb.runtime.radix_cache import common_prefix_len
 
 _CSS = """
 .sgl-cache{font-family:monospace;font-size:12px;max-height:320px;overflow:auto;
@@ -27,17 +28,13 @@ _CSS = """
 
 def path_nodes(root, tokens: list[int]) -> list[int]:
     """Ids of the tree nodes a token sequence runs through (read-only: no split, no stats)."""
-    out, node, pos = [], root, 0
+    out, node, pos, tokens = [], root, 0, tuple(tokens)  # keys are tuples
     while pos < len(tokens):
         child = node.children.get(tokens[pos])
         if child is None:
             break
         key = child.key
-        n = 0
-        for a, b in zip(key, tokens[pos:pos + len(key)]):
-            if a != b:
-                break
-            n += 1
+        n = common_prefix_len(key, tokens[pos:pos + len(key)])
         out.append(child.id)
         if n < len(key):
             break
