@@ -881,6 +881,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::gil_scoped_release no_gil;
     refine_top_logits(logits, h, w, r);
   });
+  m.def("top_logits", [](const at::Tensor& rows, int64_t k) {
+    pybind11::gil_scoped_release no_gil;
+    return top_logits(rows, k);
+  }, "each row's k best logits (ids, values: best first; ties the lower id) and logsumexp");
   m.def("int8_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           const at::Tensor& bias) {
     pybind11::gil_scoped_release no_gil;

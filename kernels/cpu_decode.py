@@ -79,9 +79,15 @@ def load() -> ModuleType | None:
         return _state["module"]
 
 
+def loaded() -> ModuleType | None:
+    """The module if it was loaded already (never builds it): for work that has a torch path
+    as good, and must not pay a build (the token picker's alternatives)."""
+    return _state.get("module")
+
+
 def stop_workers() -> None:
     """Stop and join the kernels' worker threads, if the module was loaded (never builds it)."""
-    module = _state.get("module")
+    module = loaded()
     if module is not None:
         module.stop_workers()
 

@@ -7,6 +7,8 @@ decode step of the default model against the torch path in fp32, bf16 and int4.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from sgl_nb.runtime.model.forward_batch import build_batch
 from sgl_nb.runtime.model.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
 from sgl_nb.runtime.model.model import Model
 from sgl_nb.runtime.model.quantize import dequantize, quantize
+from sgl_nb.runtime.sampler import top_alternatives
 
 ext = cpu_decode.load()
 pytestmark = pytest.mark.skipif(ext is None, reason="no C++ compiler: the torch path runs")
@@ -252,6 +255,50 @@ def test_logits_head_refinement_in_the_module_matches_torchs():
         assert torch.allclose(got[above], exact[above], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[below], base[below])
     assert (above.sum(-1) >= 12).all()  # the test has teeth: most of the 16 are strictly above
+
+
+def _rows_with_ties_and_infinities() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 49157, generator=gen) * 4  # not a multiple of 8: the tail too
+    rows[1, ::7] = rows[1].max()  # ties at the top: the lower ids first
+    rows[2, 100:] = float("-inf")  # a penalized row: 100 finite logits left
+    rows[3] = float("-inf")  # nothing left: logsumexp -inf
+    rows[4] = rows[4].round()  # many ties everywhere
+    rows[5, 49150:] += 30  # the best in the tail
+    return rows
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_top_logits_matches_torch(k):
+    """top_logits (kernels/cpu_logits.h), the token picker's alternatives: the ids, values and
+    logsumexp of torch.topk and torch.logsumexp; at ties the lower id comes first."""
+    rows = _rows_with_ties_and_infinities()
+    ids, values, lse = ext.top_logits(rows, k)
+    for b, row in enumerate(rows):
+        order = sorted(range(row.numel()), key=lambda i: (-row[i].item(), i))[:k]
+        assert ids[b] == order
+        assert values[b] == row[order].tolist()
+        want = torch.logsumexp(row.double(), 0).item()
+        assert lse[b] == want or abs(lse[b] - want) < 1e-5 * max(1, abs(want))
+
+
+def test_top_logits_ranks_a_nan_first_and_takes_short_rows():
+    row = torch.tensor([[1.0, float("nan"), 3.0]])
+    ids, values, lse = ext.top_logits(row, 5)
+    assert ids == [[1, 2, 0]] and math.isnan(values[0][0]) and math.isnan(lse[0])
+    with pytest.raises(RuntimeError, match="k >= 1"):
+        ext.top_logits(row, 0)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ext.top_logits(row.double(), 1)
+
+
+def test_the_pickers_alternatives_are_the_same_from_the_module_and_torch(monkeypatch):
+    rows = _rows_with_ties_and_infinities()[[0, 2, 5]]
+    native = top_alternatives(rows, 5)
+    monkeypatch.setattr(cpu_decode, "loaded", lambda: None)
+    torch_ops = top_alternatives(rows, 5)
+    assert native.ids == torch_ops.ids and native.logits == torch_ops.logits
+    assert native.lse == pytest.approx(torch_ops.lse, rel=1e-6)
 
 
 @pytest.mark.parametrize("quantization,n", [("int8", 8), ("int8", 104), ("int4", 4096)])
