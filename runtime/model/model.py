@@ -41,7 +41,13 @@ from sgl_nb.runtime.model.linear import (
 from sgl_nb.runtime.model.model_config import ModelConfig
 from sgl_nb.runtime.model.model_loader import load_quantized
 from sgl_nb.runtime.model.moe import MoE, expert_linear_weights, moe_from_weights
-from sgl_nb.runtime.model.quantize import quantize
+from sgl_nb.runtime.model.quantize import (
+    dequantize,
+    form_of,
+    quantize,
+    quantize_int4,
+    weight_shape,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,6 +99,18 @@ def lm_head_quantization(quantization: str, shape: torch.Size) -> str:
     (linear.LogitsHead), so the head only ranks them; an int4 head without that refinement
     cost 14 points of greedy agreement with fp32."""
     return quantization if shape_error(*shape, quantization) is None else "int8"
+
+
+def head_ranker(head: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
+    """The LM head's quantized form where 16-bit activations have its best candidates
+    recomputed from 16-bit rows (linear.LogitsHead), so that its matmul only ranks them: in
+    int4 mode int4, even where a GGUF holds the head in Q8_0 (kept for fp32 activations,
+    whose head is exact). The head is a decode step's largest read; int4 reads 0.6 of it.
+    """
+    if (quantization != "int4" or form_of(head) == "int4"
+            or shape_error(*weight_shape(head), "int4") is not None):
+        return head
+    return quantize_int4(dequantize(head))
 
 
 def quantize_weights(
@@ -190,36 +208,52 @@ class Model:
         self.norm = norm("model.norm.weight")
         linears: dict[str, Linear] = {}
         self.fallbacks: dict[str, str] = {}  # layer name -> why it stayed dense
+        # A decode step's pick only ranks the head's logits (its best refined, LogitsHead),
+        # so in int4 mode it reads an int4 ranker; an extend (prefill, scoring) the head.
+        ranker = None
+        if quantized and "lm_head" in quantized and dtype != torch.float32:
+            ranker = head_ranker(quantized["lm_head"], quantization)
+            ranker = None if ranker is quantized["lm_head"] else ranker
         if quantized:  # every layer's kernel and shape checked at once, in one probe process
             head_q = lm_head_quantization(quantization, lm_head_weight(c, weights).shape)
             check_kernels([(head_q if name == "lm_head" else quantization, t)
-                           for name, t in quantized.items()], dtype, self.device)
+                           for name, t in quantized.items()]
+                          + ([("int4", ranker)] if ranker is not None else []), dtype, self.device)
         for name, weight, bias in linear_weights(c, weights, experts=False):
             q = None if quantized is None else quantized.get(name)
             linears[name], why = make_linear(weight, bias, dtype, self.device, quantization, q)
             if why is not None:
                 self.fallbacks[name] = why
-        head = lm_head_weight(c, weights)
-        # Tied: the embedding's copy serves as the head's 16-bit weight too.
-        head16 = self.embed if head is weights["model.embed_tokens.weight"] else w("lm_head.weight")
-        if quantization is None:
-            head_linear: Linear = DenseLinear(head16)
-        else:
-            q = None if quantized is None else quantized.get("lm_head")
-            head_linear, why = make_linear(
-                head, None, dtype, self.device, lm_head_quantization(quantization, head.shape), q,
-                dense=head16,
-            )
-            if why is not None:
-                self.fallbacks["lm_head"] = why
+        self.lm_head, self.decode_head = self._heads(weights, w, quantized, ranker)
         self.layers = [self._layer(i, weights, linears, norm, quantized)
                        for i in range(c.num_layers)]
         if self.fallbacks:
             _warn_fallbacks(self.fallbacks, quantization)
-        self.lm_head = LogitsHead(head_linear, None if dtype == torch.float32 else head16)
         self.inv_freqs = {spec.rope: spec.rope.inv_freq(c.rotary_dim).to(self.device)
                           for spec in c.layers if spec.rope is not None}
         self._fused = None  # the fused CPU decode step, built on the first decode
+
+    def _heads(self, weights, w, quantized, ranker) -> tuple[LogitsHead, LogitsHead]:
+        """The LM head, and the one decode steps read: the same one but where an int4
+        `ranker` stands in (head_ranker)."""
+        c, dtype, quantization = self.config, self.dtype, self.quantization
+        head = lm_head_weight(c, weights)
+        # Tied: the embedding's copy serves as the head's 16-bit weight too.
+        head16 = self.embed if head is weights["model.embed_tokens.weight"] else w("lm_head.weight")
+        refine = None if dtype == torch.float32 else head16
+        if quantization is None:
+            exact = LogitsHead(DenseLinear(head16), refine)
+            return exact, exact
+        q = None if quantized is None else quantized.get("lm_head")
+        linear, why = make_linear(head, None, dtype, self.device,
+                                  lm_head_quantization(quantization, head.shape), q, dense=head16)
+        if why is not None:
+            self.fallbacks["lm_head"] = why
+        exact = LogitsHead(linear, refine)
+        if ranker is None:
+            return exact, exact
+        linear, why = make_linear(head, None, dtype, self.device, "int4", ranker, dense=head16)
+        return exact, (exact if why is not None else LogitsHead(linear, refine))
 
     def _layer(self, i: int, weights, linears: dict[str, Linear], norm, quantized) -> Layer:
         c, names, prefix = self.config, self.config.weights, f"model.layers.{i}."
@@ -311,10 +345,11 @@ class Model:
                 gate, up = layer.gate_up(x).chunk(2, dim=-1)
                 x = layer.down(self.act(gate) * up)
             h = self._residual(h, self._post_norm(x, layer.mlp_post_norm))
-        last = self._logits(h[batch.logits_at])
+        head = self.decode_head if batch.is_decode else self.lm_head
+        last = self._logits(h[batch.logits_at], head)
         if batch.score_rows is None:
             return last
-        return last, self._logits(h[batch.score_rows])
+        return last, self._logits(h[batch.score_rows], head)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if weight is None:  # no norm here: the next matmul still takes the model's dtype
@@ -345,7 +380,7 @@ class Model:
             total += sum(x.read_bytes for x in linears if x is not None)
             total += sum(size(t) for t in (layer.attn_norm, layer.mlp_norm, layer.attn_post_norm,
                                             layer.mlp_post_norm, layer.q_norm, layer.k_norm))
-        head = self.lm_head
+        head = self.decode_head
         total += head.linear.read_bytes
         if head.weight16 is not None:
             total += head.refine * head.weight16.shape[1] * head.weight16.element_size()
@@ -380,9 +415,9 @@ class Model:
                 self._fused = fused_step(cpu_decode.load(), self)
         return self._fused or None
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: LogitsHead) -> torch.Tensor:
         c = self.config
-        logits = self.lm_head(rms_norm(h, self.norm, c.rms_norm_eps))
+        logits = head(rms_norm(h, self.norm, c.rms_norm_eps))
         if c.logits_scaling != 1.0:
             logits = logits / c.logits_scaling
         if c.final_softcap is not None:
@@ -453,7 +488,7 @@ def _linear_spec(layer: Linear | None) -> tuple[int, list[torch.Tensor]]:
 def fused_step(module, model: Model, family=None):
     """cpu_decode.cpp's DecodeStep of `model`; `family` (a module.Family) replaces what its
     config says (tests build the plain Llama step of another family this way)."""
-    c, head = model.config, model.lm_head
+    c, head = model.config, model.decode_head
     none = torch.empty(0, dtype=model.dtype)
     norms, specs = [], []
     for layer in model.layers:

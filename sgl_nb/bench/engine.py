@@ -109,7 +109,7 @@ def linears_floor(model, batch: int, passes: int = 5) -> list[float]:
     # An MoE layer's experts (gate_up/down None) are left out: which run depends on routing.
     layers = [lin for layer in model.layers
               for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down) if lin is not None]
-    layers.append(model.lm_head.linear)
+    layers.append(model.decode_head.linear)
     xs = {lin.in_features: torch.randn(batch, lin.in_features, dtype=model.dtype)
           for lin in layers}
     with torch.inference_mode():
