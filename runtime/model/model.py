@@ -13,7 +13,7 @@ same fields (its Family, built by decode_family below).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -101,15 +101,17 @@ def lm_head_quantization(quantization: str, shape: torch.Size) -> str:
     return quantization if shape_error(*shape, quantization) is None else "int8"
 
 
-def head_ranker(head: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
-    """The LM head's quantized form where 16-bit activations have its best candidates
-    recomputed from 16-bit rows (linear.LogitsHead), so that its matmul only ranks them: in
-    int4 mode int4, even where a GGUF holds the head in Q8_0 (kept for fp32 activations,
-    whose head is exact). The head is a decode step's largest read; int4 reads 0.6 of it.
-    """
+def head_ranker(head: dict[str, torch.Tensor],
+                quantization: str) -> dict[str, torch.Tensor] | None:
+    """What a decode step ranks the vocabulary with where 16-bit activations have the LM
+    head's best candidates recomputed from 16-bit rows (linear.LogitsHead), so that its
+    matmul only ranks them: in int4 mode an int4 copy of a head the file holds in another
+    form (a GGUF's Q8_0: kept for prefill, scoring and fp32 activations, whose head is
+    exact). The head is a decode step's largest read; int4 reads 0.6 of Q8_0's bytes.
+    None: the head itself serves."""
     if (quantization != "int4" or form_of(head) == "int4"
             or shape_error(*weight_shape(head), "int4") is not None):
-        return head
+        return None
     return quantize_int4(dequantize(head))
 
 
@@ -213,7 +215,6 @@ class Model:
         ranker = None
         if quantized and "lm_head" in quantized and dtype != torch.float32:
             ranker = head_ranker(quantized["lm_head"], quantization)
-            ranker = None if ranker is quantized["lm_head"] else ranker
         if quantized:  # every layer's kernel and shape checked at once, in one probe process
             head_q = lm_head_quantization(quantization, lm_head_weight(c, weights).shape)
             check_kernels([(head_q if name == "lm_head" else quantization, t)
@@ -233,7 +234,9 @@ class Model:
                           for spec in c.layers if spec.rope is not None}
         self._fused = None  # the fused CPU decode step, built on the first decode
 
-    def _heads(self, weights, w, quantized, ranker) -> tuple[LogitsHead, LogitsHead]:
+    def _heads(self, weights: dict[str, torch.Tensor], w: Callable[[str], torch.Tensor],
+               quantized: dict[str, dict[str, torch.Tensor]] | None,
+               ranker: dict[str, torch.Tensor] | None) -> tuple[LogitsHead, LogitsHead]:
         """The LM head, and the one decode steps read: the same one but where an int4
         `ranker` stands in (head_ranker)."""
         c, dtype, quantization = self.config, self.dtype, self.quantization
