@@ -180,6 +180,7 @@ PYTHONISH = st.text(alphabet="()[]{}:,'\"0123456789-+.eEjx_ \\abc", max_size=60)
 @example("{[]: 1}")  # found: a literal that cannot be built raised TypeError
 @example("(" * 300 + ")" * 300)
 @example(" -42")
+@example("01")  # found: no Python literal (leading zero), so text, as the rule says
 def test_an_arg_value_is_a_literal_or_a_string(value):
     tried("--arg values")
     got = parse_args([f"k={value}"])["k"]
@@ -190,7 +191,9 @@ def test_an_arg_value_is_a_literal_or_a_string(value):
     assert is_literal(got), f"{value!r} gave {got!r}, which no Python literal builds"
 
 
-INTEGER = re.compile(r"[ \t]*-?[0-9]+")
+# Python's decimal integer literals: no leading zero but in 0 itself ("01" is no literal,
+# and stays text like any other).
+INTEGER = re.compile(r"[ \t]*-?(0+|[1-9][0-9]*)")
 LITERAL_ATOMS = (str, bytes, int, float, complex, bool, type(None), type(...))
 
 
