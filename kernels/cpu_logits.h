@@ -2,9 +2,10 @@
 // alternatives), and the LM head's refinement (runtime/model/linear.py, LogitsHead): each
 // row's best candidates recomputed from 16-bit weight rows with fp32 accumulation.
 //
-// Why the refinement is here: in torch it took topk over the vocabulary, a gather, a widening, a multiply and
-// a sum, ~0.4 ms of a ~9 ms int4 decode step (measured), most of it torch's topk on one
-// thread; this is one pass over the logits per row and r short dot products.
+// Why the refinement is here: in torch it took topk over the vocabulary, a gather, a
+// widening, a multiply and a sum, ~0.4 ms of a ~9 ms int4 decode step (measured), most of it
+// torch's topk on one thread; this is one pass over the logits per row and r short dot
+// products.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,6 +39,7 @@ inline bool above(const Ranked& a, const Ranked& b) {
 inline std::vector<Ranked> top_entries(const float* v, int64_t n, int64_t r) {
   r = std::min(r, n);
   std::vector<Ranked> heap;  // a heap under `above`: its front is the worst kept
+  if (r <= 0) return heap;
   heap.reserve(r);
   int64_t i = 0;
   for (; i < r; ++i) heap.push_back({v[i], i});
@@ -49,7 +51,6 @@ inline std::vector<Ranked> top_entries(const float* v, int64_t n, int64_t r) {
     heap.back() = e;
     std::push_heap(heap.begin(), heap.end(), above);
   };
-  if (r == 0) return heap;
 #ifdef SGL_NB_AVX2
   for (; i + 8 <= n; i += 8) {
     // Not (x <= worst): larger, or unordered (a NaN here or kept).
@@ -106,7 +107,7 @@ top_logits(const at::Tensor& rows, int64_t k) {
     const float peak = values[t].empty() ? -INFINITY : values[t][0];
     lse[t] = logsumexp(row, n, peak);
   }
-  return {ids, values, lse};
+  return {std::move(ids), std::move(values), std::move(lse)};
 }
 
 // x . w over k (fp32 x, bf16 w), in 8 lanes over k in order, then one horizontal sum.

@@ -297,7 +297,7 @@ def test_default_model_int4_from_its_q4_1_gguf_is_greedy_fp32_for_64_tokens(runt
 @pytest.mark.slow
 @needs_kernels
 def test_int4_decode_ranks_with_an_int4_head_and_picks_the_files_heads_tokens(
-        model_path, hf_model):
+        model_path, hf_model, runtime):
     """bf16 activations: a decode step reads an int4 copy of the file's Q8_0 head that only
     ranks (model.head_ranker), and its best 16 are recomputed from 16-bit rows as the Q8_0
     head's are; an extend reads the Q8_0 head. On the model's own final hidden states (varied
@@ -311,7 +311,7 @@ def test_int4_decode_ranks_with_an_int4_head_and_picks_the_files_heads_tokens(
     assert isinstance(ranker.linear, Int4Linear) and ranker.weight16 is head.weight16
     assert isinstance(head.linear, Int8Linear) and head.linear.scale.dim() == 2  # Q8_0
     text = (Path(__file__).parent / "data" / "eval_text.txt").read_text()
-    ids = torch.tensor([hf_model.config.bos_token_id or 0, *model_tokenizer(model_path)(text)])
+    ids = torch.tensor([hf_model.config.bos_token_id or 0, *runtime.tokenizer.encode(text)])
     with torch.no_grad():
         h = hf_model.model(ids[None, :512]).last_hidden_state[0].to(torch.bfloat16)
     got, want = ranker(h), head(h)
@@ -328,9 +328,3 @@ def refined(head, h: torch.Tensor) -> torch.Tensor:
     """The ids LogitsHead recomputes per row: its matmul's best, ties to the lower id."""
     order = head.linear(h).float().sort(dim=-1, descending=True, stable=True).indices
     return order[:, :head.refine]
-
-
-def model_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder)).encode
