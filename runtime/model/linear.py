@@ -14,7 +14,7 @@ failed (a crash there kills the probe process, never the caller).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,15 @@ class DenseLinear:
         rather than ATen's matmul."""
         return self._ext is not None
 
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """The weights our CPU kernel streams at each call, in order (none for ATen's)."""
+        return [] if self.panels is None else [self.panels]
+
+    def move_to(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """kernel_tensors() replaced by their copies place(t) (runtime/model/weight_arena.py)."""
+        if self.panels is not None:
+            self.panels = place(self.panels)
+
     @property
     def read_bytes(self) -> int:
         """Bytes of weights (and bias) one call reads, whatever the number of rows."""
@@ -163,6 +172,13 @@ class Int8Linear:
         """Whether our kernel (kernels/cpu_quant_matmul.h) computes this layer,
         rather than torch's int8 kernel."""
         return self._ext is not None
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return [] if self.panels is None else [self.panels, self.scale]
+
+    def move_to(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.panels is not None:
+            self.panels, self.scale = place(self.panels), place(self.scale)
 
     @property
     def read_bytes(self) -> int:
@@ -244,6 +260,13 @@ class Int4Linear:
         """Whether our kernel (kernels/cpu_quant_matmul.h) computes this layer,
         rather than torch's int4 kernel."""
         return self._ext is not None
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return [] if self.small is None else list(self.small)
+
+    def move_to(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.small is not None:
+            self.small = tuple(place(t) for t in self.small)
 
     @property
     def read_bytes(self) -> int:

@@ -48,6 +48,7 @@ from sgl_nb.runtime.model.quantize import (
     quantize_int4,
     weight_shape,
 )
+from sgl_nb.runtime.model.weight_arena import pack_decode_weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,6 +233,9 @@ class Model:
             _warn_fallbacks(self.fallbacks, quantization)
         self.inv_freqs = {spec.rope: spec.rope.inv_freq(c.rotary_dim).to(self.device)
                           for spec in c.layers if spec.rope is not None}
+        # What a decode step streams, in one buffer in its order (weight_arena's why).
+        self.weight_arena = pack_decode_weights(self.decode_linears()) if (
+            self.device.type == "cpu") else None
         self._fused = None  # the fused CPU decode step, built on the first decode
 
     def _heads(self, weights: dict[str, torch.Tensor], w: Callable[[str], torch.Tensor],
@@ -365,6 +369,14 @@ class Model:
     def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         scale = self.config.residual_scale
         return h + (x if scale == 1.0 else x * scale)
+
+    def decode_linears(self) -> list[Linear]:
+        """The dense linears a decode step runs, in its order (each layer's qkv, o, gate_up
+        and down, then the decode head's); a MoE layer's experts are left out (which run
+        depends on routing)."""
+        return [x for layer in self.layers
+                for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down) if x is not None
+                ] + [self.decode_head.linear]
 
     def decode_read_bytes(self) -> int:
         """Bytes of weights one decode step reads per token (batch 1): every linear layer

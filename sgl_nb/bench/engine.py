@@ -106,10 +106,7 @@ def bench_modes(args: argparse.Namespace) -> list[tuple[str, str | None, str | N
 def linears_floor(model, batch: int, passes: int = 5) -> list[float]:
     """Seconds of each pass over the bare weight matmuls of `model` (its own linear layers
     and kernels, LM head included) at this batch size, after two warm-up passes."""
-    # An MoE layer's experts (gate_up/down None) are left out: which run depends on routing.
-    layers = [lin for layer in model.layers
-              for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down) if lin is not None]
-    layers.append(model.decode_head.linear)
+    layers = model.decode_linears()
     xs = {lin.in_features: torch.randn(batch, lin.in_features, dtype=model.dtype)
           for lin in layers}
     with torch.inference_mode():
