@@ -241,6 +241,7 @@ inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* x
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
   if (k < 2 * kGroup) __builtin_unreachable();  // else GCC keeps acc in memory
   for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
+    if constexpr (NC == kRowPanel) stream_ahead(w + p * ps, 4);
     for (int c = 0; c < NC; ++c) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
       const __m256i lo = _mm256_and_si256(b, mask);
@@ -285,6 +286,7 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
   // weights in registers (all NC rows' weights spilled accumulators at 4 x 2).
   if (k < kGroup) __builtin_unreachable();  // else GCC keeps acc in memory (cpu_dense_matmul.h)
   for (int64_t g = 0; g < k / kGroup; ++g) {
+    if constexpr (NC == kRowPanel) stream_ahead(w + g * gs, 4);
     for (int c = 0; c < NC; ++c) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + g * gs));
       const __m256i wabs = _mm256_sign_epi8(wv, wv);
@@ -423,6 +425,7 @@ inline void int4_block_vnni(const uint8_t* w, int64_t ps, const int8_t* xq, int6
     // Pair p's factors: [f_2p x 4, f_2p+1 x 4] of each row, as int4_block's s2 x dx2.
     __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9);
     for (int64_t p = g0 / 2; p < std::min(pairs, g0 / 2 + 4); ++p) {
+      if constexpr (2 * H == kRowPanel) stream_ahead(w + p * ps, 4);
       for (int h = 0; h < H; ++h) {
         const __m512i b = _mm512_loadu_si512(w + p * ps + 2 * h * kGroup);
         const __m512i lo = _mm512_and_si512(b, mask), hi = high_nibbles(b);
@@ -482,6 +485,7 @@ inline void int8_block_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64
         x[r] = broadcast32(xq + r * k + g * kGroup);
         start[r] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, x[r]));
       }
+      if constexpr (2 * H == kRowPanel) stream_ahead(w + g * gs, 4);
       for (int h = 0; h < H; ++h) {
         const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(w + g * gs + 2 * h * kGroup), flip);
         for (int r = 0; r < NR; ++r) {
@@ -621,6 +625,7 @@ inline void int4_block_exact(const uint8_t* w, int64_t cs, int64_t ps, const flo
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
   if (k < 2 * kGroup) __builtin_unreachable();
   for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
+    if constexpr (NC == kRowPanel) stream_ahead(w + p * ps, 4);
     for (int c = 0; c < NC; ++c) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
       const __m256i bh = _mm256_srli_epi32(b, 4);
