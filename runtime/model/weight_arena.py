@@ -23,8 +23,9 @@ from collections.abc import Iterable
 
 import torch
 
+from sgl_nb.runtime.model.kernel_rules import ALIGN  # each tensor at aligned()'s boundary
+
 HUGE_PAGE = 2 << 20
-ALIGN = 64  # each tensor at a cache-line boundary, as kernel_rules.aligned gives them
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
@@ -32,14 +33,14 @@ class Arena:
     """A uint8 buffer of `size` bytes starting at a 2 MiB boundary, handed out front to back."""
 
     def __init__(self, size: int):
-        self._raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
-        start = (-self._raw.data_ptr()) % HUGE_PAGE
-        self.buffer = self._raw[start : start + size]
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # the view keeps it alive
+        start = (-raw.data_ptr()) % HUGE_PAGE
+        self.buffer = raw[start : start + size]
         self.huge_pages = advise_huge_pages(self.buffer.data_ptr(), size)
         self._used = 0
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of `t` in the next free bytes (at a 64-byte boundary), same dtype and shape."""
+        """A copy of `t` in the next free bytes (at an ALIGN boundary), same dtype and shape."""
         nbytes = t.numel() * t.element_size()
         begin = -(-self._used // ALIGN) * ALIGN
         if begin + nbytes > self.buffer.numel():
@@ -64,7 +65,7 @@ def advise_huge_pages(address: int, size: int) -> bool:
 def pack_decode_weights(linears: Iterable) -> Arena | None:
     """Moves each linear's kernel weights (`Linear.move_to`) into one new Arena, in the
     order given (a decode step's); None when none of them has any."""
-    linears = [x for x in linears if x is not None and x.kernel_tensors()]
+    linears = [x for x in linears if x.kernel_tensors()]
     size = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN
                for x in linears for t in x.kernel_tensors())
     if not size:
