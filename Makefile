@@ -4,6 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The checkout's top-level folders (kernels/, runtime/, tracing/, tui/) are our package's
+# parts, not importable names: with the working directory on sys.path (python -m, -c) the
+# folder kernels/ shadows the PyPI package `kernels`, which transformers 5.25 imports, and
+# every transformers model load fails. -P (PYTHONSAFEPATH) leaves the directory out.
+export PYTHONSAFEPATH := 1
 
 .PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing bench-peers vllm \
 	llamacpp sglang tmux phoenix browser

@@ -34,6 +34,21 @@ from support.waits import limit
 from sgl_nb.runtime.model.model_loader import resolve_model_path
 
 
+def pytest_sessionstart(session):
+    """Stop at once, with the reason, where the checkout's kernels/ folder shadows the PyPI
+    package `kernels` (the working directory on sys.path: `python -m pytest` without -P):
+    transformers imports that package, so every test that loads a transformers model would
+    fail with an ImportError that names neither."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if spec is not None and (spec.origin or "").startswith(os.path.join(root, "kernels")):
+        pytest.exit("the checkout's kernels/ folder shadows the package `kernels` that "
+                    "transformers imports: run `python -P -m pytest` (or PYTHONSAFEPATH=1, "
+                    "as `make test` does)", returncode=4)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """pytest-timeout's per-test limit from pyproject.toml grows with

@@ -177,7 +177,9 @@ def _run_child(probes: list[Probe]) -> tuple[dict[str, str | None], str | None]:
     job = json.dumps({"probes": [asdict(p) for p in probes], "extension": _extension_path()})
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_nb.runtime.model.kernel_probe_child"],
+            # -P: the working directory off sys.path (a checkout's kernels/ folder would
+            # shadow packages of the same name: Makefile, PYTHONSAFEPATH).
+            [sys.executable, "-P", "-m", "sgl_nb.runtime.model.kernel_probe_child"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
         )
         proc.stdin.write(job)

@@ -22,7 +22,8 @@ class ServerProcess:
                  start_timeout_s: float = 600.0):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl-nb-serve-", suffix=".log",
                                                delete=False)
-        cmd = [sys.executable, "-m", "sgl_nb.cli", "serve", "--port", "0", "--quiet"]
+        # -P: the working directory off sys.path (Makefile, PYTHONSAFEPATH).
+        cmd = [sys.executable, "-P", "-m", "sgl_nb.cli", "serve", "--port", "0", "--quiet"]
         if model:
             cmd += ["--model", model]
         if kv_pool_tokens:
