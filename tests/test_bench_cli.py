@@ -176,3 +176,23 @@ def test_the_batch_bench_samples_threads_and_memory(model_path, tmp_path):
     assert rows[2]["peak_threads"] >= 1 and rows[2]["failed"] == 0
     # The body pool's 4 threads at most, above what ran before the batch.
     assert rows[2]["peak_threads"] <= rows[2]["threads_before"] + 4
+
+
+def test_the_engine_bench_gives_the_rate_its_matmuls_read_weights_at(capsys):
+    """The floor table's 'matmul GB/s': a step's weight bytes over its matmul phases only
+    (attention and the rest left out), so a kernel slower than memory shows as a rate
+    under 'read GB/s'; '-' where the step has no phases (not the fused CPU step)."""
+    from sgl_nb.bench.engine import matmul_read_rate, print_bandwidth_floor
+
+    phases = {"qkv matmul": 1.0, "attention": 3.0, "gate_up matmul": 2.0,
+              "lm head matmul": 1.0, "engine around the forward (python)": 1.0}
+    m = {"weight_bytes_per_token": 40e6, "read_gb_s": 20.0, "bandwidth_floor_tok_s": 285.7,
+         "one_stream_tok_s": 100.0, "fraction_of_floor": 0.35, "decode_step_ms": 8.0,
+         "decode_breakdown_ms": phases}
+    assert matmul_read_rate(m) == pytest.approx(10.0)  # 40 MB in 4 ms of matmuls
+    bare = {**m, "decode_breakdown_ms": {}}
+    assert matmul_read_rate(bare) is None
+    print_bandwidth_floor({"int4": m, "cuda": bare})
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("int4", "cuda"))}
+    assert rows["int4"][-1] == "10.0" and rows["cuda"][-1] == "-"

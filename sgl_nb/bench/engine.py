@@ -414,16 +414,26 @@ def print_bandwidth_floor(modes: dict) -> None:
     the decode step alone)."""
     print()
     print(f"{'memory-bandwidth floor':<22}{'MB/token':>10}{'read GB/s':>11}{'floor tok/s':>13}"
-          f"{'1 stream':>10}{'of floor':>10}{'decode step':>13}")
+          f"{'1 stream':>10}{'of floor':>10}{'decode step':>13}{'matmul GB/s':>13}")
     for label, m in modes.items():
         floor_ms = 1e3 / m["bandwidth_floor_tok_s"]
+        rate = matmul_read_rate(m)
         print(f"{label:<22}{m['weight_bytes_per_token'] / 1e6:>10.1f}{m['read_gb_s']:>11.1f}"
               f"{m['bandwidth_floor_tok_s']:>13.1f}{m['one_stream_tok_s']:>10.1f}"
-              f"{m['fraction_of_floor']:>9.0%}{floor_ms / m['decode_step_ms']:>12.0%}")
+              f"{m['fraction_of_floor']:>9.0%}{floor_ms / m['decode_step_ms']:>12.0%}"
+              + (f"{rate:>13.1f}" if rate else f"{'-':>13}"))
     print("floor: the weights one decode step reads (scales, mins and the LM head included) "
           "over the read bandwidth of a buffer twice the last-level cache, on the engine's "
           "threads; 'of floor': one stream's tok/s over the floor's; 'decode step': the "
-          "floor's step time over ours")
+          "floor's step time over ours; 'matmul GB/s': those weights over the step's matmul "
+          "phases (well under 'read GB/s': the kernels' arithmetic, not memory, sets them)")
+
+
+def matmul_read_rate(m: dict) -> float | None:
+    """GB/s at which the decode step's matmuls went through the weights: the bytes a step
+    reads over the time of its matmul phases (None without the fused step's phases)."""
+    ms = sum(v for k, v in m["decode_breakdown_ms"].items() if k.endswith("matmul"))
+    return m["weight_bytes_per_token"] / ms / 1e6 if ms > 0 else None
 
 
 def print_breakdown(modes: dict) -> None:
