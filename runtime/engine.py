@@ -37,6 +37,7 @@ from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduled_batch import ScheduledBatch
 from sgl_nb.runtime.scheduler import Scheduler
 from sgl_nb.runtime.step_threads import StepThreads
+from sgl_nb.runtime.text_decoder import text_decoder
 from sgl_nb.runtime.token_picker import PickRows, TokenPick, TokenPicker
 from sgl_nb.runtime.token_usage import TokenUsage
 
@@ -104,6 +105,7 @@ class Engine:
         self.device = s.torch_device
         self.model_path = off_main_thread(lambda: resolve_model_path(s.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.decode_text = text_decoder(self.tokenizer)  # a request's output text
         self.model = off_main_thread(lambda: load_model(
             self.model_path, dtype=s.dtype, device=self.device, quantization=s.quantization
         ))
@@ -300,7 +302,7 @@ class Engine:
             req = handle.req
             req.finish_reason = "abort"
             if req.output_ids:  # the exact text of what was generated, as on a stop
-                req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                req.text = self.decode_text(req.output_ids)
             self.aborted += 1
             self._finish(req)
 
@@ -367,7 +369,7 @@ class Engine:
             self._finish(req, error=pick.error)
             return
         try:
-            req.append(pick.sampled, self.eos_ids, self.tokenizer)
+            req.append(pick.sampled, self.eos_ids, self.decode_text)
         except Exception as e:  # noqa: BLE001 - e.g. a grammar that rejects the token
             self._finish(req, error=e)
             return

@@ -6,12 +6,16 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_nb.runtime.sampler import Sampled
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.token_choice import TokenChoice
+
+if TYPE_CHECKING:
+    from sgl_nb.runtime.text_decoder import TextDecoder
 
 _ids = itertools.count(1)
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -114,8 +118,9 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, s: Sampled, eos_ids: tuple[int, ...], tokenizer) -> None:
-        """Take one sampled token, update the text and decide whether the request is done."""
+    def append(self, s: Sampled, eos_ids: tuple[int, ...], decode: TextDecoder) -> None:
+        """Take one sampled token, update the text and decide whether the request is done.
+        decode: runtime/text_decoder.py's, of the engine's tokenizer."""
         p = self.params
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
@@ -128,9 +133,9 @@ class Request:
             self.grammar.accept(s.token)
         if s.token in p.stop_token_ids or (not p.ignore_eos and s.token in eos_ids):
             self.finish_reason, self.matched_stop = "stop", s.token
-            self.text = tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True)
+            self.text = decode(self.output_ids[:-1])
             return
-        self._decode_new(tokenizer)
+        self._decode_new(decode)
         grammar_done = self.grammar is not None and self.grammar.done()
         length = len(self.output_ids) >= self.max_new_tokens
         if len(self.output_ids) < p.min_tokens:
@@ -141,7 +146,7 @@ class Request:
         if not (grammar_done or length or self._stop_at(self.text) is not None):
             return
         # Finishing (or a stop string seen): the text the whole output decodes to, exactly.
-        exact = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        exact = decode(self.output_ids)
         hit = self._stop_at(exact)
         if hit is not None:
             at, stop = hit
@@ -152,13 +157,12 @@ class Request:
         elif length:
             self.text, self.finish_reason = exact, "length"
 
-    def _decode_new(self, tokenizer) -> None:
+    def _decode_new(self, decode: TextDecoder) -> None:
         """Append the text of the tokens after read_offset, unless it ends in an unfinished
         character (then they wait for the next token)."""
         ids = self.output_ids
-        context = tokenizer.decode(ids[self.prefix_offset : self.read_offset],
-                                   skip_special_tokens=True)
-        full = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        context = decode(ids[self.prefix_offset : self.read_offset])
+        full = decode(ids[self.prefix_offset :])
         if len(full) > len(context) and not full.endswith("\ufffd"):
             self.text += full[len(context) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from sgl_nb.runtime.request import Request
 from sgl_nb.runtime.sampler import Sampled
 from sgl_nb.runtime.sampling_params import SamplingParams
+from sgl_nb.runtime.text_decoder import text_decoder
 
 TEXTS = [
     " The lighthouse keeper said: \"Don't go\" -- then left, at 3:45 a.m. on Friday.",
@@ -29,8 +30,9 @@ def feed(tokenizer, ids: list[int], **params) -> tuple[Request, list[str]]:
     req = Request(prompt_ids=[1], params=SamplingParams(ignore_eos=True, **params),
                   max_new_tokens=len(ids))
     deltas = []
+    decode = text_decoder(tokenizer)
     for t in ids:
-        req.append(Sampled(t), (), tokenizer)
+        req.append(Sampled(t), (), decode)
         deltas.append(req.take_delta())
         whole = tokenizer.decode(req.output_ids, skip_special_tokens=True)
         assert whole.startswith("".join(deltas))
@@ -54,3 +56,21 @@ def test_a_stop_string_cuts_the_text_where_it_starts(tokenizer):
     req, deltas = feed(tokenizer, ids, stop=[" STOP"])
     assert req.finish_reason == "stop" and req.matched_stop == " STOP"
     assert req.text == text[: text.index(" STOP")] and "".join(deltas) == req.text
+
+
+def test_the_text_decoder_gives_the_tokenizers_text(tokenizer):
+    """runtime/text_decoder.py: the Rust tokenizer called directly gives what
+    tokenizer.decode(ids, skip_special_tokens=True) gives, on every slice of each text's
+    ids, special tokens among them; a tokenizer that cleans up spaces keeps the wrapper."""
+    special = tokenizer.all_special_ids
+    decode = text_decoder(tokenizer)
+    assert decode.func.__self__ is tokenizer.backend_tokenizer  # called directly
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = [special[0], *ids[:9], special[-1], *ids[9:]]
+        for a in range(0, len(ids), 3):
+            for b in range(a, len(ids) + 1, 5):
+                assert decode(ids[a:b]) == tokenizer.decode(ids[a:b], skip_special_tokens=True)
+    cleaning = AutoTokenizer.from_pretrained(tokenizer.name_or_path,
+                                             clean_up_tokenization_spaces=True)
+    assert text_decoder(cleaning).func.__self__ is cleaning
