@@ -189,9 +189,9 @@ def test_the_engine_bench_gives_the_rate_its_matmuls_read_weights_at(capsys):
     m = {"weight_bytes_per_token": 40e6, "read_gb_s": 20.0, "bandwidth_floor_tok_s": 285.7,
          "one_stream_tok_s": 100.0, "fraction_of_floor": 0.35, "decode_step_ms": 8.0,
          "decode_breakdown_ms": phases}
-    assert matmul_read_rate(m) == pytest.approx(10.0)  # 40 MB in 4 ms of matmuls
+    assert matmul_read_rate(40e6, phases) == pytest.approx(10.0)  # 40 MB, 4 ms of matmuls
     bare = {**m, "decode_breakdown_ms": {}}
-    assert matmul_read_rate(bare) is None
+    assert matmul_read_rate(40e6, {}) is None
     print_bandwidth_floor({"int4": m, "cuda": bare})
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.startswith(("int4", "cuda"))}

@@ -173,8 +173,7 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     # The step's own matmuls reading faster than the plain read is memory proving faster
     # than that read found it (fp32 at 23 GB/s against a read of 14.6 on a Zen 1 host,
     # measured): the floor takes the faster, so a step never beats its own floor.
-    matmul_gb_s = matmul_read_rate({"weight_bytes_per_token": weight_bytes,
-                                    "decode_breakdown_ms": breakdown}) or 0.0
+    matmul_gb_s = matmul_read_rate(weight_bytes, breakdown) or 0.0
     bandwidth = max(bandwidth, read_bandwidth(), matmul_gb_s * 1e9)
     rt.engine.cache.reset()
     t0 = time.perf_counter()
@@ -424,7 +423,7 @@ def print_bandwidth_floor(modes: dict) -> None:
           f"{'1 stream':>10}{'of floor':>10}{'decode step':>13}{'matmul GB/s':>13}")
     for label, m in modes.items():
         floor_ms = 1e3 / m["bandwidth_floor_tok_s"]
-        rate = matmul_read_rate(m)
+        rate = matmul_read_rate(m["weight_bytes_per_token"], m["decode_breakdown_ms"])
         print(f"{label:<22}{m['weight_bytes_per_token'] / 1e6:>10.1f}{m['read_gb_s']:>11.1f}"
               f"{m['bandwidth_floor_tok_s']:>13.1f}{m['one_stream_tok_s']:>10.1f}"
               f"{m['fraction_of_floor']:>9.0%}{floor_ms / m['decode_step_ms']:>12.0%}"
@@ -437,11 +436,11 @@ def print_bandwidth_floor(modes: dict) -> None:
           "GB/s': the kernels' arithmetic, not memory, sets them)")
 
 
-def matmul_read_rate(m: dict) -> float | None:
-    """GB/s at which the decode step's matmuls went through the weights: the bytes a step
-    reads over the time of its matmul phases (None without the fused step's phases)."""
-    ms = sum(v for k, v in m["decode_breakdown_ms"].items() if k.endswith("matmul"))
-    return m["weight_bytes_per_token"] / ms / 1e6 if ms > 0 else None
+def matmul_read_rate(weight_bytes: float, breakdown_ms: dict[str, float]) -> float | None:
+    """GB/s at which a decode step's matmuls went through its weights: the bytes it reads
+    over its matmul phases (decode_breakdown's; None without the fused step's phases)."""
+    ms = sum(v for k, v in breakdown_ms.items() if k.endswith("matmul"))
+    return weight_bytes / ms / 1e6 if ms > 0 else None
 
 
 def print_breakdown(modes: dict) -> None:
