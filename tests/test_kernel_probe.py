@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import env_with_tests
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.model.kernel_probe import FAULT_ENV, START_TIMEOUT_ENV, TIMEOUT_ENV
@@ -151,7 +152,7 @@ def test_a_second_process_takes_the_cached_verdicts_and_spawns_none(cache, capfd
             "(layer, why), = t.make_layers(t.SHAPES[:1]).values()\n"
             "assert why is None and layer.native, why\n")
     again = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                           env={**os.environ, FAULT_ENV: "* * crash"}, capture_output=True,
+                           env=env_with_tests(**{FAULT_ENV: "* * crash"}), capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert CHECKING not in again.stderr

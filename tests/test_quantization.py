@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support import env_with_tests
 from support.waits import limit
 
 from sgl_nb.runtime.model.forward_batch import build_batch
@@ -243,7 +244,7 @@ def _score_every_position(model, ids: list[int]) -> None:
 def _run_odd_load(folder: Path, quantization: str, mode: str, tmp_path: Path,
                   fault: str = "") -> str:
     """_odd_load in a child process that must exit 0; its stderr."""
-    env = {**os.environ, "SGL_NB_PROBE_FAULT": fault}
+    env = env_with_tests(SGL_NB_PROBE_FAULT=fault)
     proc = subprocess.run(
         [sys.executable, __file__, str(folder), quantization, mode, str(tmp_path / "cache"),
          str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True,

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from support import env_with_tests
 from support.waits import WAIT
 
 import sgl_nb as sgl
@@ -98,7 +99,7 @@ def test_user_tracer_provider_is_used():
         print(sorted(s.name for s in spans), spans[0].resource.attributes["service.name"])
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=__file__.rsplit("/", 1)[0], timeout=WAIT)
+                         env=env_with_tests(), timeout=WAIT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['Decode', 'Gen x', 'program f'] mine"
 

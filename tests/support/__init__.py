@@ -6,3 +6,15 @@ runs a bench against one."""
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]  # where the services' venvs are made
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def env_with_tests(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports from tests/ (a test
+    module, `support`), plus `extra`: tests/ on PYTHONPATH, as the child's working
+    directory or script folder is not on sys.path under PYTHONSAFEPATH (the Makefile's)."""
+    import os
+
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
