@@ -7,8 +7,10 @@ STAMP := $(VENV)/.installed
 # The checkout's top-level folders (kernels/, runtime/, tracing/, tui/) are our package's
 # parts, not importable names: with the working directory on sys.path (python -m, -c) the
 # folder kernels/ shadows the PyPI package `kernels`, which transformers 5.25 imports, and
-# every transformers model load fails. -P (PYTHONSAFEPATH) leaves the directory out.
-export PYTHONSAFEPATH := 1
+# every transformers model load fails. PYTHONSAFEPATH leaves the directory out, for the
+# tests and their children. Not for `make run`: its kernels start in notebooks/, and a
+# user's notebook imports the modules beside it through that directory.
+SAFE_PATH := PYTHONSAFEPATH=1
 
 .PHONY: install model run demo test test-fast lint bench bench-remote bench-tracing bench-peers vllm \
 	llamacpp sglang tmux phoenix browser
@@ -133,11 +135,11 @@ browser: tmux  # after tmux: two apt-gets at once (make -j) would fight over dpk
 # SGL_NB_CI=1: a test whose service (vLLM, SGLang's frontend, Phoenix, a browser) is missing
 # fails, not skips.
 test: model vllm sglang tmux phoenix browser
-	SGL_NB_CI=1 $(PY) -m pytest -q -ra --durations=25
+	$(SAFE_PATH) SGL_NB_CI=1 $(PY) -m pytest -q -ra --durations=25
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
 test-fast: model
-	$(PY) -m pytest -q -x -m "not slow"
+	$(SAFE_PATH) $(PY) -m pytest -q -x -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -149,7 +151,7 @@ bench: model
 # (with the helpers the tests use, in tests/support), pass the URL, and stop it afterwards.
 # More flags: make bench-remote BENCH_ARGS="--requests 8".
 BENCH_ARGS ?=
-WITH_SERVER := PYTHONPATH=tests $(PY) -m support.with_server
+WITH_SERVER := $(SAFE_PATH) PYTHONPATH=tests $(PY) -m support.with_server
 
 bench-remote: model vllm
 	$(WITH_SERVER) vllm -- $(VENV)/bin/sgl-nb bench remote --server {url} $(BENCH_ARGS)
