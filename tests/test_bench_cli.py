@@ -134,11 +134,12 @@ def test_peers_gguf_variant_keeps_the_files_metadata_and_values(tmp_path):
     """A Q8_0 file written from a Q4_1 one: same keys (tokenizer included), same tensors,
     every quantized weight Q8_0 (the embedding too) within Q8_0's rounding of the Q4_1
     values, norms untouched."""
-    from gguf import GGMLQuantizationType, GGUFReader, quants
+    from gguf import GGMLQuantizationType, quants
     from support.tiny_checkpoint import tiny_checkpoint, tiny_config
     from support.tiny_gguf import write_gguf
 
     from sgl_nb.bench.peers_gguf import write_variant
+    from sgl_nb.runtime.model.gguf_reading import FastGGUFReader as GGUFReader
 
     source = tmp_path / "tiny.Q4_1.gguf"
     write_gguf(tiny_checkpoint(tiny_config("llama"), tmp_path / "llama"), source, "Q4_1")

@@ -296,9 +296,9 @@ def _exact_narrowest(t: torch.Tensor) -> torch.Tensor:
 def _read_what_transformers_skips(path: Path, config) -> None:
     """Set on `config` what llama.cpp writes and transformers' GGUF reader leaves out:
     Gemma's soft-caps, a linear rope scaling, Llama 3's rope frequencies (rope_freqs)."""
-    from gguf import GGUFReader
+    from sgl_nb.runtime.model.gguf_reading import open_gguf
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = reader.fields["general.architecture"].contents()
 
     def value(key: str):

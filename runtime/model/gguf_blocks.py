@@ -77,13 +77,14 @@ def _keys_tensor(keys: list[bytes]) -> torch.Tensor:
 def save_blocks(gguf: Path, target: Path) -> None:
     """Write `gguf`'s blocks (OWN_TYPES) and every quantized tensor's row keys and type into
     the converted folder `target` (an empty file when it holds no quantized tensor)."""
-    from gguf import GGUFReader
     from gguf import dequantize as gguf_dequantize
     from safetensors.torch import save_file
 
+    from sgl_nb.runtime.model.gguf_reading import open_gguf
+
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in open_gguf(gguf).tensors:
         qtype = t.tensor_type.name
         if qtype in UNQUANTIZED_TYPES or len(t.shape) < 2:
             continue

@@ -122,25 +122,28 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    from sgl_nb.runtime.model.gguf_reading import each_gguf_parsed_once
+
     def say(msg: str) -> None:
         if progress:
             print(f"[sgl-nb] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
     say(f"converting {gguf.name} into {target} (once)")
-    config, weights = read_gguf(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # A per-process folder, renamed last: an interrupted or concurrent conversion never
     # leaves a folder that looks complete.
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    save_blocks(gguf, tmp)
+    with each_gguf_parsed_once():
+        config, weights = read_gguf(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file({k: v.contiguous() for k, v in weights.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        save_blocks(gguf, tmp)
     if _is_converted(target):  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     else:

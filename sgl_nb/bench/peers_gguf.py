@@ -61,7 +61,9 @@ def _encode(tensor, qtype: str) -> tuple[np.ndarray, object]:
 def write_variant(source: Path, out: Path, qtype: str) -> None:
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    from sgl_nb.runtime.model.gguf_reading import open_gguf
+
+    reader = open_gguf(source)
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(out), arch)
     for key, field in reader.fields.items():

@@ -10,6 +10,7 @@ values after its round trip), which is what a GGUF loader must give back.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -50,16 +51,21 @@ def _llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _tokenizer_fields(writer) -> None:
-    from gguf import GGUFReader
-
+@functools.cache
+def _default_tokenizer_fields() -> tuple[tuple, ...]:
+    """The default model's tokenizer keys (key, value, type, sub-type), read once a process."""
+    from sgl_nb.runtime.model.gguf_reading import open_gguf
     from sgl_nb.runtime.model.model_loader import default_gguf_path
 
-    reader = GGUFReader(default_gguf_path())
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    fields = open_gguf(default_gguf_path()).fields
+    return tuple((key, field.contents(), field.types[0],
+                  field.types[-1] if len(field.types) > 1 else None)
+                 for key, field in fields.items() if key.startswith("tokenizer."))
+
+
+def _tokenizer_fields(writer) -> None:
+    for key, value, kind, sub in _default_tokenizer_fields():
+        writer.add_key_value(key, value, kind, sub_type=sub)
 
 
 def _encode(w: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
