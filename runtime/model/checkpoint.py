@@ -103,7 +103,10 @@ def _architectures(config: dict, path: Path) -> list[str]:
                               or not all(isinstance(a, str) for a in archs)):
         raise CheckpointError(f"{path}: 'architectures' must be a list of class names, got "
                               f"{archs!r}")
-    unknown = [a for a in archs or [] if not hasattr(transformers, a)]
+    # dir() lists transformers' lazy names; hasattr would import each class's modeling module
+    # (for Llama 5 s in a fresh process, on a path that never runs transformers' model).
+    names = set(dir(transformers))
+    unknown = [a for a in archs or [] if a not in names]
     if archs and not unknown:
         return archs
     derived = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
