@@ -7,12 +7,15 @@ the same mapping the parse takes 2.5 s, and gives the same fields and tensors.
 
 Converting a GGUF parsed it five times: transformers' loader parses the whole file for the
 config, again for the weights and again for the tokenizer, and we read the keys it skips and
-the quantized blocks. Within `each_gguf_parsed_once`, every GGUFReader(path) of one file is
-one parse.
+the quantized blocks. And transformers maps the file's tensor names onto the model's by
+walking every submodule, building gguf-py's name map (25 ms) at each: 10 s for the default
+model's ~400 modules. Within `converting_gguf`, every GGUFReader(path) of one file is one
+parse and each name map is built once: the default model converts in 27 s instead of 59.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -38,15 +41,15 @@ class FastGGUFReader(GGUFReader):
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """A reader of the GGUF at `path`: the one already parsed within each_gguf_parsed_once,
-    else a fresh FastGGUFReader."""
+    """A reader of the GGUF at `path`: the one already parsed within converting_gguf, else a
+    fresh FastGGUFReader."""
     reader = gguf.GGUFReader
     if not (isinstance(reader, type) and issubclass(reader, FastGGUFReader)):
         reader = FastGGUFReader
     return reader(path)
 
 
-# One swap of gguf.GGUFReader at a time (two threads converting would otherwise restore
+# One swap of gguf's names at a time (two threads converting would otherwise restore
 # each other's); reentrant, so a conversion may call another function that opens one.
 _swap_lock = threading.RLock()
 
@@ -56,11 +59,12 @@ def _key(path: str | os.PathLike[str], mode: str) -> tuple[str, str]:
 
 
 @contextmanager
-def each_gguf_parsed_once() -> Iterator[None]:
+def converting_gguf() -> Iterator[None]:
     """Within the block, gguf.GGUFReader(path) (transformers' loader looks it up at each call)
-    gives one FastGGUFReader per file and mode, parsed at its first opening; the readers are
-    dropped at the end. The readers only read: transformers and we take fields and tensor
-    views off them and copy what we keep."""
+    gives one FastGGUFReader per file and mode, parsed at its first opening, and
+    gguf.get_tensor_name_map one map per architecture and layer count; all are dropped at
+    the end. Both only read once built: transformers and we take fields, tensor views and
+    names off them and copy what we keep."""
     parsed: dict[tuple[str, str], FastGGUFReader] = {}
 
     class OncePerFile(FastGGUFReader):
@@ -74,10 +78,11 @@ def each_gguf_parsed_once() -> Iterator[None]:
             parsed[_key(path, mode)] = self  # only once parsed: a bad file raises each time
 
     with _swap_lock:
-        before = gguf.GGUFReader
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         gguf.GGUFReader = OncePerFile
+        gguf.get_tensor_name_map = functools.cache(name_map)
         try:
             yield
         finally:
-            gguf.GGUFReader = before
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
             parsed.clear()

@@ -122,7 +122,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from sgl_nb.runtime.model.gguf_reading import each_gguf_parsed_once
+    from sgl_nb.runtime.model.gguf_reading import converting_gguf
 
     def say(msg: str) -> None:
         if progress:
@@ -135,7 +135,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    with each_gguf_parsed_once():
+    with converting_gguf():
         config, weights = read_gguf(gguf)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tmp.mkdir(parents=True)
