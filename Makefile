@@ -135,7 +135,7 @@ browser: tmux  # after tmux: two apt-gets at once (make -j) would fight over dpk
 # SGL_NB_CI=1: a test whose service (vLLM, SGLang's frontend, Phoenix, a browser) is missing
 # fails, not skips.
 test: model vllm sglang tmux phoenix browser
-	$(SAFE_PATH) SGL_NB_CI=1 $(PY) -m pytest -q -ra --durations=25
+	$(SAFE_PATH) SGL_NB_CI=1 $(PY) -m pytest -q -ra --durations=40
 
 # The edit-test loop: skips the tests marked slow (the model-heavy end-to-end ones).
 test-fast: model
