@@ -10,7 +10,7 @@ config, again for the weights and again for the tokenizer, and we read the keys 
 the quantized blocks. And transformers maps the file's tensor names onto the model's by
 walking every submodule, building gguf-py's name map (25 ms) at each: 10 s for the default
 model's ~400 modules. Within `converting_gguf`, every GGUFReader(path) of one file is one
-parse and each name map is built once: the default model converts in 27 s instead of 59.
+parse and each name map is built once: the default model converts in 15-18 s instead of 59.
 """
 
 from __future__ import annotations
