@@ -36,14 +36,14 @@ print("first:", next(state.text_iter()), flush=True)
 raise RuntimeError("the script failed")
 """, 1),
     "sys_exit_mid_request": ("""
-import sys, threading
+import sys, threading, time
 import sgl_nb as sgl
 rt = sgl.Runtime()
 h = rt.submit("Once upon a time", max_tokens=2000, ignore_eos=True)
 waiter = threading.Thread(target=lambda: h.result())  # not a daemon: exit must not hang
 waiter.start()
-while not h.req.output_ids:
-    pass
+while not h.req.output_ids:  # a bare spin here held the GIL from the engine's thread
+    time.sleep(0.01)
 sys.exit(3)
 """, 3),
     "ends_with_tracing_on": (STORY + """
