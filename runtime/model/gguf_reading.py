@@ -69,7 +69,8 @@ def converting_gguf() -> Iterator[None]:
 
     class OncePerFile(FastGGUFReader):
         def __new__(cls, path: str | os.PathLike[str], mode: str = "r"):
-            return parsed.get(_key(path, mode)) or super().__new__(cls)
+            done = parsed.get(_key(path, mode))
+            return done if done is not None else super().__new__(cls)
 
         def __init__(self, path: str | os.PathLike[str], mode: str = "r"):
             if parsed.get(_key(path, mode)) is self:  # Python calls __init__ on it again
