@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import link_entries
 from support.tiny_checkpoint import tiny_checkpoint, tiny_config
 from support.tiny_gguf import write_gguf
 
@@ -53,9 +54,7 @@ def own_cache(tmp_path_factory):
         mp.setenv("SGL_NB_CACHE", str(root))
         (root / "models").mkdir()
         (root / "models" / default.name).symlink_to(default)
-        for built in ("ext", "kernel_checks"):
-            if (real / built).is_dir():
-                (root / built).symlink_to(real / built)
+        link_entries(real, root, "ext", "kernel_checks")
         yield root
 
 

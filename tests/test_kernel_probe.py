@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import env_with_tests
+from support import env_with_tests, link_entries
 
 from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.model.kernel_probe import FAULT_ENV, START_TIMEOUT_ENV, TIMEOUT_ENV
@@ -27,6 +27,7 @@ from sgl_nb.runtime.model.linear import (
     check_kernels,
     make_linear,
 )
+from sgl_nb.runtime.model.model_loader import cache_dir
 from sgl_nb.runtime.model.quantize import quantize
 
 BF16 = torch.bfloat16
@@ -40,14 +41,10 @@ CHECKING = "quantized kernel shape(s) in a probe process"
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh cache folder for the verdicts (our kernels built, or not, beforehand: the
-    build lives in the cache folder too, linked into the fresh one for a child process,
-    which would otherwise build it again: ~80 s)."""
+    build lives in the cache folder too, linked into the fresh one for a child process)."""
     cpu_decode.available()
-    built = cpu_decode.build_dir()
+    link_entries(cache_dir(), tmp_path, "ext")
     monkeypatch.setenv("SGL_NB_CACHE", str(tmp_path))
-    if built.is_dir():
-        (tmp_path / "ext").mkdir()
-        (tmp_path / "ext" / built.name).symlink_to(built, target_is_directory=True)
     monkeypatch.delenv(FAULT_ENV, raising=False)
     return tmp_path
 

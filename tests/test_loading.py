@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import link_entries
 from support.tiny_checkpoint import TOKENIZER_FILES, tiny_checkpoint, tiny_config
 from support.tiny_gguf import write_gguf
 
@@ -48,9 +49,7 @@ def own_cache(tmp_path, monkeypatch):
     models = tmp_path / "cache" / "models"
     models.mkdir(parents=True)
     (models / default.name).symlink_to(default)
-    for built in ("ext", "kernel_checks"):
-        if (real / built).is_dir():
-            (tmp_path / "cache" / built).symlink_to(real / built)
+    link_entries(real, tmp_path / "cache", "ext", "kernel_checks")
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
