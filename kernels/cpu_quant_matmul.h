@@ -4,21 +4,23 @@
 // int4 weights in groups of 32 inputs: w = q * scale + min, q in 0..15, scale and min in
 // fp16: GGUF's Q4_1 block {d, m} as the file holds it (Q4_0's w = d (q - 8) is min = -8 d,
 // exact in fp16), so a GGUF's Q4_0 / Q4_1 weights are computed with as they are; our own
-// quantization of other weights keeps the same two values per group. Our own layout: per
-// row, 16 bytes per group, byte i holding input i in its low nibble and input i + 16 in its
-// high one (ggml's block order), so that one shift and one mask give the group's 32 values
-// in order; scale and min [N, G] beside it, G rounded up to 8 with zeros (whole vectors
-// only: a scalar tail of 2 groups at K = 576 cost a third of the time, measured).
+// quantization of other weights keeps the same two values per group. A row's group is 16
+// bytes, byte i holding input i in its low nibble and input i + 16 in its high one (ggml's
+// block order). Our layout takes panels of 8 weight rows, and per panel and group 128 bytes
+// in four units of 32: unit u holds bytes 4u..4u+3 of each of the 8 rows (row c's at 4c),
+// [N / 8][G][4][8][4]; scale and min fp16 [N / 8][G][8]. So each 32-bit lane of a unit is
+// one weight row: the kernel sums a group for 8 rows at once, in 16-bit lanes, and scales
+// it with 8 adjacent scales, with no horizontal sum (int4_panel).
 //
 // int8 weights: [N, K] values with an fp32 scale per output row (our own quantization) or
-// an fp16 scale per group of 32 inputs [N, K / 32] (GGUF's Q8_0 blocks).
+// an fp16 scale per group of 32 inputs [N, K / 32] (GGUF's Q8_0 blocks). Their rows are
+// interleaved in panels of 8 rows by units of 32 bytes (one group), [N / 8][K / 32][8][32]
+// (`interleave_rows` in runtime/model/linear.py packs them at load).
 //
-// Both keep the weight rows interleaved in panels of 8 rows by units of 32 bytes (int8: one
-// group; int4: two groups, so K must be a multiple of 64), [N / 8][K bytes / 32][8][32]
-// (`interleave_rows` in runtime/model/linear.py packs them at load): a block of up to 8 weight
-// rows then reads one sequential stream. With each row apart, a block read 4-8 short
-// streams of K bytes and the hardware prefetcher never got going: at one row of x, int8
-// streamed 10-12 GB/s from memory, interleaved 19-24 (measured).
+// Either way a block of up to 8 weight rows then reads one sequential stream. With each row
+// apart, a block read 4-8 short streams of K bytes and the hardware prefetcher never got
+// going: at one row of x, int8 streamed 10-12 GB/s from memory, interleaved 19-24
+// (measured).
 //
 // Two paths, by the activations' dtype. bf16: as llama.cpp does on CPUs without wider
 // integer dot products, each row of x is quantized per group of 32 to int8 (xq * dx,
@@ -27,20 +29,20 @@
 // below), x as it is, the weights turned to fp32 in registers: y differs from x @ w.T with
 // the dequantized weight by fp32 rounding only.
 //
-// Blocks of up to 4 rows of x times NC weight rows share their loads: each weight group is
-// loaded (int4: and unpacked) once per block. Every output is the same sequence of
-// operations whatever block it falls in (its own accumulator, groups in order, one
-// horizontal sum), so a row's result never depends on the other rows: a request decodes to
-// the same bits in any batch, and prefill computes the bits decode would.
+// Blocks of up to 4 rows of x times NC weight rows (int4: a panel) share their loads: each
+// weight unit is loaded (int4: and unpacked) once per block. Every output is the same
+// sequence of operations whatever block it falls in (its own accumulator or lane, groups in
+// order), so a row's result never depends on the other rows: a request decodes to the same
+// bits in any batch, and prefill computes the bits decode would.
 //
-// Where the build has AVX-512 VNNI (-march=native on such a CPU), the bf16 path's blocks
-// take dpbusd (u8 x s8 summed by 4 bytes into int32, one instruction for maddubs + add +
-// madd), two weight rows per 512-bit register. The integers are the AVX2 kernels' and the
-// float part is theirs lane for lane, so the bits are the same (quant_isa switches between
-// them for the tests). On a 2-core Sapphire Rapids VM, in cache on one core: 1.45x (int4)
-// and 1.75x (Q8_0) the AVX2 kernels at one row of x, 1.25-1.45x at 4 to 64; streaming from
-// memory on two threads at one row, 1.1x (int4 layers) and 1.25-1.3x (the Q8_0 LM head):
-// compute and memory time add up per core (measured).
+// Where the build has AVX-512 VNNI (-march=native on such a CPU), the int8 bf16 path's
+// blocks take dpbusd (u8 x s8 summed by 4 bytes into int32, one instruction for maddubs +
+// add + madd), two weight rows per 512-bit register. The integers are the AVX2 kernels' and
+// the float part is theirs lane for lane, so the bits are the same (quant_isa switches
+// between them for the tests). On a 2-core Sapphire Rapids VM, in cache on one core: 1.75x
+// (Q8_0) the AVX2 kernel at one row of x, 1.25-1.45x at 4 to 64; streaming from memory on
+// two threads at one row, 1.25-1.3x (the Q8_0 LM head) (measured). int4 takes int4_panel
+// on every CPU with AVX2.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -85,21 +87,6 @@ inline __m256 load8_half(const uint16_t* p) {
   return _mm256_loadu_ps(f);
 #endif
 }
-
-// The two fp16 values at p as [p0 x 4, p1 x 4] in fp32: the factors of int4_block's pair of
-// groups.
-inline __m256 spread_half_pair(const uint16_t* p) {
-#ifdef __F16C__
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof pair);
-  const __m128i spread = _mm_shuffle_epi8(
-      _mm_cvtsi32_si128(pair), _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
-  return _mm256_cvtph_ps(spread);
-#else
-  const float a = half_bits_to_float(p[0]), b = half_bits_to_float(p[1]);
-  return _mm256_setr_ps(a, a, a, a, b, b, b, b);
-#endif
-}
 #endif
 
 // x rounded per row and group of 32: xq int8 [rows, k]; dx and the sum of the rounded
@@ -111,9 +98,6 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0, stride = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
-  // int4 (pairs): dx spread as int4_block multiplies it, [dx_2p x 4, dx_2p+1 x 4] per two
-  // groups, [rows, 4 * stride].
-  std::vector<float> dx_pairs;
 };
 
 // One group of 32 values: its int8 values, step and rounded sum. Rounds to nearest even,
@@ -160,32 +144,9 @@ inline void quantize_group(const T* v, int8_t* q, float* d_out, float* sum_out) 
 #endif
 }
 
-// Inputs 0-15 of groups 2p and 2p + 1, then their inputs 16-31: the order int4_block
-// multiplies them in (its 32 weight bytes hold both groups' inputs i and i + 16), so that it
-// loads x straight into its products, with no regrouping per block.
-inline void pair_halves(int8_t* row, int64_t k) {
-#ifdef SGL_NB_AVX2
-  for (int64_t i = 0; i + 2 * kGroup <= k; i += 2 * kGroup) {
-    auto* v = reinterpret_cast<__m256i*>(row + i);
-    const __m256i a = _mm256_loadu_si256(v), b = _mm256_loadu_si256(v + 1);
-    _mm256_storeu_si256(v, _mm256_permute2x128_si256(a, b, 0x20));
-    _mm256_storeu_si256(v + 1, _mm256_permute2x128_si256(a, b, 0x31));
-  }
-#else
-  int8_t t[2 * kGroup];
-  for (int64_t i = 0; i + 2 * kGroup <= k; i += 2 * kGroup) {
-    for (int h = 0; h < 2; ++h)
-      for (int g = 0; g < 2; ++g)
-        std::copy_n(row + i + g * kGroup + h * 16, 16, t + h * 32 + g * 16);
-    std::copy_n(t, 2 * kGroup, row + i);
-  }
-#endif
-}
-
-// x [rows, k] into q (its vectors reused: no allocation once they have grown); pairs: each
-// row's xq in int4_block's order (pair_halves), else in input order.
+// x [rows, k] into q (its vectors reused: no allocation once they have grown).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRows& q) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows& q) {
   q.rows = rows;
   q.k = k;
   q.groups = k / kGroup;
@@ -193,19 +154,11 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRow
   q.xq.resize(rows * k);
   q.dx.assign(rows * q.stride, 0.f);
   q.xsum.assign(rows * q.stride, 0.f);
-  if (pairs) q.dx_pairs.assign(rows * 4 * q.stride, 0.f);
   auto part = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < q.groups; ++g) {
         quantize_group(x + r * k + g * kGroup, q.xq.data() + r * k + g * kGroup,
                        q.dx.data() + r * q.stride + g, q.xsum.data() + r * q.stride + g);
-      }
-      if (pairs) {
-        pair_halves(q.xq.data() + r * k, k);
-        float* spread = q.dx_pairs.data() + r * 4 * q.stride;
-        for (int64_t g = 0; g < q.groups; ++g) {
-          std::fill_n(spread + (g / 2) * 8 + (g % 2) * 4, 4, q.dx[r * q.stride + g]);
-        }
       }
     }
   };
@@ -217,57 +170,66 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, bool pairs, QuantizedRow
 }
 
 #ifdef SGL_NB_AVX2
-// NR rows of xq (row stride k, in pair_halves order) against NC int4 weight rows, two groups
-// at a time: row c's groups 2p and 2p + 1 are the 32 bytes at w + c * cs + p * ps.
-// out[r * NC + c] = sum_g scale_cg dx_rg (q_c . xq_r)_g + xsum_rg min_cg; scale, min (fp16,
-// weight rows) and xsum (rows of x) have row stride fs, dx2 (QuantizedRows::dx_pairs) 4 fs.
+// 4 bytes at p in every 32-bit lane.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// One group's float part for a panel's 8 weight rows (lanes), the same in both int4
+// kernels' paths: acc + dot * (scale * dx) + min * xsum, in this order.
+inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 min, float xsum) {
+  acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc);
+  return _mm256_fmadd_ps(min, _mm256_set1_ps(xsum), acc);
+}
+
+// NR rows of xq (row stride k) against one panel of 8 int4 weight rows in our layout (w:
+// the panel's first byte; scale, min: its [G][8]): out[r * 8 + c] = sum_g scale_cg dx_rg
+// (q_cg . xq_rg) + min_cg xsum_rg; dx, xsum have row stride fs.
 //
-// The 32 bytes give, masked, inputs 0-15 of both groups and, shifted, inputs 16-31: the two
-// products with x add as 16-bit values (at most 2 x 3810), so one widening sum gives group
-// 2p in lanes 0-3 and group 2p + 1 in lanes 4-7, scaled by [f_2p x 4, f_2p+1 x 4],
-// f = scale * dx: 11 operations per two groups where one group at a time took 8 (measured
-// 1.2-1.3x). Weight row by weight row: its unpacked unit and scales stay in registers while
-// the rows of x come from memory, so 8 accumulators, 3 of those and the constants fit in
-// the 16 registers. (Computing the factors per block beforehand took a third of the time
-// at 400 rows, measured.) The term that does not depend on q goes into the same accumulator
-// eight groups at a time before the one horizontal sum.
-template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
-                       const float* dx2, int64_t fs, const uint16_t* scale,
-                       const uint16_t* min, const float* xsum, float* out) {
+// A unit's 32-bit lane c holds row c's inputs 4u..4u+3 (low nibbles) and 16+4u..16+4u+3
+// (high), so x's 4 bytes for each are broadcast to all lanes and maddubs gives each row's
+// products, summed in pairs. A group's four units add as 16-bit values (at most 4 x 2 x 2
+// products of 15 x 127: 30480 < 32767) before one widening sum: per unit a mask, a shift, a
+// mask, 2 maddubs and 2 adds, where the layout of one row per unit took 11 operations plus a
+// horizontal sum per output. Zen 1 runs maddubs on one pipe and a 256-bit one takes it 2
+// cycles: those 4 cycles per 32 bytes are the kernel's floor there. In cache on one core,
+// 3.6-3.7 ns per 32 bytes against 4.4-4.6 (K = 576, 1536), and streaming on two threads 1.3x
+// (measured on a 2-core Zen 1, a standalone copy of both).
+template <int NR>
+inline void int4_panel(const uint8_t* w, const int8_t* xq, int64_t k, const float* dx,
+                       const float* xsum, int64_t fs, const uint16_t* scale,
+                       const uint16_t* min, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  if (k < 2 * kGroup) __builtin_unreachable();  // else GCC keeps acc in memory
-  for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
-    if constexpr (NC == kRowPanel) stream_ahead(w + p * ps, 4);
-    for (int c = 0; c < NC; ++c) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
+  __m256 acc[NR];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const int64_t groups = k / kGroup;
+  if (groups < 1) __builtin_unreachable();  // else GCC keeps acc in memory
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
+    stream_ahead(wg, 2);
+    __m256i sum16[NR];
+    for (auto& s : sum16) s = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + u * kGroup));
       const __m256i lo = _mm256_and_si256(b, mask);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-      const __m256 s2 = spread_half_pair(scale + c * fs + 2 * p);
       for (int r = 0; r < NR; ++r) {
-        const auto* xp = reinterpret_cast<const __m256i*>(xq + r * k + p * 2 * kGroup);
-        const __m256i sum16 =
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)),
-                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp + 1)));
-        const __m256i dot = _mm256_madd_epi16(sum16, ones);
-        const __m256 f2 = _mm256_mul_ps(s2, _mm256_loadu_ps(dx2 + r * 4 * fs + 8 * p));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f2, acc[r][c]);
+        const int8_t* x = xq + r * k + g * kGroup + 4 * u;
+        sum16[r] = _mm256_add_epi16(
+            sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x)),
+                                       _mm256_maddubs_epi16(hi, broadcast4(x + 16))));
       }
     }
-  }
-  for (int64_t g = 0; g < fs; g += 8) {
-    for (int c = 0; c < NC; ++c) {
-      const __m256 low = load8_half(min + c * fs + g);
-      for (int r = 0; r < NR; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + r * fs + g), acc[r][c]);
-      }
+    const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones));
+      acc[r] = add_group(acc[r], dot, s, dx[r * fs + g], m, xsum[r * fs + g]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kRowPanel, acc[r]);
 }
 
 // NR rows of xq against NC int8 weight rows (row c's group g at w + c * cs + g * gs):
@@ -307,25 +269,29 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
     for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
 }
 #else
-template <int NR, int NC>
-inline void int4_block(const uint8_t* w, int64_t cs, int64_t ps, const int8_t* xq, int64_t k,
-                       const float* dx2, int64_t fs, const uint16_t* scale,
-                       const uint16_t* min, const float* xsum, float* out) {
+// Byte i of row c's group in a panel's group block (see the layout at the top).
+inline uint8_t panel_byte(const uint8_t* wg, int64_t c, int64_t i) {
+  return wg[(i / 4) * kGroup + c * 4 + i % 4];
+}
+
+template <int NR>
+inline void int4_panel(const uint8_t* w, const int8_t* xq, int64_t k, const float* dx,
+                       const float* xsum, int64_t fs, const uint16_t* scale,
+                       const uint16_t* min, float* out) {
   for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < NC; ++c) {
+    for (int64_t c = 0; c < kRowPanel; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
-        const uint8_t* b = w + c * cs + (g / 2) * ps + (g % 2) * 16;
-        // pair_halves order: inputs 0-15 of the pair's two groups, then inputs 16-31.
-        const int8_t* x = xq + r * k + (g / 2) * 2 * kGroup + (g % 2) * 16;
+        const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
+        const int8_t* x = xq + r * k + g * kGroup;
         int32_t dot = 0;
-        for (int i = 0; i < 16; ++i) dot += (b[i] & 15) * x[i] + (b[i] >> 4) * x[32 + i];
-        const float f = half_bits_to_float(scale[c * fs + g]) *
-                        dx2[r * 4 * fs + (g / 2) * 8 + (g % 2) * 4];
-        y += static_cast<float>(dot) * f;
+        for (int i = 0; i < 16; ++i) {
+          dot += (panel_byte(wg, c, i) & 15) * x[i] + (panel_byte(wg, c, i) >> 4) * x[16 + i];
+        }
+        y += static_cast<float>(dot) * (half_bits_to_float(scale[g * kRowPanel + c]) * dx[r * fs + g]);
+        y += half_bits_to_float(min[g * kRowPanel + c]) * xsum[r * fs + g];
       }
-      for (int64_t g = 0; g < fs; ++g) y += xsum[r * fs + g] * half_bits_to_float(min[c * fs + g]);
-      out[r * NC + c] = y;
+      out[r * kRowPanel + c] = y;
     }
   }
 }
@@ -351,15 +317,15 @@ inline void int8_block(const int8_t* w, int64_t cs, int64_t gs, const int8_t* xq
 #endif
 
 #ifdef SGL_NB_AVX512_VNNI
-// Blocks of NR rows of x against 2H weight rows with AVX-512 VNNI: one zmm holds two
+// Blocks of NR rows of x against 2H int8 weight rows with AVX-512 VNNI: one zmm holds two
 // weight rows' 32-byte units (rows 2h, 2h + 1 are 64 adjacent bytes of the panel), x's 32
 // bytes are broadcast to both halves, and dpbusd gives in one instruction the int32 lanes
 // that maddubs, add and madd give (lane i: the sum over bytes 4i..4i+3, exact either way).
 // The float part is the AVX2 kernel's lane for lane: the same cvt, the same factor
 // scale x dx, the same fma into each output's 8 lanes (one half of a zmm), and hsum on
 // each half, so the two paths give the same bits. The factors of 8 groups are computed at
-// once, [row 2h's 8 x dx, row 2h + 1's 8 x dx], and each pair of groups takes its lanes
-// with one permute (AVX2 spends 4 operations per row and pair on them, multiply included).
+// once, [row 2h's 8 x dx, row 2h + 1's 8 x dx], and each group takes its lanes with one
+// permute.
 
 // Eight fp16 values of row a and eight of row b as fp32 [a0..a7, b0..b7]; lanes outside
 // `m` are zero and not read (the end of a weight row may be the end of the tensor).
@@ -388,67 +354,6 @@ inline void store_halves(const __m512 (&acc)[NR][H], float* out) {
       out[r * 2 * H + 2 * h + 1] = hsum(upper_half(acc[r][h]));
     }
   }
-}
-
-// The high nibble of each byte: one GFNI affine (a bit matrix shifting each byte right by 4)
-// where a shift of 16-bit lanes and a mask take two (the int4 kernel 1.1x, measured).
-inline __m512i high_nibbles(__m512i b) {
-#ifdef __GFNI__
-  return _mm512_gf2p8affine_epi64_epi8(b, _mm512_set1_epi64(0x1020408000000000), 0);
-#else
-  return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F));
-#endif
-}
-
-// int4_block<NR, 2 H> (its arguments, dx per group: QuantizedRows::dx, row stride fs; the
-// weight rows are 2H adjacent rows of a panel). Per two weight rows, a row of x and two
-// groups: mask, high_nibbles, 2 dpbusd, cvt, permute, fma, where AVX2 takes 14 operations
-// per weight row (1.45x in cache on one core at one row of x, measured).
-template <int NR, int H>
-inline void int4_block_vnni(const uint8_t* w, int64_t ps, const int8_t* xq, int64_t k,
-                            const float* dx, int64_t fs, const uint16_t* scale,
-                            const uint16_t* min, const float* xsum, float* out) {
-  const __m512i mask = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi32(2);
-  __m512 acc[NR][H];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  const int64_t pairs = k / (2 * kGroup);
-  for (int64_t g0 = 0; g0 < 2 * pairs; g0 += 8) {
-    __m512 f[NR][H];
-    for (int r = 0; r < NR; ++r) {
-      const __m512 d = broadcast8(dx + r * fs + g0);
-      for (int h = 0; h < H; ++h) {
-        f[r][h] = _mm512_mul_ps(
-            load_half_rows(scale + 2 * h * fs + g0, scale + (2 * h + 1) * fs + g0, 0xFF), d);
-      }
-    }
-    // Pair p's factors: [f_2p x 4, f_2p+1 x 4] of each row, as int4_block's s2 x dx2.
-    __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9);
-    for (int64_t p = g0 / 2; p < std::min(pairs, g0 / 2 + 4); ++p) {
-      if constexpr (2 * H == kRowPanel) stream_ahead(w + p * ps, 4);
-      for (int h = 0; h < H; ++h) {
-        const __m512i b = _mm512_loadu_si512(w + p * ps + 2 * h * kGroup);
-        const __m512i lo = _mm512_and_si512(b, mask), hi = high_nibbles(b);
-        for (int r = 0; r < NR; ++r) {
-          const int8_t* x = xq + r * k + p * 2 * kGroup;
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, broadcast32(x));
-          dot = _mm512_dpbusd_epi32(dot, hi, broadcast32(x + kGroup));
-          acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                      _mm512_permutexvar_ps(pick, f[r][h]), acc[r][h]);
-        }
-      }
-      pick = _mm512_add_epi32(pick, two);
-    }
-  }
-  for (int64_t g = 0; g < fs; g += 8) {
-    for (int h = 0; h < H; ++h) {
-      const __m512 low = load_half_rows(min + 2 * h * fs + g, min + (2 * h + 1) * fs + g, 0xFF);
-      for (int r = 0; r < NR; ++r) {
-        acc[r][h] = _mm512_fmadd_ps(low, broadcast8(xsum + r * fs + g), acc[r][h]);
-      }
-    }
-  }
-  store_halves(acc, out);
 }
 
 // int8_block<NR, 2 H, Blocks> (the weight rows: 2H adjacent rows of a panel). dpbusd
@@ -557,25 +462,9 @@ struct FloatRows {
   int64_t rows = 0, k = 0, groups = 0, stride = 0;
   const float* x = nullptr;
   std::vector<float> xsum;  // per row and group of 32, [rows, stride], zero beyond
-  // int4 (pairs): each row in int4_block_exact's order, [rows, k] (see lane_order).
-  std::vector<float> xp;
+  // int4: x [rows, k] times 2^(-8 (i mod 4)) at input i (see int4_panel_exact).
+  std::vector<float> xs;
 };
-
-// Inputs of groups 2p and 2p + 1 (64 values at x) in the order int4_block_exact multiplies
-// them: its 32 weight bytes read as eight int32 lanes (lanes 0-3: group 2p's bytes, 4-7:
-// group 2p + 1's), vector v = 2 m + h holds in lane j the nibble h (0: low, 1: high) of
-// byte m of the lane, masked in place: input 4 (j % 4) + m + 16 h of its group, times
-// 2^(8 m). So x goes in times 2^(-8 m): exact, and no weight byte is shuffled.
-inline void lane_order(const float* x, float* out) {
-  constexpr float kUnscale[4] = {1.f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
-  for (int m = 0; m < 4; ++m) {
-    for (int h = 0; h < 2; ++h) {
-      for (int j = 0; j < 8; ++j) {
-        out[(2 * m + h) * 8 + j] = x[(j / 4) * kGroup + 4 * (j % 4) + m + 16 * h] * kUnscale[m];
-      }
-    }
-  }
-}
 
 // The sum of a group's 32 values (in a fixed order, whatever the batch).
 inline float group_sum(const float* x) {
@@ -590,68 +479,64 @@ inline float group_sum(const float* x) {
 #endif
 }
 
-inline void float_rows(const float* x, int64_t rows, int64_t k, bool pairs, FloatRows& f) {
+inline void float_rows(const float* x, int64_t rows, int64_t k, bool int4, FloatRows& f) {
   f.rows = rows;
   f.k = k;
   f.groups = k / kGroup;
   f.stride = (f.groups + 7) / 8 * 8;
   f.x = x;
   f.xsum.assign(rows * f.stride, 0.f);
-  if (pairs) f.xp.resize(rows * k);
+  constexpr float kUnscale[4] = {1.f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
+  if (int4) f.xs.resize(rows * k);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < f.groups; ++g) {
       f.xsum[r * f.stride + g] = group_sum(x + r * k + g * kGroup);
     }
-    for (int64_t i = 0; pairs && i + 2 * kGroup <= k; i += 2 * kGroup) {
-      lane_order(x + r * k + i, f.xp.data() + r * k + i);
-    }
+    for (int64_t i = 0; int4 && i < k; ++i) f.xs[r * k + i] = x[r * k + i] * kUnscale[i % 4];
   }
 }
 
 #ifdef SGL_NB_AVX2
-// NR rows of x (in lane_order, row stride k) against NC int4 weight rows laid out as
-// int4_block's: out[r * NC + c] = sum_g scale_cg (q_cg . x_rg) + sum_g min_cg xsum_rg. Per
-// two groups: 32 weight bytes, one shift, eight masks, eight conversions to fp32 (exact:
-// at most 4 bits times a power of 2), and per row of x eight multiply-adds and one by
-// [scale_2p x 4, scale_2p+1 x 4]. No shuffle: widening bytes to int32 lanes (vpmovzxbd)
-// takes the one shuffle port of Intel's cores, and bound this path at 1.4-2.9x the bf16
-// path's time at one row (measured); with masks it is 1.3-1.9x.
-template <int NR, int NC>
-inline void int4_block_exact(const uint8_t* w, int64_t cs, int64_t ps, const float* xp,
-                             int64_t k, int64_t fs, const uint16_t* scale,
-                             const uint16_t* min, const float* xsum, float* out) {
-  __m256 acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  if (k < 2 * kGroup) __builtin_unreachable();
-  for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
-    if constexpr (NC == kRowPanel) stream_ahead(w + p * ps, 4);
-    for (int c = 0; c < NC; ++c) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * cs + p * ps));
+// NR rows of x (FloatRows::xs, row stride k) against one panel of 8 int4 weight rows in our
+// layout (int4_panel's arguments): out[r * 8 + c] = sum_g scale_cg (q_cg . x_rg) +
+// min_cg xsum_rg. Byte m of a unit's lane, masked in place (and shifted by 4 for its high
+// nibble), is q times 2^(8 m), exactly in fp32, and x comes in times 2^(-8 m), so no byte
+// is moved: per unit one shift, eight masks and conversions, and per row of x eight
+// multiply-adds, in two chains (low and high nibbles) added at the group's end.
+template <int NR>
+inline void int4_panel_exact(const uint8_t* w, const float* xs, int64_t k, const float* xsum,
+                             int64_t fs, const uint16_t* scale, const uint16_t* min,
+                             float* out) {
+  __m256 acc[NR];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const int64_t groups = k / kGroup;
+  if (groups < 1) __builtin_unreachable();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
+    stream_ahead(wg, 2);
+    __m256 low[NR], high[NR];
+    for (int r = 0; r < NR; ++r) low[r] = high[r] = _mm256_setzero_ps();
+    for (int u = 0; u < 4; ++u) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + u * kGroup));
       const __m256i bh = _mm256_srli_epi32(b, 4);
-      const __m256 s2 = spread_half_pair(scale + c * fs + 2 * p);
-      __m256 a[NR];
-      for (int v = 0; v < 8; ++v) {
-        const __m256i mask = _mm256_set1_epi32(0xF << (8 * (v / 2)));
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v % 2 ? bh : b, mask));
+#pragma GCC unroll 4
+      for (int m = 0; m < 4; ++m) {
+        const __m256i mask = _mm256_set1_epi32(0xF << (8 * m));
+        const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        const __m256 qh = _mm256_cvtepi32_ps(_mm256_and_si256(bh, mask));
         for (int r = 0; r < NR; ++r) {
-          const __m256 xv = _mm256_loadu_ps(xp + r * k + p * 2 * kGroup + 8 * v);
-          a[r] = v ? _mm256_fmadd_ps(q, xv, a[r]) : _mm256_mul_ps(q, xv);
+          const float* x = xs + r * k + g * kGroup + 4 * u + m;
+          low[r] = _mm256_fmadd_ps(ql, _mm256_broadcast_ss(x), low[r]);
+          high[r] = _mm256_fmadd_ps(qh, _mm256_broadcast_ss(x + 16), high[r]);
         }
       }
-      for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], s2, acc[r][c]);
+    }
+    const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
+    for (int r = 0; r < NR; ++r) {
+      acc[r] = add_group(acc[r], _mm256_add_ps(low[r], high[r]), s, 1.f, m, xsum[r * fs + g]);
     }
   }
-  for (int64_t g = 0; g < fs; g += 8) {
-    for (int c = 0; c < NC; ++c) {
-      const __m256 low = load8_half(min + c * fs + g);
-      for (int r = 0; r < NR; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + r * fs + g), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kRowPanel, acc[r]);
 }
 
 // NR rows of x against NC int8 weight rows (row c's group g at w + c * cs + g * gs), each
@@ -692,29 +577,26 @@ inline void int8_block_exact(const int8_t* w, int64_t cs, int64_t gs, const floa
     for (int c = 0; c < NC; ++c) out[r * NC + c] = hsum(acc[r][c]);
 }
 #else
-template <int NR, int NC>
-inline void int4_block_exact(const uint8_t* w, int64_t cs, int64_t ps, const float* xp,
-                             int64_t k, int64_t fs, const uint16_t* scale,
-                             const uint16_t* min, const float* xsum, float* out) {
+template <int NR>
+inline void int4_panel_exact(const uint8_t* w, const float* xs, int64_t k, const float* xsum,
+                             int64_t fs, const uint16_t* scale, const uint16_t* min,
+                             float* out) {
+  constexpr float kRescale[4] = {1.f, 0x1p8f, 0x1p16f, 0x1p24f};  // xs back to x
   for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < NC; ++c) {
+    for (int64_t c = 0; c < kRowPanel; ++c) {
       float y = 0.f;
-      for (int64_t p = 0; p < k / (2 * kGroup); ++p) {
-        const uint8_t* b = w + c * cs + p * ps;
-        const float* x = xp + r * k + p * 2 * kGroup;
-        float dot[2] = {0.f, 0.f};  // groups 2p, 2p + 1 (lanes 0-3, 4-7 of lane_order)
-        for (int v = 0; v < 8; ++v) {
-          const int m = v / 2, h = v % 2;
-          for (int j = 0; j < 8; ++j) {
-            const int q = (b[4 * j + m] >> (4 * h)) & 15;
-            dot[j / 4] += std::ldexp(static_cast<float>(q), 8 * m) * x[8 * v + j];
-          }
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
+        const float* x = xs + r * k + g * kGroup;
+        float dot = 0.f;
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t b = panel_byte(wg, c, i);
+          dot += (b & 15) * x[i] * kRescale[i % 4] + (b >> 4) * x[16 + i] * kRescale[i % 4];
         }
-        y += dot[0] * half_bits_to_float(scale[c * fs + 2 * p]) +
-             dot[1] * half_bits_to_float(scale[c * fs + 2 * p + 1]);
+        y += dot * half_bits_to_float(scale[g * kRowPanel + c]);
+        y += half_bits_to_float(min[g * kRowPanel + c]) * xsum[r * fs + g];
       }
-      for (int64_t g = 0; g < fs; ++g) y += xsum[r * fs + g] * half_bits_to_float(min[c * fs + g]);
-      out[r * NC + c] = y;
+      out[r * kRowPanel + c] = y;
     }
   }
 }
@@ -738,8 +620,8 @@ inline void int8_block_exact(const int8_t* w, int64_t cs, int64_t gs, const floa
 }
 #endif
 
-// Where weight row j starts in the interleaved layout: rows of row_bytes, in units of
-// unit_bytes (int8: a group, 32 bytes; int4: two groups, 32 bytes).
+// Where weight row j starts in the int8 interleaved layout: rows of row_bytes, in units of
+// unit_bytes (a group, 32 bytes).
 inline int64_t panel_row_offset(int64_t j, int64_t row_bytes, int64_t unit_bytes) {
   return (j / kRowPanel) * kRowPanel * row_bytes + (j % kRowPanel) * unit_bytes;
 }
@@ -750,7 +632,22 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 }
 
-// int4 weights in our layout against quantized rows (pairs); scale and min fp16 [N, x.stride].
+// out[r * NC + c] for weight rows j0..j0 + NC - 1 from panel(p0, out8), which computes the
+// whole panel at row p0 into out8 [NR][8]: directly where the block is a panel (N is a
+// multiple of 8, so every int4 block is), else through a copy.
+template <int NR, int NC, typename Panel>
+inline void panel_columns(int64_t j0, float* out, const Panel& panel) {
+  const int64_t p0 = j0 / kRowPanel * kRowPanel;
+  if constexpr (NC == kRowPanel) {
+    if (p0 == j0) return panel(p0, out);
+  }
+  float all[NR * kRowPanel];
+  panel(p0, all);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = all[r * kRowPanel + j0 - p0 + c];
+}
+
+// int4 weights in our layout against quantized rows; scale and min fp16 [N / 8][G][8].
 struct Int4Weights {
   const uint8_t* nib;
   const uint16_t *scale, *min;
@@ -758,28 +655,16 @@ struct Int4Weights {
 
   // The panel holding weight row j0, all of it (see quant_matmul).
   void prefetch_panel(int64_t j0) const {
-    prefetch_bytes(nib + panel_row_offset(j0, x.k / 2, kGroup), kRowPanel * x.k / 2);
+    prefetch_bytes(nib + j0 / kRowPanel * kRowPanel * x.k / 2, kRowPanel * x.k / 2);
   }
-
-  bool vnni = vnni_enabled();
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
     const int64_t s = x.stride;
-    constexpr int64_t unit = kGroup;  // two groups of 16 bytes
-#ifdef SGL_NB_AVX512_VNNI
-    if constexpr (NC % 2 == 0) {
-      if (vnni) {
-        return int4_block_vnni<NR, NC / 2>(nib + panel_row_offset(j0, x.k / 2, unit),
-                                           kRowPanel * unit, x.xq.data() + r0 * x.k, x.k,
-                                           x.dx.data() + r0 * s, s, scale + j0 * s, min + j0 * s,
-                                           x.xsum.data() + r0 * s, out);
-      }
-    }
-#endif
-    int4_block<NR, NC>(nib + panel_row_offset(j0, x.k / 2, unit), unit, kRowPanel * unit,
-                       x.xq.data() + r0 * x.k, x.k, x.dx_pairs.data() + r0 * 4 * s, s,
-                       scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
+    panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
+      int4_panel<NR>(nib + p0 * x.k / 2, x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * s,
+                     x.xsum.data() + r0 * s, s, scale + p0 * x.groups, min + p0 * x.groups, o);
+    });
   }
   float finish(int64_t, int64_t, float part) const { return part; }
 };
@@ -836,15 +721,17 @@ struct Int4WeightsExact {
   const FloatRows& x;
 
   void prefetch_panel(int64_t j0) const {
-    prefetch_bytes(nib + panel_row_offset(j0, x.k / 2, kGroup), kRowPanel * x.k / 2);
+    prefetch_bytes(nib + j0 / kRowPanel * kRowPanel * x.k / 2, kRowPanel * x.k / 2);
   }
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
     const int64_t s = x.stride;
-    int4_block_exact<NR, NC>(nib + panel_row_offset(j0, x.k / 2, kGroup), kGroup,
-                             kRowPanel * kGroup, x.xp.data() + r0 * x.k, x.k, s,
-                             scale + j0 * s, min + j0 * s, x.xsum.data() + r0 * s, out);
+    panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
+      int4_panel_exact<NR>(nib + p0 * x.k / 2, x.xs.data() + r0 * x.k, x.k,
+                           x.xsum.data() + r0 * s, s, scale + p0 * x.groups,
+                           min + p0 * x.groups, o);
+    });
   }
   float finish(int64_t, int64_t, float part) const { return part; }
 };
@@ -945,7 +832,7 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
   const auto* bs = blocks ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, false, q);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q);
     quant_matmul_any(Int8Weights{w.data_ptr<int8_t>(), rs, bs, q}, rows, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
@@ -959,34 +846,39 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
   return y;
 }
 
-// y = x @ w.T (+ bias), int4 weights in our layout (nibbles interleaved [N / 8, K / 32,
-// 8 * 16], scale and min fp16 [N, K/32 rounded up to 8], zeros beyond K/32); x bf16 or fp32;
-// into `out` where it fits (output_rows).
+// y = x @ w.T (+ bias), int4 weights in our layout (nibbles [N / 8, K / 32, 128], scale and
+// min fp16 [N / 8, K / 32, 8]); x bf16 or fp32; into `out` where it fits (output_rows). A
+// block is a whole panel at any number of rows of x (int4_panel: its 8 weight rows are the
+// lanes).
 inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
                               const at::Tensor& scale, const at::Tensor& min,
                               const at::Tensor& bias, const at::Tensor& out = {}) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(interleaved(nib, x, 2 * kGroup), "int4: x [rows, k], k a multiple of 64, and "
-              "nibbles interleaved [n / 8, k / 64, 256]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.dim() == 3 &&
+                  nib.is_contiguous() && nib.size(1) == x.size(1) / kGroup &&
+                  nib.size(2) == kRowPanel * kGroup / 2,
+              "int4: x [rows, k], k a multiple of 32, and nibbles in panels [n / 8, k / 32, "
+              "128]");
   const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
-  TORCH_CHECK(scale.size(0) == n && scale.size(1) == (k / kGroup + 7) / 8 * 8 &&
-                  min.sizes() == scale.sizes() && scale.is_contiguous() && min.is_contiguous() &&
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == nib.size(0) && scale.size(1) == k / kGroup &&
+                  scale.size(2) == kRowPanel && min.sizes() == scale.sizes() &&
+                  scale.is_contiguous() && min.is_contiguous() &&
                   scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
-              "int4: scale and min fp16 [N, groups rounded up to 8]");
+              "int4: scale and min fp16 in panels [n / 8, k / 32, 8]");
   at::Tensor y = output_rows(out, rows, n, x.options());
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const auto* mp = reinterpret_cast<const uint16_t*>(min.data_ptr());
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, true, q);
-    quant_matmul_any(Int4Weights{nib.data_ptr<uint8_t>(), sp, mp, q}, rows, n,
-                     y.data_ptr<c10::BFloat16>());
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q);
+    quant_matmul<kRowPanel>(Int4Weights{nib.data_ptr<uint8_t>(), sp, mp, q}, rows, n,
+                            y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
     thread_local FloatRows f;
     float_rows(x.data_ptr<float>(), rows, k, true, f);
-    quant_matmul_any(Int4WeightsExact{nib.data_ptr<uint8_t>(), sp, mp, f}, rows, n,
-                     y.data_ptr<float>());
+    quant_matmul<kRowPanel>(Int4WeightsExact{nib.data_ptr<uint8_t>(), sp, mp, f}, rows, n,
+                            y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);
   return y;

@@ -8,10 +8,10 @@ to take stays dense. What passes is then run once per CPU in a probe process
 
 - Ours (kernels/cpu_quant_matmul.h, bf16 or fp32 activations): int8 and q8_0 (a GGUF's
   Q8_0 blocks: int8 with an fp16 scale per 32 inputs) take K % 32 == 0 (one group of 32
-  inputs per 32-byte unit) and N % 8 == 0 (panels of 8 weight rows); int4 takes K % 64 == 0
-  (two groups per 32-byte load) and N % 8 == 0. Unaligned loads only; each call checks the
-  layout it is given and raises, not crashes, when it does not fit. q8_0 has no other
-  kernel: a layer ours does not take stays dense.
+  inputs per 32-byte unit) and N % 8 == 0 (panels of 8 weight rows); int4 takes K % 32 == 0
+  (one group of a panel's 8 rows per 128 bytes) and N % 8 == 0. Unaligned loads only;
+  each call checks the layout it is given and raises, not crashes, when it does not fit.
+  q8_0 has no other kernel: a layer ours does not take stays dense.
 - torch's `_weight_int8pack_mm` (aten/src/ATen/native/cpu/int8mm_kernel.cpp, torch 2.13):
   its AVX-512 bf16 path reads 16 inputs at a time with no tail and aligned loads
   (`_mm256_load_si256` on each activation row, `_mm_load_si128` on each weight row: a
@@ -82,7 +82,7 @@ def choose(quantization: str, n: int, k: int, dtype: torch.dtype,
             return TORCH_INT8, None
         return None, (f"no int8 kernel takes {shape_text(n, k, dtype)}: torch's needs an input "
                       f"size that is a multiple of 16 (ours: of 32, with outputs of 8)")
-    if ours and k % (2 * INT4_GROUP) == 0:
+    if ours and k % INT4_GROUP == 0:
         return OURS_INT4, None
     if k % INT4_GROUP == 0 and n % 16 == 0:
         return TORCH_INT4, None

@@ -191,8 +191,8 @@ class Int4Linear:
     """int4 weights in groups of 32 inputs, each with an fp16 scale and min.
 
     With our kernel (runtime/model/kernel_rules.py's choice on CPU for an input size that is
-    a multiple of 64) the weight is also kept in kernels/cpu_quant_matmul.h's layout
-    (`small`: nibbles, scale, min, the last two fp16 as quantize.py holds them) and every
+    a multiple of 32) the weight is also kept in kernels/cpu_quant_matmul.h's layout
+    (`small`: nibbles, scale, min in panels of 8 rows, group_nibbles and panel_groups) and every
     call takes it: 1.5-3x torch's from 1 to 256 rows (measured) and, unlike it, giving each
     row the same bits in any batch, so a request's tokens never depend on what it ran with.
     torch's kernel takes scale and zero point = min + 8 scale in the activations' dtype.
@@ -234,8 +234,7 @@ class Int4Linear:
         b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         small = None
         if kernel == OURS_INT4:
-            small = (group_nibbles(q), padded_groups(t["scale"], torch.float16),
-                     padded_groups(t["min"], torch.float16))
+            small = (group_nibbles(q), panel_groups(t["scale"]), panel_groups(t["min"]))
         return cls(packed, sz, n, b, small=small, kernel=kernel)
 
     @property
@@ -281,33 +280,35 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 def group_nibbles(q: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """runtime/model/quantize.py's int4 bytes -> cpu_quant_matmul.h's: per group of 32 inputs, byte
-    i holds input i (low nibble) and input i + 16 (high nibble); rows interleaved by two
-    groups (32 bytes)."""
+    """runtime/model/quantize.py's int4 bytes [N, K / 2] -> cpu_quant_matmul.h's [N / 8,
+    K / 32, 128]: per row and group of 32 inputs 16 bytes, byte i holding input i (low
+    nibble) and input i + 16 (high nibble); per panel of 8 rows and group, unit u (32 bytes)
+    holds bytes 4u..4u+3 of the 8 rows in turn, so that a 32-bit lane is one row."""
     v = unpack_int4(q).to(torch.uint8)
-    v = v.view(v.shape[0], -1, 2, group // 2)
-    return interleave_rows((v[:, :, 0] | v[:, :, 1] << 4).reshape(q.shape), group)
+    n, k = v.shape
+    v = v.view(n, k // group, 2, group // 2)
+    rows = v[:, :, 0] | v[:, :, 1] << 4  # [N, G, 16]
+    return rows.view(n // ROW_PANEL, ROW_PANEL, k // group, 4, 4).permute(0, 2, 3, 1, 4).reshape(
+        n // ROW_PANEL, k // group, ROW_PANEL * group // 2).contiguous()
 
 
-ROW_PANEL = 8  # weight rows per panel of cpu_quant_matmul.h's interleaved layout
+ROW_PANEL = 8  # weight rows per panel of cpu_quant_matmul.h's interleaved layouts
 
 
 def interleave_rows(w: torch.Tensor, unit_bytes: int) -> torch.Tensor:
     """[N, U * unit_bytes] -> [N / 8, U, 8 * unit_bytes]: per panel of 8 rows, unit u of rows
-    0..7 side by side (cpu_quant_matmul.h: one stream for a block of 8 rows)."""
+    0..7 side by side (cpu_quant_matmul.h's int8 layout: one stream for a block of 8 rows)."""
     n, width = w.shape
     u = width // unit_bytes
     return w.view(n // ROW_PANEL, ROW_PANEL, u, unit_bytes).transpose(1, 2).reshape(
         n // ROW_PANEL, u, ROW_PANEL * unit_bytes).contiguous()
 
 
-def padded_groups(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, G] per-group values -> [N, G rounded up to 8] in `dtype`, zeros beyond G: the
-    CPU int4 kernel reads them eight groups at a time."""
+def panel_groups(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] per-group values -> fp16 [N / 8, G, 8]: a panel's 8 rows side by side per group,
+    as the CPU int4 kernel scales a group of 8 rows at once."""
     n, g = t.shape
-    out = torch.zeros(n, (g + 7) // 8 * 8, dtype=dtype, device=t.device)
-    out[:, :g] = t
-    return out
+    return t.to(torch.float16).view(n // ROW_PANEL, ROW_PANEL, g).transpose(1, 2).contiguous()
 
 
 Linear = DenseLinear | Int8Linear | Int4Linear
