@@ -98,6 +98,9 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0, stride = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
+  // int4 (AVX2): each 4 bytes of xq repeated in 8 lanes, [rows, k / 4, 8], as int4_panel
+  // multiplies them; loaded whole, where broadcasting them in the kernel took 1.13x its time.
+  std::vector<int32_t> spread;
 };
 
 // One group of 32 values: its int8 values, step and rounded sum. Rounds to nearest even,
@@ -144,9 +147,10 @@ inline void quantize_group(const T* v, int8_t* q, float* d_out, float* sum_out) 
 #endif
 }
 
-// x [rows, k] into q (its vectors reused: no allocation once they have grown).
+// x [rows, k] into q (its vectors reused: no allocation once they have grown); with
+// `spread`, q.spread too.
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows& q) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows& q, bool spread = false) {
   q.rows = rows;
   q.k = k;
   q.groups = k / kGroup;
@@ -154,12 +158,23 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows& q) {
   q.xq.resize(rows * k);
   q.dx.assign(rows * q.stride, 0.f);
   q.xsum.assign(rows * q.stride, 0.f);
+#ifdef SGL_NB_AVX2
+  if (spread) q.spread.resize(rows * k / 4 * 8);
+#endif
   auto part = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < q.groups; ++g) {
         quantize_group(x + r * k + g * kGroup, q.xq.data() + r * k + g * kGroup,
                        q.dx.data() + r * q.stride + g, q.xsum.data() + r * q.stride + g);
       }
+#ifdef SGL_NB_AVX2
+      for (int64_t i = 0; spread && i < k / 4; ++i) {
+        int32_t word;
+        std::memcpy(&word, q.xq.data() + r * k + 4 * i, sizeof word);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.spread.data() + (r * k / 4 + i) * 8),
+                            _mm256_set1_epi32(word));
+      }
+#endif
     }
   };
   if (rows >= 8) {
@@ -170,13 +185,6 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows& q) {
 }
 
 #ifdef SGL_NB_AVX2
-// 4 bytes at p in every 32-bit lane.
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm256_set1_epi32(v);
-}
-
 // One group's float part for a panel's 8 weight rows (lanes), the same in both int4
 // kernels' paths: acc + dot * (scale * dx) + min * xsum, in this order.
 inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 min, float xsum) {
@@ -184,12 +192,12 @@ inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 m
   return _mm256_fmadd_ps(min, _mm256_set1_ps(xsum), acc);
 }
 
-// NR rows of xq (row stride k) against one panel of 8 int4 weight rows in our layout (w:
-// the panel's first byte; scale, min: its [G][8]): out[r * 8 + c] = sum_g scale_cg dx_rg
-// (q_cg . xq_rg) + min_cg xsum_rg; dx, xsum have row stride fs.
+// Rows r0..r0 + NR - 1 of q against one panel of 8 int4 weight rows in our layout (w: the
+// panel's first byte; scale, min: its [G][8]): out[r * 8 + c] = sum_g scale_cg dx_rg
+// (q_cg . xq_rg)_g + min_cg xsum_rg.
 //
 // A unit's 32-bit lane c holds row c's inputs 4u..4u+3 (low nibbles) and 16+4u..16+4u+3
-// (high), so x's 4 bytes for each are broadcast to all lanes and maddubs gives each row's
+// (high), so x's 4 bytes for each, in all lanes (spread), and maddubs give each row's
 // products, summed in pairs. A group's four units add as 16-bit values (at most 4 x 2 x 2
 // products of 15 x 127: 30480 < 32767) before one widening sum: per unit a mask, a shift, a
 // mask, 2 maddubs and 2 adds, where the layout of one row per unit took 11 operations plus a
@@ -198,10 +206,12 @@ inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 m
 // 3.6-3.7 ns per 32 bytes against 4.4-4.6 (K = 576, 1536), and streaming on two threads 1.3x
 // (measured on a 2-core Zen 1, a standalone copy of both).
 template <int NR>
-inline void int4_panel(const uint8_t* w, const int8_t* xq, int64_t k, const float* dx,
-                       const float* xsum, int64_t fs, const uint16_t* scale,
-                       const uint16_t* min, float* out) {
+inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
+                       const uint16_t* scale, const uint16_t* min, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t k = q.k, fs = q.stride;
+  const int32_t* xs = q.spread.data() + r0 * k / 4 * 8;
+  const float *dx = q.dx.data() + r0 * fs, *xsum = q.xsum.data() + r0 * fs;
   __m256 acc[NR];
   for (auto& a : acc) a = _mm256_setzero_ps();
   const int64_t groups = k / kGroup;
@@ -217,10 +227,10 @@ inline void int4_panel(const uint8_t* w, const int8_t* xq, int64_t k, const floa
       const __m256i lo = _mm256_and_si256(b, mask);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
       for (int r = 0; r < NR; ++r) {
-        const int8_t* x = xq + r * k + g * kGroup + 4 * u;
+        const auto* x = reinterpret_cast<const __m256i*>(xs + (r * k / 4 + g * 8 + u) * 8);
         sum16[r] = _mm256_add_epi16(
-            sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x)),
-                                       _mm256_maddubs_epi16(hi, broadcast4(x + 16))));
+            sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)),
+                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 4))));
       }
     }
     const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
@@ -275,9 +285,11 @@ inline uint8_t panel_byte(const uint8_t* wg, int64_t c, int64_t i) {
 }
 
 template <int NR>
-inline void int4_panel(const uint8_t* w, const int8_t* xq, int64_t k, const float* dx,
-                       const float* xsum, int64_t fs, const uint16_t* scale,
-                       const uint16_t* min, float* out) {
+inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
+                       const uint16_t* scale, const uint16_t* min, float* out) {
+  const int64_t k = q.k, fs = q.stride;
+  const int8_t* xq = q.xq.data() + r0 * k;
+  const float *dx = q.dx.data() + r0 * fs, *xsum = q.xsum.data() + r0 * fs;
   for (int r = 0; r < NR; ++r) {
     for (int64_t c = 0; c < kRowPanel; ++c) {
       float y = 0.f;
@@ -497,16 +509,17 @@ inline void float_rows(const float* x, int64_t rows, int64_t k, bool int4, Float
 }
 
 #ifdef SGL_NB_AVX2
-// NR rows of x (FloatRows::xs, row stride k) against one panel of 8 int4 weight rows in our
-// layout (int4_panel's arguments): out[r * 8 + c] = sum_g scale_cg (q_cg . x_rg) +
+// Rows r0..r0 + NR - 1 of f (FloatRows::xs) against one panel of 8 int4 weight rows in our
+// layout (int4_panel's other arguments): out[r * 8 + c] = sum_g scale_cg (q_cg . x_rg)_g +
 // min_cg xsum_rg. Byte m of a unit's lane, masked in place (and shifted by 4 for its high
 // nibble), is q times 2^(8 m), exactly in fp32, and x comes in times 2^(-8 m), so no byte
 // is moved: per unit one shift, eight masks and conversions, and per row of x eight
 // multiply-adds, in two chains (low and high nibbles) added at the group's end.
 template <int NR>
-inline void int4_panel_exact(const uint8_t* w, const float* xs, int64_t k, const float* xsum,
-                             int64_t fs, const uint16_t* scale, const uint16_t* min,
-                             float* out) {
+inline void int4_panel_exact(const uint8_t* w, const FloatRows& f, int64_t r0,
+                             const uint16_t* scale, const uint16_t* min, float* out) {
+  const int64_t k = f.k, fs = f.stride;
+  const float *xs = f.xs.data() + r0 * k, *xsum = f.xsum.data() + r0 * fs;
   __m256 acc[NR];
   for (auto& a : acc) a = _mm256_setzero_ps();
   const int64_t groups = k / kGroup;
@@ -578,9 +591,10 @@ inline void int8_block_exact(const int8_t* w, int64_t cs, int64_t gs, const floa
 }
 #else
 template <int NR>
-inline void int4_panel_exact(const uint8_t* w, const float* xs, int64_t k, const float* xsum,
-                             int64_t fs, const uint16_t* scale, const uint16_t* min,
-                             float* out) {
+inline void int4_panel_exact(const uint8_t* w, const FloatRows& f, int64_t r0,
+                             const uint16_t* scale, const uint16_t* min, float* out) {
+  const int64_t k = f.k, fs = f.stride;
+  const float *xs = f.xs.data() + r0 * k, *xsum = f.xsum.data() + r0 * fs;
   constexpr float kRescale[4] = {1.f, 0x1p8f, 0x1p16f, 0x1p24f};  // xs back to x
   for (int r = 0; r < NR; ++r) {
     for (int64_t c = 0; c < kRowPanel; ++c) {
@@ -660,10 +674,8 @@ struct Int4Weights {
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
-    const int64_t s = x.stride;
     panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
-      int4_panel<NR>(nib + p0 * x.k / 2, x.xq.data() + r0 * x.k, x.k, x.dx.data() + r0 * s,
-                     x.xsum.data() + r0 * s, s, scale + p0 * x.groups, min + p0 * x.groups, o);
+      int4_panel<NR>(nib + p0 * x.k / 2, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
     });
   }
   float finish(int64_t, int64_t, float part) const { return part; }
@@ -726,10 +738,8 @@ struct Int4WeightsExact {
 
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
-    const int64_t s = x.stride;
     panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
-      int4_panel_exact<NR>(nib + p0 * x.k / 2, x.xs.data() + r0 * x.k, x.k,
-                           x.xsum.data() + r0 * s, s, scale + p0 * x.groups,
+      int4_panel_exact<NR>(nib + p0 * x.k / 2, x, r0, scale + p0 * x.groups,
                            min + p0 * x.groups, o);
     });
   }
@@ -870,7 +880,7 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
   const auto* mp = reinterpret_cast<const uint16_t*>(min.data_ptr());
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q, /*spread=*/true);
     quant_matmul<kRowPanel>(Int4Weights{nib.data_ptr<uint8_t>(), sp, mp, q}, rows, n,
                             y.data_ptr<c10::BFloat16>());
   } else {
