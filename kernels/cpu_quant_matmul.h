@@ -203,8 +203,8 @@ inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 m
 // mask, 2 maddubs and 2 adds, where the layout of one row per unit took 11 operations plus a
 // horizontal sum per output. Zen 1 runs maddubs on one pipe and a 256-bit one takes it 2
 // cycles: those 4 cycles per 32 bytes are the kernel's floor there. In cache on one core,
-// 3.6-3.7 ns per 32 bytes against 4.4-4.6 (K = 576, 1536), and streaming on two threads 1.3x
-// (measured on a 2-core Zen 1, a standalone copy of both).
+// 3.2 ns per 32 bytes against 4.4-4.7 (K = 576, 1536; a standalone copy of both), and the
+// engine's int4 one stream 1.1-1.3x (measured on a 2-core Zen 1: docs/benchmarks.md).
 template <int NR>
 inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
                        const uint16_t* scale, const uint16_t* min, float* out) {
