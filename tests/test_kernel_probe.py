@@ -32,9 +32,8 @@ from sgl_nb.runtime.model.quantize import quantize
 
 BF16 = torch.bfloat16
 # (quantization, N, K): our int8 kernel, torch's int8 (90 outputs: no whole panel of 8 for
-# ours), torch's int4 (three groups of 32: ours takes pairs).
+# ours), our int4 (three groups of 32).
 SHAPES = [("int8", 64, 96), ("int8", 90, 64), ("int4", 32, 96)]
-KERNELS = {("int8", 90, 64): "torch-int8", ("int4", 32, 96): "torch-int4"}
 CHECKING = "quantized kernel shape(s) in a probe process"
 
 
@@ -78,7 +77,7 @@ def test_one_probe_process_checks_every_new_shape_once(cache, capfd):
     assert all(why is None for _, why in layers.values())
     assert isinstance(layers[SHAPES[0]][0], Int8Linear) and layers[SHAPES[0]][0].native
     assert layers[SHAPES[1]][0].kernel == "torch-int8"
-    assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][0].small is None
+    assert isinstance(layers[SHAPES[2]][0], Int4Linear) and layers[SHAPES[2]][0].native
 
 
 def test_a_crash_in_the_probe_process_keeps_only_that_shape_dense(cache, monkeypatch, capfd):
@@ -90,7 +89,7 @@ def test_a_crash_in_the_probe_process_keeps_only_that_shape_dense(cache, monkeyp
     crashed = "torch's int8 kernel crashed on [90, 64] bf16 in a probe process (signal 11)"
     assert _verdicts(cache) == {
         "ours-int8 64x96 bfloat16": None, "torch-int8 90x64 bfloat16": crashed,
-        "torch-int4 32x96 bfloat16": None,
+        "ours-int4 32x96 bfloat16": None,
     }
     layers = make_layers()
     assert isinstance(layers[SHAPES[1]][0], DenseLinear) and layers[SHAPES[1]][1] == crashed
