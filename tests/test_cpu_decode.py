@@ -126,6 +126,19 @@ def test_int4_layer_of_an_odd_number_of_groups_takes_our_kernel():
         assert (layer(x).float() - want).abs().max() <= tol * want.abs().max(), dtype
 
 
+def test_int4_layer_takes_torchs_kernel_where_ours_is_off(monkeypatch):
+    """Without our kernel (SGL_NB_CPU_DECODE=0, or no compiler) an int4 layer takes torch's,
+    which needs outputs in blocks of 16."""
+    monkeypatch.setenv("SGL_NB_CPU_DECODE", "0")
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0)) * 0.05
+    t = quantize(w, "int4")
+    layer, why = make_linear(w, None, torch.bfloat16, "cpu", "int4", t)
+    assert why is None and isinstance(layer, Int4Linear) and not layer.native
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.float() @ dequantize(t, "int4").T
+    assert (layer(x).float() - want).abs().max() <= 3e-2 * want.abs().max()
+
+
 def dense_layer(dtype: torch.dtype, n: int, k: int) -> tuple[DenseLinear, torch.Tensor]:
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05).to(dtype)
     layer = DenseLinear(w)
