@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -661,11 +662,13 @@ inline void panel_columns(int64_t j0, float* out, const Panel& panel) {
     for (int c = 0; c < NC; ++c) out[r * NC + c] = all[r * kRowPanel + j0 - p0 + c];
 }
 
-// int4 weights in our layout against quantized rows; scale and min fp16 [N / 8][G][8].
+// int4 weights in our layout, scale and min fp16 [N / 8][G][8], against quantized rows
+// (QuantizedRows: int4_panel) or fp32 rows as they are (FloatRows: int4_panel_exact).
+template <typename Rows>
 struct Int4Weights {
   const uint8_t* nib;
   const uint16_t *scale, *min;
-  const QuantizedRows& x;
+  const Rows& x;
 
   // The panel holding weight row j0, all of it (see quant_matmul).
   void prefetch_panel(int64_t j0) const {
@@ -675,7 +678,12 @@ struct Int4Weights {
   template <int NR, int NC>
   void block(int64_t j0, int64_t r0, float* out) const {
     panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
-      int4_panel<NR>(nib + p0 * x.k / 2, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
+      const uint8_t* w = nib + p0 * x.k / 2;
+      if constexpr (std::is_same_v<Rows, QuantizedRows>) {
+        int4_panel<NR>(w, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
+      } else {
+        int4_panel_exact<NR>(w, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
+      }
     });
   }
   float finish(int64_t, int64_t, float part) const { return part; }
@@ -724,26 +732,6 @@ struct Int8Weights {
   float finish(int64_t j, int64_t, float part) const {
     return row_scale ? part * row_scale[j] : part;
   }
-};
-
-// int4 weights in our layout against fp32 rows as they are (the exact path).
-struct Int4WeightsExact {
-  const uint8_t* nib;
-  const uint16_t *scale, *min;
-  const FloatRows& x;
-
-  void prefetch_panel(int64_t j0) const {
-    prefetch_bytes(nib + j0 / kRowPanel * kRowPanel * x.k / 2, kRowPanel * x.k / 2);
-  }
-
-  template <int NR, int NC>
-  void block(int64_t j0, int64_t r0, float* out) const {
-    panel_columns<NR, NC>(j0, out, [&](int64_t p0, float* o) {
-      int4_panel_exact<NR>(nib + p0 * x.k / 2, x, r0, scale + p0 * x.groups,
-                           min + p0 * x.groups, o);
-    });
-  }
-  float finish(int64_t, int64_t, float part) const { return part; }
 };
 
 // int8 weights (interleaved) against fp32 rows as they are, scales as Int8Weights'.
@@ -881,14 +869,14 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
     quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q, /*spread=*/true);
-    quant_matmul<kRowPanel>(Int4Weights{nib.data_ptr<uint8_t>(), sp, mp, q}, rows, n,
-                            y.data_ptr<c10::BFloat16>());
+    quant_matmul<kRowPanel>(Int4Weights<QuantizedRows>{nib.data_ptr<uint8_t>(), sp, mp, q},
+                            rows, n, y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
     thread_local FloatRows f;
     float_rows(x.data_ptr<float>(), rows, k, true, f);
-    quant_matmul<kRowPanel>(Int4WeightsExact{nib.data_ptr<uint8_t>(), sp, mp, f}, rows, n,
-                            y.data_ptr<float>());
+    quant_matmul<kRowPanel>(Int4Weights<FloatRows>{nib.data_ptr<uint8_t>(), sp, mp, f}, rows,
+                            n, y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);
   return y;
