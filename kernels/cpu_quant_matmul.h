@@ -595,18 +595,17 @@ template <int NR>
 inline void int4_panel_exact(const uint8_t* w, const FloatRows& f, int64_t r0,
                              const uint16_t* scale, const uint16_t* min, float* out) {
   const int64_t k = f.k, fs = f.stride;
-  const float *xs = f.xs.data() + r0 * k, *xsum = f.xsum.data() + r0 * fs;
-  constexpr float kRescale[4] = {1.f, 0x1p8f, 0x1p16f, 0x1p24f};  // xs back to x
+  const float *xr = f.x + r0 * k, *xsum = f.xsum.data() + r0 * fs;  // x as it is
   for (int r = 0; r < NR; ++r) {
     for (int64_t c = 0; c < kRowPanel; ++c) {
       float y = 0.f;
       for (int64_t g = 0; g < k / kGroup; ++g) {
         const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
-        const float* x = xs + r * k + g * kGroup;
+        const float* x = xr + r * k + g * kGroup;
         float dot = 0.f;
         for (int i = 0; i < 16; ++i) {
           const uint8_t b = panel_byte(wg, c, i);
-          dot += (b & 15) * x[i] * kRescale[i % 4] + (b >> 4) * x[16 + i] * kRescale[i % 4];
+          dot += (b & 15) * x[i] + (b >> 4) * x[16 + i];
         }
         y += dot * half_bits_to_float(scale[g * kRowPanel + c]);
         y += half_bits_to_float(min[g * kRowPanel + c]) * xsum[r * fs + g];
