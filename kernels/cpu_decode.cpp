@@ -233,6 +233,7 @@ inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
 // split gives two cores work at batch 1, and a request's result does not depend on the rest
 // of the batch.
 constexpr int64_t kChunk = 128;
+constexpr int64_t kAhead = 16;  // keys whose K and V rows are prefetched ahead of the scores
 
 // f(std::integral_constant<int, min(left, 4)>): up to four query heads at a time.
 template <typename F>
@@ -305,9 +306,11 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
         vrows[j] = vbuf + at;
       }
       // The rows sit in scattered slots, out of the hardware prefetcher's reach, and a
-      // decode step finds them cold (the weights streamed through the cache since).
-      prefetch_rows(rows.data(), len, d * sizeof(T));
-      prefetch_rows(vrows.data(), len, d * sizeof(T));
+      // decode step finds them cold (the weights streamed through the cache since). They
+      // are prefetched kAhead keys ahead of the scores: all of a chunk's at once overran
+      // the core's outstanding misses, and a step's attention took 1.35x as long (measured).
+      prefetch_rows(rows.data(), std::min(len, kAhead), d * sizeof(T));
+      prefetch_rows(vrows.data(), std::min(len, kAhead), d * sizeof(T));
       for (int64_t g = 0; g < group; g += 4) {
         head_block(group - g, [&](auto gn) {
           // Keys per block: 12 accumulators for up to three heads, 8 for four.
@@ -315,6 +318,11 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           float* out = scores.data() + g * len;
           int64_t j = 0;
           for (; j + NK <= len; j += NK) {
+            if (g == 0 && j + kAhead < len) {
+              const int64_t n = std::min<int64_t>(NK, len - j - kAhead);
+              prefetch_rows(rows.data() + j + kAhead, n, d * sizeof(T));
+              prefetch_rows(vrows.data() + j + kAhead, n, d * sizeof(T));
+            }
             scores_of_keys<gn(), NK>(q + g * d, rows.data() + j, d, out + j, len);
           }
           for (; j < len; ++j) {
