@@ -43,6 +43,7 @@ class KVPool:
         # so recently freed (cache-warm) slots are reused first and the first allocations
         # come out in ascending order.
         self._stack = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        self._stack_np = self._stack.numpy()  # the same memory: alloc's small calls
         self._top = 0
         # Invariant: slot s is free iff it is in _stack[_top:] iff _flags[s] == 1. Slot 0 is
         # never free, so it can neither be handed out nor "freed" into the stack.
@@ -65,6 +66,12 @@ class KVPool:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.available():
             return None
+        if n <= _SMALL:  # every decode step: numpy's slice and copy cost half torch's
+            ids = self._stack_np[self._top : self._top + n].copy()
+            self._top += n
+            for s in ids.tolist():
+                self._flags[s] = False
+            return torch.from_numpy(ids)
         # clone: the stack region is overwritten by later frees.
         slots = self._stack[self._top : self._top + n].clone()
         self._top += n

@@ -26,7 +26,7 @@ from sgl_nb.runtime.grammar import GrammarError
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.prompt_lookup import MAX_BATCH, PromptLookup
 from sgl_nb.runtime.request import Request
-from sgl_nb.runtime.sampler import Sampled, TopK, sample, top_alternatives
+from sgl_nb.runtime.sampler import Sampled, TopK, float_cpu, sample, top_alternatives
 from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 
 
@@ -112,7 +112,7 @@ class TokenPicker:
         reqs = [r for _, r in ready]
         if len(ready) < last.shape[0]:
             last = last[torch.tensor([i for i, _ in ready], device=last.device)]
-        rows, reqs, top, failed = self._mask_rows(last.float().cpu(), reqs)
+        rows, reqs, top, failed = self._mask_rows(float_cpu(last), reqs)
         yield from failed
         if not reqs:
             return
@@ -197,7 +197,10 @@ class TokenPicker:
         row of logits (in place). The alternatives come between the two so that they show
         what the model offered, masked or not."""
         failed: list[TokenPick] = []
-        keep = self._rows_that(self._penalize, rows, range(len(reqs)), reqs, failed)
+        # Only rows with penalties: indexing a row is a torch op (see sampler.float_cpu).
+        penalized = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
+        ok = set(self._rows_that(self._penalize, rows, penalized, reqs, failed))
+        keep = [i for i in range(len(reqs)) if i in ok or not reqs[i].params.adjusts_logits]
         k = self.settings.token_alternatives
         top = top_alternatives(rows, k) if k else None  # the whole batch at once
         grammars = [i for i in keep if reqs[i].grammar is not None]
@@ -229,9 +232,8 @@ class TokenPicker:
 
     def _penalize(self, row: torch.Tensor, r: Request) -> None:
         p = r.params
-        if p.adjusts_logits:
-            stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
-            adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
+        stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
+        adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
 
     @staticmethod
     def _mask(row: torch.Tensor, r: Request) -> None:

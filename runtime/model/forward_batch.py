@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -50,7 +51,7 @@ def build_batch(
     """tokens[b]: request b's new tokens, at positions starts[b]...; slots[b]: all its KV slots
     (prefix + new); out_loc[b]: the slots of the new tokens (the tail of slots[b]).
 
-    The small index tensors are views of one tensor made from one Python list: between two
+    The small index tensors are views of one array made from one Python list: between two
     decode steps a torch op costs ~10 us (the step's weight reads left the interpreter's
     data out of cache), and the 16 it took here were a third of the Python of an int4 step."""
     device = torch.device(device)
@@ -65,12 +66,14 @@ def build_batch(
         [i - 1 for i in qo_indptr[1:]],  # logits_at
         score_rows or [],
     ]
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-    flat = flat if device.type == "cpu" else flat.to(device, non_blocking=True)
-    views, at = [], 0
-    for part in parts:
-        views.append(flat[at : at + len(part)])
-        at += len(part)
+    # numpy for the list and the CPU views: half the cost of torch's tensor() and slicing.
+    flat = np.array([x for part in parts for x in part], dtype=np.int64)
+    bounds = [0, *itertools.accumulate(len(part) for part in parts)]
+    if device.type == "cpu":
+        views = [torch.from_numpy(flat[a:b]) for a, b in itertools.pairwise(bounds)]
+    else:
+        on_device = torch.from_numpy(flat).to(device, non_blocking=True)
+        views = [on_device[a:b] for a, b in itertools.pairwise(bounds)]
     ids, positions, qo, kv_indptr, logits_at, scored = views
 
     def joined(ts: list[torch.Tensor]) -> torch.Tensor:
