@@ -312,19 +312,26 @@ class Model:
         c = self.config
         return KVPool(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
         fused = self._fused_decode() if batch.is_decode else None
-        if fused is not None:  # decode-shaped: one token per row, each row's logits
-            rows = fused.logits(
-                batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
-                batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
-            )
-            if batch.score_rows is None and batch.logits_at.numel() == rows.shape[0]:
-                return rows  # a decode step: a row per request
-            last = rows[batch.logits_at]
-            return last if batch.score_rows is None else (last, rows[batch.score_rows])
+        if fused is None:
+            return self._forward_layers(batch, pool)
+        # Outside inference mode: the step is one C++ call that records no autograd, and
+        # entering and leaving the mode cost ~30 us of a decode step's Python (its code is
+        # out of cache after the step's weight reads).
+        rows = fused.logits(
+            batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
+            batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
+        )
+        if batch.score_rows is None and batch.logits_at.numel() == rows.shape[0]:
+            return rows  # a decode step: a row per request
+        last = rows[batch.logits_at]
+        return last if batch.score_rows is None else (last, rows[batch.score_rows])
+
+    @torch.inference_mode()
+    def _forward_layers(self, batch: ForwardBatch, pool: KVPool):
+        """forward through the torch layer loop (every step the fused decode does not take)."""
         # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
         # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
         # modes); rms_norm hands the matmuls their 16-bit input.
