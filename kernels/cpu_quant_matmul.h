@@ -193,6 +193,16 @@ inline __m256 add_group(__m256 acc, __m256 dot, __m256 scale, float dx, __m256 m
   return _mm256_fmadd_ps(min, _mm256_set1_ps(xsum), acc);
 }
 
+// A panel's scales and mins (16 bytes a group each, 1/8 of its nibbles' bytes) asked for as
+// far ahead in groups as stream_ahead asks for the nibbles, a line per 4 groups. Left to
+// the hardware prefetchers, the int4 decode step took 1-2% longer (a step apart, alternating
+// in one process, medians of 680, measured on a 2-core Zen 4).
+inline void int4_scales_ahead(const uint16_t* scale, const uint16_t* min, int64_t g) {
+  if (g % 4) return;
+  stream_ahead(scale + g * kRowPanel, 1, kStreamAhead / 8);
+  stream_ahead(min + g * kRowPanel, 1, kStreamAhead / 8);
+}
+
 // Rows r0..r0 + NR - 1 of q against one panel of 8 int4 weight rows in our layout (w: the
 // panel's first byte; scale, min: its [G][8]): out[r * 8 + c] = sum_g scale_cg dx_rg
 // (q_cg . xq_rg)_g + min_cg xsum_rg.
@@ -220,6 +230,7 @@ inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
     stream_ahead(wg, 2);
+    int4_scales_ahead(scale, min, g);
     __m256i sum16[NR];
     for (auto& s : sum16) s = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -528,6 +539,7 @@ inline void int4_panel_exact(const uint8_t* w, const FloatRows& f, int64_t r0,
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
     stream_ahead(wg, 2);
+    int4_scales_ahead(scale, min, g);
     __m256 low[NR], high[NR];
     for (int r = 0; r < NR; ++r) low[r] = high[r] = _mm256_setzero_ps();
     for (int u = 0; u < 4; ++u) {

@@ -33,9 +33,9 @@ inline at::Tensor output_rows(const at::Tensor& out, int64_t rows, int64_t n,
 // into the next one's weights, which follow in that buffer.
 constexpr int64_t kStreamAhead = 4096;
 
-// The `lines` cache lines kStreamAhead bytes past `at`.
-inline void stream_ahead(const void* at, int lines) {
-  const char* p = static_cast<const char*>(at) + kStreamAhead;
+// The `lines` cache lines `ahead` bytes past `at`.
+inline void stream_ahead(const void* at, int lines, int64_t ahead = kStreamAhead) {
+  const char* p = static_cast<const char*>(at) + ahead;
   for (int line = 0; line < lines; ++line) __builtin_prefetch(p + 64 * line);
 }
 
