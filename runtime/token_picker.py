@@ -199,8 +199,9 @@ class TokenPicker:
         failed: list[TokenPick] = []
         # Only rows with penalties: indexing a row is a torch op (see sampler.float_cpu).
         penalized = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
-        ok = set(self._rows_that(self._penalize, rows, penalized, reqs, failed))
-        keep = [i for i in range(len(reqs)) if i in ok or not reqs[i].params.adjusts_logits]
+        failed_rows = set(penalized) - set(
+            self._rows_that(self._penalize, rows, penalized, reqs, failed))
+        keep = [i for i in range(len(reqs)) if i not in failed_rows]
         k = self.settings.token_alternatives
         top = top_alternatives(rows, k) if k else None  # the whole batch at once
         grammars = [i for i in keep if reqs[i].grammar is not None]
