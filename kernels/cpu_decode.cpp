@@ -22,6 +22,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -452,6 +453,70 @@ class DecodeStep {
                                scale);
   }
 
+  // Up to `steps` decode steps in one call, each request's next token its greedy pick (the
+  // first largest logit, the first NaN if any: numpy's argmax, runtime/sampler.py's greedy
+  // rule). Request b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] end with the
+  // `steps` slots of its new tokens; step s sees the range up to its own new slot. The
+  // steps end early once every request's pick is one of stop_ids. Returns the logits of the
+  // steps run, fp32 [done, B, vocab], and the tokens steps 1 ... done - 1 took, [done - 1,
+  // B] int64. Why: at batch 1 the engine's Python between two steps costs as much as the
+  // attention of all layers; the caller checks each pick as it checks any draft.
+  std::pair<at::Tensor, at::Tensor> logits_ahead(
+      const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_indptr,
+      const at::Tensor& kv_indices, const std::vector<at::Tensor>& k_bufs,
+      const std::vector<at::Tensor>& v_bufs, double scale, int64_t steps,
+      const at::Tensor& stop_ids) {
+    const int64_t batch = ids.numel();
+    TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
+                kv_indptr.numel() == batch + 1 && steps >= 1,
+                "decode ahead: ids and positions [B], kv_indptr [B + 1], steps >= 1");
+    const at::Tensor indptr = kv_indptr.to(at::kLong).contiguous();
+    const at::Tensor indices = kv_indices.to(at::kLong).contiguous();
+    const int64_t* ip = indptr.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(ip[b + 1] - ip[b] >= steps && ip[b + 1] <= indices.numel(),
+                  "decode ahead: request ", b, " has fewer KV slots than steps");
+    }
+    const at::Tensor stops = stop_ids.to(at::kLong).contiguous();
+    const int64_t* stop = stops.data_ptr<int64_t>();
+    const auto stopped = [&](const int64_t* picks) {
+      for (int64_t b = 0; b < batch; ++b) {
+        if (std::find(stop, stop + stops.numel(), picks[b]) == stop + stops.numel()) return false;
+      }
+      return true;
+    };
+    pybind11::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(busy_);
+    const auto opts = indptr.options();
+    at::Tensor logits = at::empty({steps, batch, embed_.size(0)}, opts.dtype(at::kFloat));
+    at::Tensor tokens = at::empty({steps, batch}, opts);
+    at::Tensor step_ids = ids.to(at::kLong).contiguous();
+    at::Tensor pos = positions.to(at::kLong).clone();
+    // Step s's KV ranges, filled in place (each range without the slots of later steps).
+    at::Tensor sp = at::empty({batch + 1}, opts), si = at::empty_like(indices);
+    at::Tensor out = at::empty({batch}, opts);
+    int64_t done = steps;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t n = ahead_ranges(ip, indices, batch, steps - 1 - s, sp, si, out);
+      const at::Tensor kv = si.narrow(0, 0, n);
+      if (dtype_ == at::kFloat) {
+        step<float>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
+      } else {
+        step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
+      }
+      if (s + 1 == steps) break;
+      step_ids = tokens[s];
+      first_argmax(logits[s], step_ids);
+      if (stopped(step_ids.data_ptr<int64_t>())) {
+        done = s + 1;
+        break;
+      }
+      int64_t* p = pos.data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) ++p[b];
+    }
+    return {logits.slice(0, 0, done), tokens.slice(0, 0, done - 1)};
+  }
+
   // Seconds spent in each phase over the steps since the last call, by name; then zeroes.
   std::vector<std::pair<std::string, double>> phase_seconds() {
     std::lock_guard<std::mutex> lock(busy_);
@@ -462,6 +527,56 @@ class DecodeStep {
   }
 
  private:
+  // Into sp, si and out: the kv_indptr, kv_indices and out_loc (each range's last slot) of
+  // one step of a decode ahead, each request's range without its last `later` slots (those
+  // of the steps after it). Returns the slots in si that the step uses.
+  static int64_t ahead_ranges(const int64_t* ip, const at::Tensor& indices, int64_t batch,
+                              int64_t later, at::Tensor& sp, at::Tensor& si, at::Tensor& out) {
+    const int64_t* all = indices.data_ptr<int64_t>();
+    int64_t* p = sp.data_ptr<int64_t>();
+    int64_t* dst = si.data_ptr<int64_t>();
+    int64_t* last = out.data_ptr<int64_t>();
+    p[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = ip[b + 1] - ip[b] - later;
+      std::copy(all + ip[b], all + ip[b] + n, dst + p[b]);
+      p[b + 1] = p[b] + n;
+      last[b] = all[ip[b] + n - 1];
+    }
+    return p[batch];
+  }
+
+  // Per row of rows [B, vocab] (fp32), numpy's argmax into tokens [B]. Two vectorised
+  // passes (the largest, then where it first is): a compare-and-branch loop took ~50 us a
+  // row of 49152, as much as a layer's attention.
+  static void first_argmax(const at::Tensor& rows, const at::Tensor& tokens) {
+    const int64_t vocab = rows.size(1);
+    constexpr int64_t kChunk = 64;
+    for (int64_t b = 0; b < rows.size(0); ++b) {
+      const float* r = rows[b].data_ptr<float>();
+      float peak = -std::numeric_limits<float>::infinity();
+      int nans = 0;
+#pragma omp simd reduction(max : peak) reduction(+ : nans)
+      for (int64_t i = 0; i < vocab; ++i) {
+        peak = std::max(peak, r[i]);  // a NaN never replaces it: counted apart
+        nans += r[i] != r[i];
+      }
+      const bool nan = nans > 0;
+      int64_t best = 0;  // a row of -inf only: 0, as numpy
+      for (int64_t c = 0; c < vocab; c += kChunk) {
+        const int64_t end = std::min(c + kChunk, vocab);
+        bool hit = false;
+#pragma omp simd reduction(|| : hit)
+        for (int64_t i = c; i < end; ++i) hit = hit || (nan ? r[i] != r[i] : r[i] == peak);
+        if (!hit) continue;
+        best = c;
+        while (!(nan ? r[best] != r[best] : r[best] == peak)) ++best;
+        break;
+      }
+      tokens.data_ptr<int64_t>()[b] = best;
+    }
+  }
+
   void check_family(int64_t layers) {
     const auto per_layer = [&](size_t n, size_t each, const char* what) {
       TORCH_CHECK(n == 0 || n == static_cast<size_t>(layers * each), "family: ", what,
@@ -514,7 +629,7 @@ class DecodeStep {
   at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                   const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                  const std::vector<at::Tensor>& v_bufs, double scale) {
+                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
     PhaseClock clock(phase_s_);
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     const at::Tensor positions = positions_in.to(at::kLong).contiguous();
@@ -540,13 +655,14 @@ class DecodeStep {
     rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
                        n, eps_);
     clock.mark(kNorms);
-    at::Tensor logits = run_linear(head_, hn).to(at::kFloat).contiguous();
+    at::Tensor logits = into.defined() ? into.copy_(run_linear(head_, hn))
+                                       : run_linear(head_, hn).to(at::kFloat).contiguous();
     clock.mark(kHead);
     if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
     clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
-    if (f_.logits_scaling != 1.0) logits = logits / f_.logits_scaling;
-    if (f_.final_softcap > 0) logits = at::tanh(logits / f_.final_softcap) * f_.final_softcap;
+    if (f_.logits_scaling != 1.0) logits.div_(f_.logits_scaling);
+    if (f_.final_softcap > 0) logits.div_(f_.final_softcap).tanh_().mul_(f_.final_softcap);
     return logits;
   }
 
@@ -846,6 +962,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t,
                           int64_t, double, Family>())
       .def("logits", &DecodeStep::logits)
+      .def("logits_ahead", &DecodeStep::logits_ahead)
       .def("phase_seconds", &DecodeStep::phase_seconds);
   pybind11::class_<Family>(m, "Family")
       .def(pybind11::init<>())

@@ -25,6 +25,7 @@ from sgl_nb.kernels import cpu_decode
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus, InstructionFinished, InstructionStarted, Op, Token
 from sgl_nb.runtime.grammar import GrammarCompilerCache
+from sgl_nb.runtime.model.forward_batch import AheadLogits
 from sgl_nb.runtime.model.load import load_model
 from sgl_nb.runtime.model.model_loader import resolve_model_path
 from sgl_nb.runtime.priority import PRIORITIES
@@ -97,6 +98,7 @@ class StepLogits(NamedTuple):
 
     last: torch.Tensor  # [B, vocab]: each request's row at its last new token
     extra: torch.Tensor | None  # the rows the batch asked for: scored, then draft rows
+    ahead: AheadLogits | None = None  # a batch that decoded ahead: every step's rows
 
 
 class Engine:
@@ -120,6 +122,8 @@ class Engine:
         extend_threads = torch.get_num_threads()
         fused = off_main_thread(self.model.fused_decode_ready)
         self.scheduler = Scheduler(self.pool, self.cache, self.device, s, drafts_as_decodes=fused)
+        self._fused = fused
+        self.scheduler.decode_ahead = s.decode_ahead if fused else 1
         self.events = EventBus()
         self.scheduler.events = self.events
         self.cache.events, self.cache.decode = self.events, self.tokenizer.decode
@@ -151,10 +155,11 @@ class Engine:
 
     @settings.setter
     def settings(self, settings: EngineConfig) -> None:
-        """token_alternatives, jump_forward and prompt_lookup take effect from the next
-        request and step (the pool, the model and the scheduler's limits keep what they
-        were built with)."""
+        """token_alternatives, jump_forward, prompt_lookup and decode_ahead take effect from
+        the next request and step (the pool, the model and the scheduler's limits keep what
+        they were built with)."""
         self._settings = self.requests.settings = self.picker.settings = settings
+        self.scheduler.decode_ahead = settings.decode_ahead if self._fused else 1
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -322,8 +327,15 @@ class Engine:
         if self.device.type == "cpu":
             self.threads.use_for(batch.forward.is_decode)
         t0 = time.perf_counter()
+        ahead = batch.forward.ahead
         try:
-            logits = self.model.forward(batch.forward, self.pool)
+            if ahead > 1:
+                rows = self.model.forward_ahead(batch.forward, self.pool,
+                                                self._stop_ids(batch.reqs))
+                logits = StepLogits(rows.rows[-1], None, rows)
+                ahead = rows.rows.shape[0]  # the steps it ran
+            else:
+                logits = self.model.forward(batch.forward, self.pool)
         except Exception as e:
             log.exception("model step failed")
             for req, done in zip(batch.reqs, computed):
@@ -332,13 +344,15 @@ class Engine:
             return None
         kind = "decode" if batch.is_decode else "extend"
         seconds = time.perf_counter() - t0
-        self.steps[kind] += 1
+        self.steps[kind] += ahead  # a decode ahead is that many decode steps
         self.step_seconds[kind] += seconds
         costs = self.picker.lookup.costs
         if batch.is_decode:
-            costs.add_decode(seconds)
+            costs.add_decode(seconds / ahead)
         elif all(r.draft_ids for r in batch.reqs):  # a verify
             costs.add_verify(seconds, sum(batch.new_lens))
+        if isinstance(logits, StepLogits):
+            return logits
         return StepLogits(*logits) if isinstance(logits, tuple) else StepLogits(logits, None)
 
     def _rows_to_pick(self, batch: ScheduledBatch, logits: StepLogits) -> PickRows:
@@ -346,6 +360,8 @@ class Engine:
         scoring requests finished; the rows that pick a token. A prompt chunk that is not
         the last has nothing to pick; a request with drafts (jump-forward) is picked row by
         row."""
+        if logits.ahead is not None:
+            return PickRows(logits.last, [], [], self._ahead_rows(batch, logits.ahead))
         if batch.scored:
             self._record_scores(batch, logits.extra)
         drafted = [(i, r) for i, r in enumerate(batch.reqs) if r.draft_ids]
@@ -361,6 +377,25 @@ class Engine:
         return PickRows(logits.last, ready, [
             (r, batch.draft_logits(i, logits.last, logits.extra).float().cpu())
             for i, r in drafted])
+
+    def _stop_ids(self, reqs: list[Request]) -> list[int]:
+        """The tokens that end a request of reqs (a decode ahead stops once each picks one)."""
+        ids = set()
+        for r in reqs:
+            ids.update(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                ids.update(self.eos_ids)
+        return sorted(ids)
+
+    @staticmethod
+    def _ahead_rows(batch: ScheduledBatch,
+                    ahead: AheadLogits) -> tuple[tuple[Request, torch.Tensor], ...]:
+        """A decode ahead: each request's later inputs become its drafts (their KV is
+        computed), its rows one per step for the picker to check them."""
+        tokens = ahead.tokens.t().tolist()
+        for r, drafts in zip(batch.reqs, tokens):
+            r.draft_ids = drafts
+        return tuple((r, ahead.rows[:, b]) for b, r in enumerate(batch.reqs))
 
     def _postprocess(self, pick: TokenPick) -> None:
         """One pick into its request: text, events, stream, finish."""

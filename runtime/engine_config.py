@@ -47,10 +47,18 @@ class EngineConfig:
     # kept on every request (Request.token_choices, GenerateOutput.tokens, token events).
     # 0: none recorded.
     token_alternatives: int = 5
+    # Where every request of a decode step is greedy with nothing between its steps that
+    # could change its picks (no grammar, penalties, drafts or step controller), one call
+    # of the fused CPU step decodes up to this many tokens ahead, each its greedy pick
+    # (never more than a request has generated so far; ending at a stop token), and the
+    # picker then checks each row as it checks any draft: the same tokens, with the
+    # engine's Python between steps paid once for them. Tokens then stream in runs of up
+    # to this many. 1: a step a token.
+    decode_ahead: int = 8
 
     def __post_init__(self) -> None:
         for name in ("kv_pool_tokens", "max_prefill_tokens", "max_running", "time_slice",
-                     "starvation_steps"):
+                     "starvation_steps", "decode_ahead"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

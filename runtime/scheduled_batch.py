@@ -67,10 +67,13 @@ class ScheduledBatch:
 def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
                device: torch.device, drafts_as_decodes: bool = False) -> ScheduledBatch:
     """chosen: (request, tokens it computes); its slots already include the new ones.
-    drafts_as_decodes: a step whose every request checks drafts runs decode-shaped."""
+    drafts_as_decodes: a step whose every request checks drafts runs decode-shaped.
+    A decode of more than one token a request decodes ahead (every request as many)."""
     reqs = [r for r, _ in chosen]
     lens = [n for _, n in chosen]
     starts = [r.fill_len - n for r, n in chosen]
+    if is_decode and lens[0] > 1:
+        return _decode_ahead(reqs, starts, lens[0], device)
     tokens = [r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, lens)]
     out_loc = [r.slots[s:] for r, s in zip(reqs, starts)]
     rows: list[int] = []
@@ -83,6 +86,17 @@ def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
             is_decode, tokens, starts, [r.slots for r in reqs], out_loc, device, rows or None,
         )
     return ScheduledBatch(reqs, lens, fb, scored, drafts, is_decode)
+
+
+def _decode_ahead(reqs: list[Request], starts: list[int], ahead: int,
+                  device: torch.device) -> ScheduledBatch:
+    """A decode of `ahead` steps (ForwardBatch.ahead): each request's slots already end
+    with those of its `ahead` new tokens; its one known input is its last output token."""
+    ids = [r.all_ids[s] for r, s in zip(reqs, starts)]
+    fb = build_batch(True, [[t] for t in ids], starts, [r.slots for r in reqs],
+                     [r.slots[s : s + 1] for r, s in zip(reqs, starts)], device)
+    fb.ahead = ahead
+    return ScheduledBatch(reqs, [ahead] * len(reqs), fb, [], [], True)
 
 
 def _drafts_as_decodes(reqs: list[Request], tokens: list[list[int]], starts: list[int],

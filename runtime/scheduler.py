@@ -64,6 +64,9 @@ class Scheduler:
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
         self.drafts_as_decodes = drafts_as_decodes
+        # Decode steps one forward may compute (ForwardBatch.ahead); the engine sets it
+        # from EngineConfig.decode_ahead where the model decodes through the fused step.
+        self.decode_ahead = 1
         self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
         self.time_slice, self.preemption = c.time_slice, c.preemption
         self.starvation_steps, self.schedule_policy = c.starvation_steps, c.schedule_policy
@@ -309,12 +312,31 @@ class Scheduler:
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        chosen = [(req, 1) for req in ready if req in self.running]
-        for req, _ in chosen:
-            req.slots = torch.cat([req.slots, self.pool.alloc(1)])
+        reqs = [req for req in ready if req in self.running]
+        n = self._steps_ahead(reqs)
+        chosen = [(req, n) for req in reqs]
+        for req in reqs:
+            req.slots = torch.cat([req.slots, self.pool.alloc(n)])
             req.slice_used += 1
             req.max_batch = max(req.max_batch, len(chosen))
         return self._make(True, chosen)
+
+    def _steps_ahead(self, reqs: list[Request]) -> int:
+        """Decode steps this batch computes in one forward (ForwardBatch.ahead): up to
+        decode_ahead where every request's next tokens are its greedy picks and nothing
+        between the steps could change them (no grammar, penalties or drafts, no step
+        controller), within what each may still generate, what it has generated so far
+        and the free KV; else 1."""
+        n = self.decode_ahead if reqs else 1
+        for r in reqs:
+            p = r.params
+            if (n <= 1 or r.draft_ids or r.grammar is not None or r.gate is not None
+                    or not p.greedy or p.adjusts_logits):
+                return 1
+            # At most as many as it has generated: a request that stops early (a stop
+            # string) wastes at most the steps past its stop, and a short one few.
+            n = min(n, r.max_new_tokens - len(r.output_ids), max(len(r.output_ids), 1))
+        return n if n * len(reqs) <= self.pool.available() else 1
 
     def _make_room_for_decode(self) -> None:
         """Every running request needs one new slot; evict cache, then retract if still short."""

@@ -38,6 +38,9 @@ class PickRows(NamedTuple):
     # Jump-forward: a request with drafts, and its rows (fp32, CPU): the logits after each
     # of its new tokens, the last one's row last.
     drafted: list[tuple[Request, torch.Tensor]]
+    # A decode ahead (ForwardBatch.ahead): a request whose drafts are the greedy picks the
+    # step took as its later inputs, and its rows (fp32), one per step.
+    ahead: tuple[tuple[Request, torch.Tensor], ...] = ()
 
 
 class TokenPick(NamedTuple):
@@ -93,11 +96,13 @@ class TokenPicker:
         one (Request.append) before it asks for the next: a draft's next row is penalized
         and masked from the output and grammar state that the previous pick left, and new
         drafts are proposed from the state after a request's token."""
-        self._step_size = len(rows.ready) + len(rows.drafted)
+        self._step_size = len(rows.ready) + len(rows.drafted) + len(rows.ahead)
         if rows.ready:
             yield from self._pick_ready(rows.last, rows.ready)
         for req, logits in rows.drafted:
             yield from self._pick_drafted(req, logits)
+        for req, logits in rows.ahead:
+            yield from self._pick_ahead(req, logits)
 
     def token_text(self, token: int) -> str:
         """One token's own text (as the token event has always given it), decoded once."""
@@ -164,6 +169,33 @@ class TokenPicker:
         counts.steps_saved += max(taken - 1, 0)
         if ours and not req.draft_ids:
             self.lookup.checked(req.rid, agreed_n, len(req.output_ids))
+        if not req.draft_ids:
+            self._propose_drafts(req)
+
+    def _pick_ahead(self, req: Request, rows: torch.Tensor) -> Iterator[TokenPick]:
+        """A request that decoded ahead: rows[j] are its logits after its j-th new token,
+        its drafts the greedy picks the step took. Its rows are independent of its picks
+        (Scheduler._steps_ahead: greedy, no grammar or penalties), so they are masked and
+        sampled together, and each pick is taken in order as _pick_drafted takes a
+        draft's: while it is the next draft, that draft is taken; at the first that
+        differs (a tie the step broke otherwise) the drafts after it are dropped with
+        their KV. Its tokens are then the ones a step a token gives."""
+        rows, reqs, top, failed = self._mask_rows(float_cpu(rows), [req] * rows.shape[0])
+        yield from failed[:1]
+        if failed or not reqs:
+            return
+        sampled = sample(rows, [req.params] * len(reqs), [req.generator] * len(reqs),
+                         all_logprobs=self.events.active)
+        alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
+        for j, s in enumerate(sampled):
+            agreed = bool(req.draft_ids) and s.token == req.draft_ids[0]
+            if agreed:
+                req.draft_ids.pop(0)
+            else:
+                self._drop_drafts(req)
+            yield self._token_pick(req, s, alts[j] if alts else None)
+            if req.finished or not agreed:
+                break
         if not req.draft_ids:
             self._propose_drafts(req)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +21,10 @@ class ForwardBatch:
     Decode-shaped (is_decode): one token per row, B == T; a step of drafts may run so
     (scheduled_batch._drafts_as_decodes), its rows then more than its requests, logits_at
     picking each request's last.
+    Decoding ahead (ahead > 1, decode-shaped): request b's KV slots end with the slots of
+    its `ahead` new tokens, out_cache_loc holding the first; step s computes the token at
+    positions + s, the first step input_ids, each later one the greedy pick of the step
+    before (Model.forward_ahead; step_of gives step s alone).
     """
 
     is_decode: bool
@@ -33,10 +38,36 @@ class ForwardBatch:
     logits_at: torch.Tensor  # [B] int64 rows of the new tokens whose logits are wanted
     # Rows whose logits are also returned (prompt scoring: the logprob of given tokens).
     score_rows: torch.Tensor | None = None
+    ahead: int = 1  # decode steps this batch computes (see above)
 
     @property
     def batch_size(self) -> int:
         return self.kv_indptr.numel() - 1
+
+    def step_of(self, s: int, input_ids: torch.Tensor) -> ForwardBatch:
+        """Step s of a batch that decodes ahead, as a one-step decode batch: each request's
+        KV range without the slots of the steps after s."""
+        later = self.ahead - 1 - s
+        ends = self.kv_indptr[1:] - later
+        keep = torch.cat([self.kv_indices[a:e] for a, e in zip(self.kv_indptr[:-1].tolist(),
+                                                                 ends.tolist())])
+        lens = ends - self.kv_indptr[:-1]
+        indptr = torch.cat([self.kv_indptr[:1] * 0, lens.cumsum(0)])
+        return ForwardBatch(True, input_ids, self.positions + s, self.kv_indices[ends - 1],
+                            indptr, keep, self.qo_indptr, self.max_kv_len - later,
+                            self.logits_at)
+
+
+class AheadLogits(NamedTuple):
+    """What a batch that decodes ahead gives (ForwardBatch.ahead)."""
+
+    rows: torch.Tensor  # [ahead, B, vocab] fp32: the logits of each step
+    tokens: torch.Tensor  # [ahead - 1, B] int64: the picks steps 1 ... ahead - 1 took as input
+
+
+def greedy_picks(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy pick as runtime/sampler.py's sample takes it (numpy's argmax)."""
+    return torch.from_numpy(rows.float().cpu().numpy().argmax(-1)).to(rows.device)
 
 
 def build_batch(

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from sgl_nb.kernels import cpu_decode, decode_attention, extend_attention, plan_decode, store_kv
 from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.model.checkpoint import check_shapes, llama_shapes, read_weights
-from sgl_nb.runtime.model.forward_batch import ForwardBatch
+from sgl_nb.runtime.model.forward_batch import AheadLogits, ForwardBatch, greedy_picks
 from sgl_nb.runtime.model.layer_spec import Activation, QKNorm
 from sgl_nb.runtime.model.linear import (
     DenseLinear,
@@ -328,6 +328,28 @@ class Model:
             return rows  # a decode step: a row per request
         last = rows[batch.logits_at]
         return last if batch.score_rows is None else (last, rows[batch.score_rows])
+
+    def forward_ahead(self, batch: ForwardBatch, pool: KVPool,
+                      stop_ids: list[int]) -> AheadLogits:
+        """Up to batch.ahead decode steps (ForwardBatch), each request's later inputs its
+        greedy picks, ending early once every pick is one of stop_ids: on CPU one C++ call,
+        so that no Python runs between the steps."""
+        fused = self._fused_decode()
+        if fused is not None:
+            return AheadLogits(*fused.logits_ahead(
+                batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
+                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead,
+                torch.tensor(stop_ids, dtype=torch.int64)))
+        rows, picks, ids = [], [], batch.input_ids
+        for s in range(batch.ahead):
+            rows.append(self.forward(batch.step_of(s, ids), pool))
+            if s + 1 < batch.ahead:
+                ids = greedy_picks(rows[-1])
+                picks.append(ids)
+                if set(ids.tolist()) <= set(stop_ids):
+                    break
+        empty = torch.empty((0, batch.batch_size), dtype=torch.int64, device=ids.device)
+        return AheadLogits(torch.stack(rows), torch.stack(picks) if picks else empty)
 
     @torch.inference_mode()
     def _forward_layers(self, batch: ForwardBatch, pool: KVPool):
