@@ -467,6 +467,7 @@ class Engine:
     def metrics(self) -> dict:
         """Scheduler figures; read from any thread (list copies are atomic under the GIL)."""
         sch, jumps, lookups = self.scheduler, self.picker.jumps, self.picker.lookups
+        aheads = self.picker.aheads
         queued = list(sch.waiting) + list(sch.suspended)
         busy = sum(self.step_seconds.values())
         return {
@@ -486,6 +487,9 @@ class Engine:
             "prompt_lookup_drafted": lookups.drafted,
             "prompt_lookup_accepted": lookups.accepted,
             "prompt_lookup_steps_saved": lookups.steps_saved,
+            "decode_ahead_drafted": aheads.drafted,
+            "decode_ahead_accepted": aheads.accepted,
+            "decode_ahead_steps_saved": aheads.steps_saved,
             "tokens_per_second": self.generated_tokens / busy if busy else 0.0,
             "steps": dict(self.steps), "busy_seconds": round(busy, 3),
             "uptime_seconds": round(time.monotonic() - self.started, 3),

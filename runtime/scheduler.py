@@ -317,7 +317,7 @@ class Scheduler:
         chosen = [(req, n) for req in reqs]
         for req in reqs:
             req.slots = torch.cat([req.slots, self.pool.alloc(n)])
-            req.slice_used += 1
+            req.slice_used += n  # a slice counts tokens: a decode ahead is n steps
             req.max_batch = max(req.max_batch, len(chosen))
         return self._make(True, chosen)
 

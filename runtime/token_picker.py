@@ -85,6 +85,7 @@ class TokenPicker:
         self._drop_drafts = drop_drafts
         self.jumps = DraftCounts()
         self.lookups = DraftCounts()
+        self.aheads = DraftCounts()  # decode ahead's: steps_saved counts engine passes
         self.lookup = PromptLookup()
         self._step_size = 0  # requests picking a token in the current step
         # Token id -> its text, decoded once: every step names k alternatives (a decode
@@ -187,15 +188,18 @@ class TokenPicker:
         sampled = sample(rows, [req.params] * len(reqs), [req.generator] * len(reqs),
                          all_logprobs=self.events.active)
         alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
+        self.aheads.drafted += len(req.draft_ids)
         for j, s in enumerate(sampled):
             agreed = bool(req.draft_ids) and s.token == req.draft_ids[0]
             if agreed:
                 req.draft_ids.pop(0)
+                self.aheads.accepted += 1
             else:
                 self._drop_drafts(req)
             yield self._token_pick(req, s, alts[j] if alts else None)
             if req.finished or not agreed:
                 break
+        self.aheads.steps_saved += j
         if not req.draft_ids:
             self._propose_drafts(req)
 

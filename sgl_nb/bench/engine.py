@@ -77,14 +77,16 @@ def hf_batched(hf, tok, prompts: list[list[int]], n: int) -> float:
 
 
 def ours_one_stream(rt, ids: list[int], n: int) -> tuple[float, float]:
-    """(seconds end to end, mean seconds per decode step). Prompt lookup off: this is the
-    decode step's figure (`sgl-nb bench copy` measures lookup)."""
+    """(seconds end to end, mean seconds per decode step: from the first token's text to
+    the last's, over the n - 1 tokens between; a chunk may hold several, decode ahead's
+    do). Prompt lookup off: this is the decode step's figure (`sgl-nb bench copy`
+    measures lookup)."""
     t0 = time.perf_counter()
     stamps = []
     for _ in rt.generate(ids, max_tokens=n, ignore_eos=True, stream=True, prompt_lookup=False):
         stamps.append(time.perf_counter())
     total = time.perf_counter() - t0
-    step = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+    step = (stamps[-1] - stamps[0]) / max(n - 1, 1)
     return total, step
 
 

@@ -1,0 +1,116 @@
+"""Decode ahead (EngineConfig.decode_ahead): one fused CPU call decodes several greedy
+tokens and the picker checks each row as a draft. The oracle is the same engine a step a
+token (decode_ahead=1): the same tokens, alternatives, logprobs and finish, and no KV
+slot left behind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sgl_nb import Runtime
+from sgl_nb.kernels import cpu_decode
+from sgl_nb.runtime.model.forward_batch import greedy_picks
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ compiler")
+
+STORY = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+QUESTIONS = ["What is 2 + 2?", "Name three colours.", "Tell me about bees in one sentence."]
+
+
+def chat(rt: Runtime, text: str) -> list[int]:
+    tok = rt.engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                              tokenize=False, add_generation_prompt=True))
+
+
+def outputs(rt: Runtime, ahead: int) -> list:
+    """Greedy requests of every ending: length, EOS, a stop string, a stop token, a batch."""
+    rt.engine.settings = dataclasses.replace(rt.engine.settings, decode_ahead=ahead)
+    story = chat(rt, STORY)
+    outs = [
+        rt.generate(story, max_tokens=61, ignore_eos=True),
+        rt.generate(chat(rt, QUESTIONS[0]), max_tokens=200),  # ends at EOS (its 12th token)
+        rt.generate(story, max_tokens=80, stop=[" the "]),
+        rt.generate(story, max_tokens=80, stop_token_ids=rt.engine.tokenizer.encode(",")),
+        *rt.generate([chat(rt, q) for q in QUESTIONS], max_tokens=40),
+        rt.generate(story, max_tokens=30, logprobs=True, top_logprobs=3),
+    ]
+    return [(o.text, o.token_ids, o.meta["finish_reason"], o.meta["matched_stop"], o.tokens)
+            for o in outs]
+
+
+def same_as_a_step_a_token(rt: Runtime) -> None:
+    before = rt.engine.metrics()["decode_ahead_accepted"]
+    one = outputs(rt, 1)
+    assert rt.engine.metrics()["decode_ahead_accepted"] == before  # off: none decoded ahead
+    ahead = outputs(rt, 8)
+    m = rt.engine.metrics()
+    assert m["decode_ahead_accepted"] > before + 100
+    assert m["decode_ahead_steps_saved"] > 0
+    for a, b in zip(one, ahead):
+        assert a == b
+    assert [o[2] for o in one][:4] == ["length", "stop", "stop", "stop"]
+    rt.flush_cache()
+    assert rt.engine.pool.used() == 0  # the slots of steps past a stop were given back
+
+
+@pytest.fixture(scope="module")
+def int4_runtime(model_path):
+    rt = Runtime(model_path, quantization="int4", kv_pool_tokens=4096)
+    yield rt
+    rt.shutdown()
+
+
+def test_int4_same_tokens_as_a_step_a_token(int4_runtime):
+    same_as_a_step_a_token(int4_runtime)
+
+
+def test_fp32_same_tokens_as_a_step_a_token(runtime):
+    settings = runtime.engine.settings
+    try:
+        same_as_a_step_a_token(runtime)
+    finally:
+        runtime.engine.settings = settings
+
+
+def test_torch_path_decodes_ahead_the_same(model_path):
+    """Off the fused step (Model.forward_ahead's torch twin, ForwardBatch.step_of)."""
+    rt = Runtime(model_path, kv_pool_tokens=2048)
+    try:
+        rt.engine.model.use_fused_decode(False)
+        rt.engine.settings = dataclasses.replace(rt.engine.settings, decode_ahead=1)
+        one = rt.generate(chat(rt, STORY), max_tokens=24, ignore_eos=True).token_ids
+        rt.engine.settings = dataclasses.replace(rt.engine.settings, decode_ahead=6)
+        ahead = rt.generate(chat(rt, STORY), max_tokens=24, ignore_eos=True).token_ids
+        assert ahead == one
+        assert rt.engine.metrics()["decode_ahead_accepted"] > 10
+    finally:
+        rt.shutdown()
+
+
+def test_only_greedy_batches_decode_ahead(int4_runtime):
+    """A batch with a sampled, grammar or penalized request decodes a step a token, with
+    the output it has off (a seeded draw is the same)."""
+    rt = int4_runtime
+    prompts = [chat(rt, q) for q in QUESTIONS]
+    runs = []
+    for ahead in (1, 8):
+        rt.engine.settings = dataclasses.replace(rt.engine.settings, decode_ahead=ahead)
+        before = rt.engine.metrics()["decode_ahead_drafted"]
+        runs.append([
+            [o.text for o in rt.generate(prompts, max_tokens=24, temperature=0.8, seed=7)],
+            rt.generate(prompts[0], max_tokens=24, regex=r"[A-Z][a-z ]{5,30}\.").text,
+            rt.generate(prompts[1], max_tokens=24, repetition_penalty=1.3).text,
+        ])
+        assert rt.engine.metrics()["decode_ahead_drafted"] == before
+    assert runs[0] == runs[1]
+
+
+def test_greedy_picks_is_the_samplers_rule():
+    """Ties go to the first; a NaN wins (numpy's argmax, as sampler.sample)."""
+    rows = torch.tensor([[0.0, 2.0, 2.0, 1.0], [float("-inf")] * 4,
+                         [1.0, float("nan"), 3.0, float("nan")]])
+    assert greedy_picks(rows).tolist() == [1, 0, 1]
