@@ -37,6 +37,9 @@ DEFAULTS = {
     "gguf": {"model": None, "new_tokens": 128, "repeat": 6, "json": None},
     "copy": {"model": None, "dtype": "float32", "quantization": None, "hf_lookup_tokens": 10,
              "max_tokens": None, "repeat": 3, "json": None},
+    "ahead": {"model": None, "quantization": "int4", "values": [1, 8], "new_tokens": 256,
+              "requests": 8, "prefix_tokens": 400, "batch_tokens": 64, "repeat": 4,
+              "json": None},
     "peers": {"files": ["Q4_0", "Q4_1", "Q8_0", "F32"], "new_tokens": 128, "repeat": 4,
               "llamacpp_venv": ".venv-llamacpp", "copy": False, "llama_lookup_tokens": 10,
               "json": None},
@@ -122,6 +125,20 @@ def test_copy_and_peers_refuse_bad_numbers_before_loading(argv, says):
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
     assert says in str(e.value.code)
+
+
+@pytest.mark.slow
+def test_the_ahead_bench_checks_its_tokens_and_gives_ratios(model_path, tmp_path):
+    import json
+
+    out = tmp_path / "ahead.json"
+    assert main(["bench", "ahead", "--model", str(model_path), "--values", "1", "4",
+                 "--new-tokens", "24", "--requests", "2", "--batch-tokens", "8",
+                 "--repeat", "1", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["same_tokens"] is True
+    assert set(s["ratios"]) == {"one stream, 4 / 1", "batch, 4 / 1"}
+    assert all(r["best"] > 0 for r in s["tok_s"].values())
 
 
 def test_peers_without_llamacpp_venv_says_how_to_build_it(tmp_path):

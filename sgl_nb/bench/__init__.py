@@ -30,6 +30,8 @@ BENCHES = {
             "quantized again from its dequantized weights: one stream, tokens equal to fp32",
     "copy": "prompt lookup on and off where the output copies the input (fields quoted "
             "from documents, code returned renamed), and transformers' prompt_lookup_num_tokens",
+    "ahead": "decode ahead (decode_ahead values) against a step a token, one process: one "
+             "stream and a batch, the same greedy tokens",
     "peers": "one stream against llama.cpp (llama-cpp-python in its own venv, make "
              "bench-peers) on the same GGUF files: Q4_0 / Q4_1 as int4, Q8_0 as int8, F32",
     "serve": "sgl-nb serve under streaming load with hang-ups: nothing lost (finish "
