@@ -335,7 +335,8 @@ class Engine:
                 logits = StepLogits(rows.rows[-1], None, rows)
                 ahead = rows.rows.shape[0]  # the steps it ran
             else:
-                logits = self.model.forward(batch.forward, self.pool)
+                out = self.model.forward(batch.forward, self.pool)
+                logits = StepLogits(*out) if isinstance(out, tuple) else StepLogits(out, None)
         except Exception as e:
             log.exception("model step failed")
             for req, done in zip(batch.reqs, computed):
@@ -351,9 +352,7 @@ class Engine:
             costs.add_decode(seconds / ahead)
         elif all(r.draft_ids for r in batch.reqs):  # a verify
             costs.add_verify(seconds, sum(batch.new_lens))
-        if isinstance(logits, StepLogits):
-            return logits
-        return StepLogits(*logits) if isinstance(logits, tuple) else StepLogits(logits, None)
+        return logits
 
     def _rows_to_pick(self, batch: ScheduledBatch, logits: StepLogits) -> PickRows:
         """After the forward pass: score rows recorded, computed prompt tokens cached,

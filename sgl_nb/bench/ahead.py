@@ -1,10 +1,11 @@
 """`sgl-nb bench ahead`: decode ahead (EngineConfig.decode_ahead) against a step a token.
 
 One process, one Runtime; each round runs every decode_ahead value over two workloads,
-the order turning round by round: one stream (the engine bench's prompt, greedy, EOS
-ignored) and a batch of greedy requests sharing a prefix (the engine bench's). tok/s is
-generated tokens over wall time, prefill included; each value keeps its best round and
-its median. The tokens must be the same for every value: the bench fails if not.
+the order turning round by round: one stream, streamed as a notebook shows it (the engine
+bench's prompt and figure, greedy, EOS ignored), and a batch of greedy requests sharing a
+prefix (the engine bench's). tok/s is generated tokens over wall time, prefill included;
+each value keeps its best round and its median. The output must be the same for every
+value (the stream's text, the batch's tokens): the bench fails if not.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def one_pass(rt, ids: list[int], prompts: list[list[int]], args) -> dict:
     """tok/s and tokens of each workload at the Runtime's current settings."""
     out = {}
     t0 = time.perf_counter()
-    stream = rt.generate(ids, max_tokens=args.new_tokens, ignore_eos=True, prompt_lookup=False)
-    out["one stream"] = (args.new_tokens / (time.perf_counter() - t0), [stream.token_ids])
+    text = "".join(rt.generate(ids, max_tokens=args.new_tokens, ignore_eos=True, stream=True,
+                               prompt_lookup=False))
+    out["one stream"] = (args.new_tokens / (time.perf_counter() - t0), [text])
     rt.flush_cache()  # every pass prefills the shared prefix once, as the first did
     t0 = time.perf_counter()
     batch = rt.generate(prompts, max_tokens=args.batch_tokens, ignore_eos=True,
