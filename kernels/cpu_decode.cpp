@@ -488,9 +488,10 @@ class DecodeStep {
     pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(busy_);
     const auto opts = indptr.options();
-    at::Tensor logits = at::empty({steps, batch, embed_.size(0)}, opts.dtype(at::kFloat));
+    const int64_t vocab = embed_.size(0);
+    at::Tensor logits = at::empty({steps, batch, vocab}, opts.dtype(at::kFloat));
     at::Tensor tokens = at::empty({steps, batch}, opts);
-    at::Tensor step_ids = ids.to(at::kLong).contiguous();
+    at::Tensor step_ids = ids.to(at::kLong).clone();
     at::Tensor pos = positions.to(at::kLong).clone();
     // Step s's KV ranges, filled in place (each range without the slots of later steps).
     at::Tensor sp = at::empty({batch + 1}, opts), si = at::empty_like(indices);
@@ -505,12 +506,15 @@ class DecodeStep {
         step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
       }
       if (s + 1 == steps) break;
-      step_ids = tokens[s];
-      first_argmax(logits[s], step_ids);
-      if (stopped(step_ids.data_ptr<int64_t>())) {
+      // Raw pointers from here to the next step: a tensor op costs microseconds here,
+      // where the step's weight reads have left the dispatcher's data out of cache.
+      int64_t* picks = tokens.data_ptr<int64_t>() + s * batch;
+      first_argmax(logits.data_ptr<float>() + s * batch * vocab, batch, vocab, picks);
+      if (stopped(picks)) {
         done = s + 1;
         break;
       }
+      std::copy(picks, picks + batch, step_ids.data_ptr<int64_t>());
       int64_t* p = pos.data_ptr<int64_t>();
       for (int64_t b = 0; b < batch; ++b) ++p[b];
     }
@@ -546,34 +550,45 @@ class DecodeStep {
     return p[batch];
   }
 
-  // Per row of rows [B, vocab] (fp32), numpy's argmax into tokens [B]. Two vectorised
-  // passes (the largest, then where it first is): a compare-and-branch loop took ~50 us a
-  // row of 49152, as much as a layer's attention.
-  static void first_argmax(const at::Tensor& rows, const at::Tensor& tokens) {
-    const int64_t vocab = rows.size(1);
-    constexpr int64_t kChunk = 64;
-    for (int64_t b = 0; b < rows.size(0); ++b) {
-      const float* r = rows[b].data_ptr<float>();
-      float peak = -std::numeric_limits<float>::infinity();
-      int nans = 0;
+  // Per row of rows [B, vocab] (fp32), numpy's argmax into tokens [B]: the first largest
+  // logit, or the first NaN. Blocks of the row on the step's threads (each block's
+  // largest and where it first is, two vectorised passes), then the first block holding
+  // the row's. One thread over the whole row took ~35 us of a step (measured): the head's
+  // threads wrote it, half of it in the other core's cache.
+  static void first_argmax(const float* rows, int64_t batch, int64_t vocab, int64_t* tokens) {
+    constexpr int64_t kBlock = 4096;
+    const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+    struct Best { float peak; int64_t at; bool nan; };
+    std::vector<Best> best(blocks);
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* r = rows + b * vocab;
+      WorkerPool::get().parallel_for(blocks, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) {
+          const int64_t lo = k * kBlock, hi = std::min(lo + kBlock, vocab);
+          float peak = -std::numeric_limits<float>::infinity();
+          int nans = 0;
 #pragma omp simd reduction(max : peak) reduction(+ : nans)
-      for (int64_t i = 0; i < vocab; ++i) {
-        peak = std::max(peak, r[i]);  // a NaN never replaces it: counted apart
-        nans += r[i] != r[i];
+          for (int64_t i = lo; i < hi; ++i) {
+            peak = std::max(peak, r[i]);  // a NaN never replaces it: counted apart
+            nans += r[i] != r[i];
+          }
+          int64_t at = lo;  // a block of -inf only: its first, as numpy's whole row
+          while (at < hi && !(nans ? r[at] != r[at] : r[at] == peak)) ++at;
+          best[k] = {peak, at, nans > 0};
+        }
+      });
+      int64_t pick = -1;
+      for (int64_t k = 0; k < blocks && pick < 0; ++k) {
+        if (best[k].nan) pick = best[k].at;
       }
-      const bool nan = nans > 0;
-      int64_t best = 0;  // a row of -inf only: 0, as numpy
-      for (int64_t c = 0; c < vocab; c += kChunk) {
-        const int64_t end = std::min(c + kChunk, vocab);
-        bool hit = false;
-#pragma omp simd reduction(|| : hit)
-        for (int64_t i = c; i < end; ++i) hit = hit || (nan ? r[i] != r[i] : r[i] == peak);
-        if (!hit) continue;
-        best = c;
-        while (!(nan ? r[best] != r[best] : r[best] == peak)) ++best;
-        break;
+      if (pick < 0) {
+        int64_t top = 0;
+        for (int64_t k = 1; k < blocks; ++k) {
+          if (best[k].peak > best[top].peak) top = k;
+        }
+        pick = best[top].at;
       }
-      tokens.data_ptr<int64_t>()[b] = best;
+      tokens[b] = pick;
     }
   }
 
