@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "cpu_worker_pool.h"
 
 namespace sgl_nb {
 
@@ -98,15 +99,18 @@ top_logits(const at::Tensor& rows, int64_t k) {
   std::vector<std::vector<int64_t>> ids(b);
   std::vector<std::vector<float>> values(b);
   std::vector<double> lse(b);
-  for (int64_t t = 0; t < b; ++t) {
-    const float* row = p + t * n;
-    for (const Ranked& e : top_entries(row, n, k)) {
-      ids[t].push_back(e.id);
-      values[t].push_back(e.value);
+  // Rows on the kernels' threads: a decode ahead hands the picker a row per step at once.
+  WorkerPool::get().parallel_for(b, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = p + t * n;
+      for (const Ranked& e : top_entries(row, n, k)) {
+        ids[t].push_back(e.id);
+        values[t].push_back(e.value);
+      }
+      const float peak = values[t].empty() ? -INFINITY : values[t][0];
+      lse[t] = logsumexp(row, n, peak);
     }
-    const float peak = values[t].empty() ? -INFINITY : values[t][0];
-    lse[t] = logsumexp(row, n, peak);
-  }
+  });
   return {std::move(ids), std::move(values), std::move(lse)};
 }
 
