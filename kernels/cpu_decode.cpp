@@ -22,7 +22,6 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -553,8 +552,8 @@ class DecodeStep {
   // Per row of rows [B, vocab] (fp32), numpy's argmax into tokens [B]: the first largest
   // logit, or the first NaN. Blocks of the row on the step's threads (each block's
   // largest and where it first is, two vectorised passes), then the first block holding
-  // the row's. One thread over the whole row took ~35 us of a step (measured): the head's
-  // threads wrote it, half of it in the other core's cache.
+  // the row's: the head's threads wrote the row, half of it in the other core's cache, and
+  // one thread over all of it took ~35 us a step against ~20 (measured, int4 at batch 1).
   static void first_argmax(const float* rows, int64_t batch, int64_t vocab, int64_t* tokens) {
     constexpr int64_t kBlock = 4096;
     const int64_t blocks = (vocab + kBlock - 1) / kBlock;
