@@ -464,7 +464,7 @@ class DecodeStep {
       const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_indptr,
       const at::Tensor& kv_indices, const std::vector<at::Tensor>& k_bufs,
       const std::vector<at::Tensor>& v_bufs, double scale, int64_t steps,
-      const at::Tensor& stop_ids) {
+      const std::vector<int64_t>& stop_ids) {
     const int64_t batch = ids.numel();
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
                 kv_indptr.numel() == batch + 1 && steps >= 1,
@@ -476,11 +476,9 @@ class DecodeStep {
       TORCH_CHECK(ip[b + 1] - ip[b] >= steps && ip[b + 1] <= indices.numel(),
                   "decode ahead: request ", b, " has fewer KV slots than steps");
     }
-    const at::Tensor stops = stop_ids.to(at::kLong).contiguous();
-    const int64_t* stop = stops.data_ptr<int64_t>();
     const auto stopped = [&](const int64_t* picks) {
       for (int64_t b = 0; b < batch; ++b) {
-        if (std::find(stop, stop + stops.numel(), picks[b]) == stop + stops.numel()) return false;
+        if (std::find(stop_ids.begin(), stop_ids.end(), picks[b]) == stop_ids.end()) return false;
       }
       return true;
     };

@@ -122,13 +122,10 @@ class Engine:
         extend_threads = torch.get_num_threads()
         fused = off_main_thread(self.model.fused_decode_ready)
         self.scheduler = Scheduler(self.pool, self.cache, self.device, s, drafts_as_decodes=fused)
-        self._fused = fused
-        self.scheduler.decode_ahead = s.decode_ahead if fused else 1
         self.events = EventBus()
         self.scheduler.events = self.events
         self.cache.events, self.cache.decode = self.events, self.tokenizer.decode
-        self.picker = TokenPicker(self.tokenizer, self.eos_ids, s, self.events,
-                                  self.scheduler.drop_drafts)
+        self.picker = TokenPicker(self.tokenizer, s, self.events, self.scheduler.drop_drafts)
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         # Request ids to abort, added from any thread; the engine thread applies them
@@ -159,7 +156,7 @@ class Engine:
         the next request and step (the pool, the model and the scheduler's limits keep what
         they were built with)."""
         self._settings = self.requests.settings = self.picker.settings = settings
-        self.scheduler.decode_ahead = settings.decode_ahead if self._fused else 1
+        self.scheduler.set_decode_ahead(settings.decode_ahead)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -379,12 +376,7 @@ class Engine:
 
     def _stop_ids(self, reqs: list[Request]) -> list[int]:
         """The tokens that end a request of reqs (a decode ahead stops once each picks one)."""
-        ids = set()
-        for r in reqs:
-            ids.update(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                ids.update(self.eos_ids)
-        return sorted(ids)
+        return sorted(frozenset().union(*(r.stop_tokens for r in reqs)))
 
     @staticmethod
     def _ahead_rows(batch: ScheduledBatch,
@@ -403,7 +395,7 @@ class Engine:
             self._finish(req, error=pick.error)
             return
         try:
-            req.append(pick.sampled, self.eos_ids, self.decode_text)
+            req.append(pick.sampled, self.decode_text)
         except Exception as e:  # noqa: BLE001 - e.g. a grammar that rejects the token
             self._finish(req, error=e)
             return

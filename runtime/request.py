@@ -39,6 +39,9 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     max_new_tokens: int  # params.max_tokens clipped to the context length
+    # The tokens that end it: params.stop_token_ids, and the model's EOS ids unless
+    # params.ignore_eos (RequestFactory sets them).
+    stop_tokens: frozenset[int] = frozenset()
     # Scoring request: no generation; the logprob of every prompt token from this position
     # on, each given the tokens before it, is recorded and the request ends after prefill.
     logprob_start: int | None = None
@@ -118,7 +121,7 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, s: Sampled, eos_ids: tuple[int, ...], decode: TextDecoder) -> None:
+    def append(self, s: Sampled, decode: TextDecoder) -> None:
         """Take one sampled token, update the text and decide whether the request is done.
         decode: runtime/text_decoder.py's, of the engine's tokenizer."""
         p = self.params
@@ -131,7 +134,7 @@ class Request:
                 self.top_logprobs.append(s.top)
         if self.grammar is not None:
             self.grammar.accept(s.token)
-        if s.token in p.stop_token_ids or (not p.ignore_eos and s.token in eos_ids):
+        if s.token in self.stop_tokens:
             self.finish_reason, self.matched_stop = "stop", s.token
             self.text = decode(self.output_ids[:-1])
             return

@@ -64,7 +64,8 @@ class RequestFactory:
                 f"> pool capacity {self.pool_capacity} tokens; lower max_tokens or raise "
                 "kv_pool_tokens"
             )
-        req = Request(list(prompt_ids), params, max_new)
+        stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_ids)}
+        req = Request(list(prompt_ids), params, max_new, stop_tokens=frozenset(stops))
         if self.settings.token_alternatives:
             req.token_choices = []
         if params.regex is not None or params.json_schema is not None:

@@ -64,9 +64,8 @@ class Scheduler:
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
         self.drafts_as_decodes = drafts_as_decodes
-        # Decode steps one forward may compute (ForwardBatch.ahead); the engine sets it
-        # from EngineConfig.decode_ahead where the model decodes through the fused step.
-        self.decode_ahead = 1
+        self.decode_ahead = 1  # decode steps one forward may compute (ForwardBatch.ahead)
+        self.set_decode_ahead(c.decode_ahead)
         self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
         self.time_slice, self.preemption = c.time_slice, c.preemption
         self.starvation_steps, self.schedule_policy = c.starvation_steps, c.schedule_policy
@@ -389,6 +388,11 @@ class Scheduler:
         for queue in (self.prefilling, self.running, self.suspended, self.waiting):
             if req in queue:
                 queue.remove(req)
+
+    def set_decode_ahead(self, steps: int) -> None:
+        """EngineConfig.decode_ahead: up to `steps` decode steps a forward, where the model
+        decodes through the fused step (drafts_as_decodes); elsewhere one."""
+        self.decode_ahead = steps if self.drafts_as_decodes else 1
 
     def drop_drafts(self, req: Request) -> None:
         """Forget req's draft tokens, and free the KV a step computed for them."""

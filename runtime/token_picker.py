@@ -76,11 +76,11 @@ class DraftCounts:
 
 
 class TokenPicker:
-    def __init__(self, tokenizer, eos_ids: tuple[int, ...], settings: EngineConfig,
-                 events: EventBus, drop_drafts: Callable[[Request], None]):
+    def __init__(self, tokenizer, settings: EngineConfig, events: EventBus,
+                 drop_drafts: Callable[[Request], None]):
         """drop_drafts: the scheduler's, which frees the KV a step computed for drafts
         that the model's pick turned down."""
-        self.tokenizer, self.eos_ids, self.events = tokenizer, eos_ids, events
+        self.tokenizer, self.events = tokenizer, events
         self.settings = settings  # read at each step: the engine may swap it (Engine.settings)
         self._drop_drafts = drop_drafts
         self.jumps = DraftCounts()
@@ -154,14 +154,9 @@ class TokenPicker:
             if not kept:
                 return
             s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
-            agreed = s.token == req.draft_ids[0] if req.draft_ids else False
+            agreed = self._against_draft(req, s, counts)
             s.forced = agreed and not ours
-            if agreed:
-                req.draft_ids.pop(0)
-                counts.accepted += 1
-                agreed_n += 1
-            else:
-                self._drop_drafts(req)
+            agreed_n += agreed
             yield self._token_pick(req, s, top.lists(row, [s.token])[0] if top is not None
                                    else None, drafted=agreed and ours)
             taken += 1
@@ -190,18 +185,25 @@ class TokenPicker:
         alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
         self.aheads.drafted += len(req.draft_ids)
         for j, s in enumerate(sampled):
-            agreed = bool(req.draft_ids) and s.token == req.draft_ids[0]
-            if agreed:
-                req.draft_ids.pop(0)
-                self.aheads.accepted += 1
-            else:
-                self._drop_drafts(req)
+            agreed = self._against_draft(req, s, self.aheads)
             yield self._token_pick(req, s, alts[j] if alts else None)
             if req.finished or not agreed:
                 break
         self.aheads.steps_saved += j
         if not req.draft_ids:
             self._propose_drafts(req)
+
+    def _against_draft(self, req: Request, s: Sampled, counts: DraftCounts) -> bool:
+        """Whether pick s is req's next draft. If so the draft is taken (and counted);
+        if not, req's drafts are dropped with their KV: the rows after a pick of its own
+        belong to tokens it did not pick."""
+        agreed = bool(req.draft_ids) and s.token == req.draft_ids[0]
+        if agreed:
+            req.draft_ids.pop(0)
+            counts.accepted += 1
+        else:
+            self._drop_drafts(req)
+        return agreed
 
     def _propose_drafts(self, req: Request) -> None:
         """The drafts req's next step computes together with its last token: the text its
@@ -267,10 +269,9 @@ class TokenPicker:
             ok.append(i)
         return ok
 
-    def _penalize(self, row: torch.Tensor, r: Request) -> None:
-        p = r.params
-        stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)]
-        adjust_logits(row, p, r.prompt_ids, r.output_ids, stops)
+    @staticmethod
+    def _penalize(row: torch.Tensor, r: Request) -> None:
+        adjust_logits(row, r.params, r.prompt_ids, r.output_ids, sorted(r.stop_tokens))
 
     @staticmethod
     def _mask(row: torch.Tensor, r: Request) -> None:

@@ -109,8 +109,8 @@ def test_only_greedy_batches_decode_ahead(int4_runtime):
     assert runs[0] == runs[1]
 
 
-def test_greedy_picks_is_the_samplers_rule():
-    """Ties go to the first; a NaN wins (numpy's argmax, as sampler.sample)."""
+def test_greedy_picks_rule():
+    """Ties go to the first; a NaN wins (numpy's argmax)."""
     rows = torch.tensor([[0.0, 2.0, 2.0, 1.0], [float("-inf")] * 4,
                          [1.0, float("nan"), 3.0, float("nan")]])
     assert greedy_picks(rows).tolist() == [1, 0, 1]

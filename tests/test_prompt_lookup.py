@@ -207,7 +207,7 @@ def test_the_pick_of_a_drafted_row_is_the_rejection_rule():
     rows = torch.stack([p1.log(), p2.log()])
     bus = EventBus()
     settings = EngineConfig(token_alternatives=0, jump_forward=False, prompt_lookup=False)
-    picker = TokenPicker(None, (), settings, bus, lambda r: r.draft_ids.clear())
+    picker = TokenPicker(None, settings, bus, lambda r: r.draft_ids.clear())
     n, first, second_after_accept = 6000, Counter(), Counter()
     for seed in range(n):
         req = Request([9, 9], SamplingParams(temperature=1.0, seed=seed), max_new_tokens=8)

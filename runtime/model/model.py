@@ -338,8 +338,7 @@ class Model:
         if fused is not None:
             return AheadLogits(*fused.logits_ahead(
                 batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
-                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead,
-                torch.tensor(stop_ids, dtype=torch.int64)))
+                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead, stop_ids))
         rows, picks, ids = [], [], batch.input_ids
         for s in range(batch.ahead):
             rows.append(self.forward(batch.step_of(s, ids), pool))
