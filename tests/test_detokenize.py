@@ -32,7 +32,7 @@ def feed(tokenizer, ids: list[int], **params) -> tuple[Request, list[str]]:
     deltas = []
     decode = text_decoder(tokenizer)
     for t in ids:
-        req.append(Sampled(t), (), decode)
+        req.append(Sampled(t), decode)
         deltas.append(req.take_delta())
         whole = tokenizer.decode(req.output_ids, skip_special_tokens=True)
         assert whole.startswith("".join(deltas))
