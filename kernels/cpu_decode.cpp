@@ -102,6 +102,15 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
   }
 }
 
+// Asks for the first `bytes` of each of rows[0:n].
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows[j]);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+  }
+}
+
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
 #ifdef SGL_NB_AVX2
 // Scores of GN query heads (row stride d, fp32) against NK keys: out[g * stride + n]. Each
@@ -154,10 +163,7 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
     // The scores' pass asked for these rows too, yet the first load of each still missed
     // (28% of the attention's samples in perf): asked for again here, 8 rows ahead, a
     // step's attention took 0.39-0.47 ms against 0.48-0.63 (medians, one process).
-    if (e0 == 0 && j + kValuesAhead < len) {
-      const char* row = reinterpret_cast<const char*>(v[j + kValuesAhead]);
-      for (int64_t off = 0; off < d * int64_t(sizeof(T)); off += 64) __builtin_prefetch(row + off);
-    }
+    if (e0 == 0 && j + kValuesAhead < len) prefetch_rows(v + j + kValuesAhead, 1, d * sizeof(T));
     __m256 pj[GN];
     for (int g = 0; g < GN; ++g) pj[g] = _mm256_set1_ps(p[g * stride + j]);
     for (int m = 0; m < NV; ++m) {
@@ -227,15 +233,6 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
   }
 }
 #endif
-
-// s[j] = cap * tanh(s[j] / cap) (Gemma 2's attention logit soft-cap), tanh written as
-template <typename T>
-inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j) {
-    const char* row = reinterpret_cast<const char*>(rows[j]);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
-  }
-}
 
 // Decode attention, split like flash-decoding: one task per (request, KV head, chunk of at
 // most kChunk of its tokens), whose `group` query heads read each K/V row once; each task

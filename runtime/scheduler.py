@@ -64,7 +64,6 @@ class Scheduler:
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
         self.drafts_as_decodes = drafts_as_decodes
-        self.decode_ahead = 1  # decode steps one forward may compute (ForwardBatch.ahead)
         self.set_decode_ahead(c.decode_ahead)
         self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
         self.time_slice, self.preemption = c.time_slice, c.preemption
@@ -392,6 +391,7 @@ class Scheduler:
     def set_decode_ahead(self, steps: int) -> None:
         """EngineConfig.decode_ahead: up to `steps` decode steps a forward, where the model
         decodes through the fused step (drafts_as_decodes); elsewhere one."""
+        # Decode steps one forward may compute (ForwardBatch.ahead).
         self.decode_ahead = steps if self.drafts_as_decodes else 1
 
     def drop_drafts(self, req: Request) -> None:
