@@ -99,10 +99,23 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0, stride = 0;
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
-  // int4 (AVX2): each 4 bytes of xq repeated in 8 lanes, [rows, k / 4, 8], as int4_panel
-  // multiplies them; loaded whole, where broadcasting them in the kernel took 1.13x its time.
+  // int4 where kSpreadRows: each 4 bytes of xq repeated in 8 lanes, [rows, k / 4, 8], as
+  // int4_panel multiplies them.
   std::vector<int32_t> spread;
 };
+
+// Whether int4_panel loads x's bytes from QuantizedRows.spread (written once per call, 8x
+// xq's size) or broadcasts them from xq. Each way it is one load per 4 bytes and the same
+// integers, so the same bits. On a Zen 1 (AVX2 only) broadcasting took the kernel 1.13x
+// its time in cache. On a Zen 4 (AVX-512) it was 1.1-1.6x faster at 1-64 rows (in cache,
+// one and two threads), and the int4 decode step 15% shorter, its matmuls 0.16-0.26 ms
+// fewer (alternating in one process): the spread (12 KB at K = 1536) was written cold
+// each call and crowded the weights' lines out of L1.
+#if defined(SGL_NB_AVX2) && !defined(__AVX512F__)
+constexpr bool kSpreadRows = true;
+#else
+constexpr bool kSpreadRows = false;
+#endif
 
 // One group of 32 values: its int8 values, step and rounded sum. Rounds to nearest even,
 // as std::nearbyint does in the default rounding mode.
@@ -203,6 +216,22 @@ inline void int4_scales_ahead(const uint16_t* scale, const uint16_t* min, int64_
   stream_ahead(min + g * kRowPanel, 1, kStreamAhead / 8);
 }
 
+// Row r of x's 4-byte words i and i + 4 (its group's low and high nibbles' inputs for
+// unit i % 8) in all 8 lanes.
+struct XWords {
+  __m256i lo, hi;
+};
+inline XWords spread_x(const QuantizedRows& q, int64_t r, int64_t i) {
+  if constexpr (kSpreadRows) {
+    const auto* x = reinterpret_cast<const __m256i*>(q.spread.data() + (r * q.k / 4 + i) * 8);
+    return {_mm256_loadu_si256(x), _mm256_loadu_si256(x + 4)};
+  }
+  int32_t lo, hi;
+  std::memcpy(&lo, q.xq.data() + r * q.k + 4 * i, sizeof lo);
+  std::memcpy(&hi, q.xq.data() + r * q.k + 4 * (i + 4), sizeof hi);
+  return {_mm256_set1_epi32(lo), _mm256_set1_epi32(hi)};
+}
+
 // Rows r0..r0 + NR - 1 of q against one panel of 8 int4 weight rows in our layout (w: the
 // panel's first byte; scale, min: its [G][8]): out[r * 8 + c] = sum_g scale_cg dx_rg
 // (q_cg . xq_rg)_g + min_cg xsum_rg.
@@ -221,7 +250,6 @@ inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
                        const uint16_t* scale, const uint16_t* min, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t k = q.k, fs = q.stride;
-  const int32_t* xs = q.spread.data() + r0 * k / 4 * 8;
   const float *dx = q.dx.data() + r0 * fs, *xsum = q.xsum.data() + r0 * fs;
   __m256 acc[NR];
   for (auto& a : acc) a = _mm256_setzero_ps();
@@ -239,10 +267,9 @@ inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
       const __m256i lo = _mm256_and_si256(b, mask);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
       for (int r = 0; r < NR; ++r) {
-        const auto* x = reinterpret_cast<const __m256i*>(xs + (r * k / 4 + g * 8 + u) * 8);
-        sum16[r] = _mm256_add_epi16(
-            sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)),
-                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 4))));
+        const auto [xlo, xhi] = spread_x(q, r0 + r, g * 8 + u);
+        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                               _mm256_maddubs_epi16(hi, xhi)));
       }
     }
     const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
@@ -879,7 +906,7 @@ inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
   const auto* mp = reinterpret_cast<const uint16_t*>(min.data_ptr());
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q, /*spread=*/true);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q, /*spread=*/kSpreadRows);
     quant_matmul<kRowPanel>(Int4Weights<QuantizedRows>{nib.data_ptr<uint8_t>(), sp, mp, q},
                             rows, n, y.data_ptr<c10::BFloat16>());
   } else {
