@@ -475,15 +475,17 @@ class DecodeStep {
   // first largest logit, the first NaN if any: numpy's argmax, runtime/sampler.py's greedy
   // rule). Request b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] end with the
   // `steps` slots of its new tokens; step s sees the range up to its own new slot. The
-  // steps end early once every request's pick is one of stop_ids. Returns the logits of the
-  // steps run, fp32 [done, B, vocab], and the tokens steps 1 ... done - 1 took, [done - 1,
-  // B] int64. Why: at batch 1 the engine's Python between two steps costs as much as the
-  // attention of all layers; the caller checks each pick as it checks any draft.
+  // steps end early once every request's pick is one of stop_ids, or once interrupt() has
+  // been called since interrupts() returned `mark` (new work for the caller to schedule).
+  // Returns the logits of the steps run, fp32 [done, B, vocab], and the tokens steps 1 ...
+  // done - 1 took, [done - 1, B] int64. Why: at batch 1 the engine's Python between two
+  // steps costs as much as the attention of all layers; the caller checks each pick as it
+  // checks any draft.
   std::pair<at::Tensor, at::Tensor> logits_ahead(
       const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_indptr,
       const at::Tensor& kv_indices, const std::vector<at::Tensor>& k_bufs,
       const std::vector<at::Tensor>& v_bufs, double scale, int64_t steps,
-      const std::vector<int64_t>& stop_ids) {
+      const std::vector<int64_t>& stop_ids, int64_t mark) {
     const int64_t batch = ids.numel();
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
                 kv_indptr.numel() == batch + 1 && steps >= 1,
@@ -522,6 +524,10 @@ class DecodeStep {
         step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
       }
       if (s + 1 == steps) break;
+      if (interrupts_.load(std::memory_order_acquire) != mark) {
+        done = s + 1;
+        break;
+      }
       // Raw pointers from here to the next step: a tensor op costs microseconds here,
       // where the step's weight reads have left the dispatcher's data out of cache.
       int64_t* picks = tokens.data_ptr<int64_t>() + s * batch;
@@ -536,6 +542,11 @@ class DecodeStep {
     }
     return {logits.slice(0, 0, done), tokens.slice(0, 0, done - 1)};
   }
+
+  // Ends a logits_ahead in progress (or the next one, given an earlier mark) after its
+  // current step; from any thread, without the GIL.
+  void interrupt() { interrupts_.fetch_add(1, std::memory_order_release); }
+  int64_t interrupts() const { return interrupts_.load(std::memory_order_acquire); }
 
   // Seconds spent in each phase over the steps since the last call, by name; then zeroes.
   std::vector<std::pair<std::string, double>> phase_seconds() {
@@ -904,6 +915,7 @@ class DecodeStep {
   at::Tensor outs_[5];  // the qkv, o, gate_up, down and activation outputs of the last step
   std::array<double, kPhases> phase_s_{};  // seconds per Phase since phase_seconds()
   std::mutex busy_;     // outs_ serve one step at a time
+  std::atomic<int64_t> interrupts_{0};  // interrupt() calls so far
   LinearSpec head_;
   at::Tensor head16_;
   int64_t refine_;
@@ -994,6 +1006,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, Family>())
       .def("logits", &DecodeStep::logits)
       .def("logits_ahead", &DecodeStep::logits_ahead)
+      .def("interrupt", &DecodeStep::interrupt, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("interrupts", &DecodeStep::interrupts)
       .def("phase_seconds", &DecodeStep::phase_seconds);
   pybind11::class_<Family>(m, "Family")
       .def(pybind11::init<>())

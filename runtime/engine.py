@@ -127,6 +127,7 @@ class Engine:
         self.cache.events, self.cache.decode = self.events, self.tokenizer.decode
         self.picker = TokenPicker(self.tokenizer, s, self.events, self.scheduler.drop_drafts)
         self._inbox: queue.Queue = queue.Queue()
+        self._ahead_mark = 0  # model.ahead_mark() as the loop last drained the inbox
         self._handles: dict[int, RequestHandle] = {}
         # Request ids to abort, added from any thread; the engine thread applies them
         # between steps (a set's add/discard are atomic under the GIL).
@@ -183,8 +184,14 @@ class Engine:
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
         handle = RequestHandle(req, stream, self, on_chunk, on_done)
-        self._inbox.put(handle)
+        self._post(handle)
         return handle
+
+    def _post(self, item: object) -> None:
+        """Hand item to the engine thread, ending a decode ahead in progress after its
+        current step so that it is seen between steps, as at a step a token."""
+        self._inbox.put(item)
+        self.model.interrupt_ahead()
 
     def alive(self) -> bool:
         """Whether the engine thread is serving (a health check reads it)."""
@@ -198,7 +205,7 @@ class Engine:
         if self._stopping:
             return False
         self._aborts.add(rid)
-        self._inbox.put(_WAKE)
+        self._post(_WAKE)
         return True
 
     def abort_program(self, program: int) -> None:
@@ -206,7 +213,7 @@ class Engine:
         already submitted included, as `abort` does for one."""
         if not self._stopping:
             self._abort_programs.add(program)
-            self._inbox.put(_WAKE)
+            self._post(_WAKE)
 
     def flush_cache(self, timeout: float | None = 60.0) -> int:
         """Free every cached prefix no running request holds (held ones stay: their
@@ -221,20 +228,20 @@ class Engine:
             self.cache.reset()
             done.set_result(before - self.cache.total_size())
 
-        self._inbox.put(flush)
+        self._post(flush)
         return done.result(timeout)
 
     def shutdown(self) -> None:
         """Stop the engine thread and join it (it finishes the step it is in); requests still
         running or queued fail with an error naming the shutdown."""
         self._stopping = True
-        self._inbox.put(None)
+        self._post(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
     def wake(self) -> None:
         """Re-check held work now (a step controller granted a step)."""
-        self._inbox.put(_WAKE)
+        self._post(_WAKE)
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -271,8 +278,12 @@ class Engine:
     def _drain(self, timeout: float | None) -> bool:
         """Move submitted requests into the scheduler, waiting up to timeout (None: until
         something arrives) for the first; False once shut down."""
+        self._ahead_mark = self.model.ahead_mark()
         try:
             item = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+            # What is posted from here on and not drained below ends the next decode ahead
+            # early (the wake-up that brought item must not).
+            self._ahead_mark = self.model.ahead_mark()
             while True:
                 if item is None:
                     return False
@@ -328,7 +339,7 @@ class Engine:
         try:
             if ahead > 1:
                 rows = self.model.forward_ahead(batch.forward, self.pool,
-                                                self._stop_ids(batch.reqs))
+                                                self._stop_ids(batch.reqs), self._ahead_mark)
                 logits = StepLogits(rows.rows[-1], None, rows)
                 ahead = rows.rows.shape[0]  # the steps it ran
             else:

@@ -49,12 +49,14 @@ class EngineConfig:
     token_alternatives: int = 5
     # Where every request of a decode step is greedy with nothing between its steps that
     # could change its picks (no grammar, penalties, drafts or step controller), one call
-    # of the fused CPU step decodes up to this many tokens ahead, each its greedy pick
-    # (never more than a request has generated so far; ending at a stop token), and the
-    # picker then checks each row as it checks any draft: the same tokens, with the
-    # engine's Python between steps paid once for them. Tokens then stream in runs of up
-    # to this many. 1: a step a token.
-    decode_ahead: int = 8
+    # of the fused CPU step decodes up to this many tokens ahead over its requests (a batch
+    # of B: decode_ahead // B steps), each its greedy pick, and the picker then checks each
+    # row as it checks any draft: the same tokens, with the engine's Python between steps
+    # paid once for them. A run never takes more steps than a request has generated so
+    # far, nor 8 where it has stop strings (runs past one are computed for nothing); it
+    # ends at a stop token, and after its current step once new work arrives. Tokens then
+    # stream in runs of up to this many. 1: a step a token.
+    decode_ahead: int = 32
 
     def __post_init__(self) -> None:
         for name in ("kv_pool_tokens", "max_prefill_tokens", "max_running", "time_slice",

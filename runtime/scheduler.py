@@ -55,6 +55,11 @@ IN_BATCH_SHARE_MIN = 32
 # LPM_MAX_QUEUE the ranking costs more than it saves and the queue goes in arrival order.
 LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
 
+# Decode steps a run takes at most where a request has stop strings: the step cannot see
+# text, so the steps past a stop string are computed for nothing (at most 7 here; at 32 a
+# 20-token answer ending at a newline had computed up to 12 more).
+AHEAD_WITH_STOP_STRINGS = 8
+
 
 class Scheduler:
     def __init__(self, pool: KVPool, cache: RadixCache, device: torch.device,
@@ -325,7 +330,9 @@ class Scheduler:
         between the steps could change them (no grammar, penalties or drafts, no step
         controller), within what each may still generate, what it has generated so far
         and the free KV; else 1."""
-        n = self.decode_ahead if reqs else 1
+        # decode_ahead rows of logits over the batch: a run's rows [steps, B, vocab] are
+        # fp32, and the picker reads each.
+        n = self.decode_ahead // len(reqs) if reqs else 1
         for r in reqs:
             p = r.params
             if (n <= 1 or r.draft_ids or r.grammar is not None or r.gate is not None
@@ -334,6 +341,8 @@ class Scheduler:
             # At most as many as it has generated: a request that stops early (a stop
             # string) wastes at most the steps past its stop, and a short one few.
             n = min(n, r.max_new_tokens - len(r.output_ids), max(len(r.output_ids), 1))
+            if p.stop:  # its end is a text the step cannot see
+                n = min(n, AHEAD_WITH_STOP_STRINGS)
         return n if n * len(reqs) <= self.pool.available() else 1
 
     def _make_room_for_decode(self) -> None:

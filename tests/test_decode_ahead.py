@@ -12,7 +12,7 @@ import torch
 
 from sgl_nb import Runtime
 from sgl_nb.kernels import cpu_decode
-from sgl_nb.runtime.model.forward_batch import greedy_picks
+from sgl_nb.runtime.model.forward_batch import build_batch, greedy_picks
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ compiler")
 
@@ -107,6 +107,45 @@ def test_only_greedy_batches_decode_ahead(int4_runtime):
         ])
         assert rt.engine.metrics()["decode_ahead_drafted"] == before
     assert runs[0] == runs[1]
+
+
+def test_an_interrupt_ends_the_run_after_its_step(int4_runtime):
+    """interrupt_ahead after the mark the run was given: one step, its logits those of the
+    whole run's first; none: every step."""
+    model, pool = int4_runtime.engine.model, int4_runtime.engine.pool
+    assert model.fused_decode_ready()
+    slots = pool.alloc(26)  # a 20-token context (whatever its KV holds) and 6 new tokens
+    try:
+        batch = build_batch(True, [[42]], [20], [slots], [slots[20:21]], "cpu")
+        batch.ahead = 6
+        whole = model.forward_ahead(batch, pool, [], model.ahead_mark())
+        mark = model.ahead_mark()
+        model.interrupt_ahead()
+        cut = model.forward_ahead(batch, pool, [], mark)
+    finally:
+        pool.free(slots)
+    assert whole.rows.shape[0] == 6 and whole.tokens.shape[0] == 5
+    assert cut.rows.shape[0] == 1 and cut.tokens.shape[0] == 0
+    assert torch.equal(cut.rows[0], whole.rows[0])
+
+
+def test_work_arriving_mid_run_changes_no_token(int4_runtime):
+    """Requests submitted while a long run decodes end it early (Engine._post): each
+    output is still the one it has alone, and no slot is left behind."""
+    rt = int4_runtime
+    rt.engine.settings = dataclasses.replace(rt.engine.settings, decode_ahead=32)
+    story, questions = chat(rt, STORY), [chat(rt, q) for q in QUESTIONS]
+    alone = [rt.generate(story, max_tokens=150, ignore_eos=True).token_ids,
+             *[o.token_ids for o in rt.generate(questions, max_tokens=30)]]
+    text, handles = [], []
+    for chunk in rt.generate(story, max_tokens=150, ignore_eos=True, stream=True):
+        text.append(chunk)
+        if len(text) in (64, 65, 66):  # while the story decodes ahead in runs of 32
+            handles.append(rt.submit(questions[len(handles)], max_tokens=30))
+    assert "".join(text) == rt.engine.tokenizer.decode(alone[0])
+    assert [h.result().token_ids for h in handles] == alone[1:]
+    rt.flush_cache()
+    assert rt.engine.pool.used() == 0
 
 
 def test_greedy_picks_rule():

@@ -329,16 +329,17 @@ class Model:
         last = rows[batch.logits_at]
         return last if batch.score_rows is None else (last, rows[batch.score_rows])
 
-    def forward_ahead(self, batch: ForwardBatch, pool: KVPool,
-                      stop_ids: list[int]) -> AheadLogits:
+    def forward_ahead(self, batch: ForwardBatch, pool: KVPool, stop_ids: list[int],
+                      mark: int = 0) -> AheadLogits:
         """Up to batch.ahead decode steps (ForwardBatch), each request's later inputs its
-        greedy picks, ending early once every pick is one of stop_ids: on CPU one C++ call,
-        so that no Python runs between the steps."""
+        greedy picks, ending early once every pick is one of stop_ids, or (the fused step)
+        once interrupt_ahead was called after ahead_mark() gave `mark`: on CPU one C++
+        call, so that no Python runs between the steps."""
         fused = self._fused_decode()
         if fused is not None:
             return AheadLogits(*fused.logits_ahead(
                 batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
-                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead, stop_ids))
+                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead, stop_ids, mark))
         rows, picks, ids = [], [], batch.input_ids
         for s in range(batch.ahead):
             rows.append(self.forward(batch.step_of(s, ids), pool))
@@ -434,6 +435,17 @@ class Model:
         attention, norms, ...) since the last call, then zeroed; None without that step."""
         fused = self._fused_decode()
         return None if fused is None else dict(fused.phase_seconds())
+
+    def ahead_mark(self) -> int:
+        """The count of interrupt_ahead calls so far (forward_ahead's `mark`)."""
+        return self._fused.interrupts() if self._fused else 0
+
+    def interrupt_ahead(self) -> None:
+        """From any thread: a forward_ahead given an earlier mark ends after its current
+        step (work waits that the engine schedules between steps)."""
+        fused = self._fused
+        if fused:
+            fused.interrupt()
 
     def fused_decode_ready(self) -> bool:
         """Whether decode steps take the fused CPU path (building it if needed)."""

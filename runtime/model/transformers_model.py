@@ -286,6 +286,12 @@ class TransformersModel:
     def fused_decode_ready(self) -> bool:
         return False  # the fused C++ decode step is the native runner's
 
+    def ahead_mark(self) -> int:
+        return 0  # no decode ahead here (it takes the fused step): nothing to interrupt
+
+    def interrupt_ahead(self) -> None:
+        pass
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
