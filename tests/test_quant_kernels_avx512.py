@@ -1,11 +1,10 @@
 """The AVX-512 VNNI quantized kernels (kernels/cpu_quant_matmul.h) against the AVX2 ones.
 
 Where the build has AVX-512 VNNI, the int8 and Q8_0 blocks (one row of x against a panel
-of 8 weight rows, up to 4 rows against 2) take dpbusd; their float part is the AVX2
-kernels', so the two give the same bits, and a row decoded alone gets the bits it gets in a
-batch. The module's set_isa switches between them in one build. int4 takes its AVX2 panel
-kernel under either setting (it has no VNNI one), so its rows here check the batch bits on
-such a CPU. Our kernels take N a multiple of 8 only (an int8 layer of other N goes to
+of 8 weight rows, up to 4 rows against 2) and the int4 panels (up to 4 rows against 8) take
+dpbusd; their float part is the AVX2 kernels', so the two give the same bits, and a row
+decoded alone gets the bits it gets in a batch. The module's set_isa switches between them
+in one build. Our kernels take N a multiple of 8 only (an int8 layer of other N goes to
 torch's kernel: tests/test_cpu_decode.py).
 """
 
