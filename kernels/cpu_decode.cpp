@@ -452,34 +452,23 @@ class DecodeStep {
     check_family(layers);
   }
 
-  // Logits, fp32 [B, vocab], of one new token per row: ids and positions [B] int64, row
-  // b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (the new token's last, at
-  // out_loc[b]). rows: those whose logits to compute ([R] int64, R <= B; the LM head is a
-  // step's largest matmul), or empty for every row.
+  // Logits, fp32 [B, vocab], of one new token per request: ids and positions [B] int64,
+  // request b's KV slots kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (the new token's last,
+  // at out_loc[b]).
   at::Tensor logits(const at::Tensor& ids, const at::Tensor& positions,
                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                     const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                    const std::vector<at::Tensor>& v_bufs, double scale,
-                    const at::Tensor& rows) {
+                    const std::vector<at::Tensor>& v_bufs, double scale) {
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
                 out_loc.sizes() == ids.sizes() && kv_indptr.numel() == ids.numel() + 1,
                 "decode: ids, positions and out_loc [B], kv_indptr [B + 1]");
-    at::Tensor head_rows;  // undefined: every row (a decode step: no tensor op for it)
-    if (rows.numel()) {
-      head_rows = rows.to(at::kLong).contiguous();
-      const int64_t* r = head_rows.data_ptr<int64_t>();
-      TORCH_CHECK(head_rows.dim() == 1 && std::all_of(r, r + head_rows.numel(), [&](int64_t i) {
-                    return i >= 0 && i < ids.numel();
-                  }), "decode: rows are row numbers of ids");
-    }
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
     std::lock_guard<std::mutex> lock(busy_);
     if (dtype_ == at::kFloat) {
-      return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale,
-                         {}, head_rows);
+      return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     }
     return step<c10::BFloat16>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs,
-                               scale, {}, head_rows);
+                               scale);
   }
 
   // Up to `steps` decode steps in one call, each request's next token its greedy pick (the
@@ -682,8 +671,7 @@ class DecodeStep {
   at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                   const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {},
-                  const at::Tensor& head_rows = {}) {
+                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
     PhaseClock clock(phase_s_);
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     const at::Tensor positions = positions_in.to(at::kLong).contiguous();
@@ -708,7 +696,6 @@ class DecodeStep {
     at::Tensor hn = at::empty({batch, n}, embed_.options());
     rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
                        n, eps_);
-    if (head_rows.defined() && head_rows.numel()) hn = hn.index_select(0, head_rows);
     clock.mark(kNorms);
     at::Tensor logits = into.defined() ? into.copy_(run_linear(head_, hn))
                                        : run_linear(head_, hn).to(at::kFloat).contiguous();

@@ -10,11 +10,7 @@ run decode-shaped: each new token a row of its own whose KV range ends at itself
 the model's decode path computes it (on CPU the fused C++ step, which gives every row the
 bits a decode of that token alone would: the output is the one decoding gives, in every
 dtype, and one pass reads the weights once for all the drafts). The flattened rows are
-the same either way, so `scored`, `drafts` and logits_at index them alike. A short prompt
-chunk (at most PROMPT_AS_DECODES tokens in the step, nothing scored) runs so too: the
-fused step then spares it the layer loop's torch ops (a 46-token prompt's first token
-45.4 -> 36.7 ms on a 2-core Zen 4, int4, alternating in one process), and its rows' KV
-index lists (each row's whole range, a list per row) stay short.
+the same either way, so `scored`, `drafts` and logits_at index them alike.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import torch
 from sgl_nb.runtime.model.forward_batch import ForwardBatch, build_batch
 from sgl_nb.runtime.request import Request
 
-PROMPT_AS_DECODES = 64
 
 class ScoredRows(NamedTuple):
     """A scoring request's rows in this step: the logits at positions first_pos ...
@@ -72,9 +67,8 @@ class ScheduledBatch:
 def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
                device: torch.device, drafts_as_decodes: bool = False) -> ScheduledBatch:
     """chosen: (request, tokens it computes); its slots already include the new ones.
-    drafts_as_decodes: a step whose every request checks drafts, or a short prompt step,
-    runs decode-shaped. A decode of more than one token a request decodes ahead (every
-    request as many)."""
+    drafts_as_decodes: a step whose every request checks drafts runs decode-shaped.
+    A decode of more than one token a request decodes ahead (every request as many)."""
     reqs = [r for r, _ in chosen]
     lens = [n for _, n in chosen]
     starts = [r.fill_len - n for r, n in chosen]
@@ -85,10 +79,8 @@ def make_batch(is_decode: bool, chosen: list[tuple[Request, int]],
     rows: list[int] = []
     scored = _score_rows(reqs, starts, lens, rows)
     drafts = [] if is_decode else _draft_rows(reqs, starts, lens, rows)
-    with_drafts = sum(bool(r.draft_ids) for r in reqs)
-    if drafts_as_decodes and not is_decode and not scored and (
-            with_drafts == len(reqs) or (not with_drafts and sum(lens) <= PROMPT_AS_DECODES)):
-        fb = _decode_shaped(reqs, tokens, starts, lens, device, rows or None)
+    if drafts_as_decodes and not is_decode and not scored and all(r.draft_ids for r in reqs):
+        fb = _drafts_as_decodes(reqs, tokens, starts, lens, device, rows or None)
     else:
         fb = build_batch(
             is_decode, tokens, starts, [r.slots for r in reqs], out_loc, device, rows or None,
@@ -107,12 +99,12 @@ def _decode_ahead(reqs: list[Request], starts: list[int], ahead: int,
     return ScheduledBatch(reqs, [ahead] * len(reqs), fb, [], [], True)
 
 
-def _decode_shaped(reqs: list[Request], tokens: list[list[int]], starts: list[int],
-                   lens: list[int], device: torch.device,
-                   score_rows: list[int] | None) -> ForwardBatch:
-    """The decode-shaped forward of an extend step (drafts, or a short prompt chunk): the
-    token at position p of a request is a row that sees the request's slots up to p (its
-    own included: the decode path stores every row's KV before any row attends)."""
+def _drafts_as_decodes(reqs: list[Request], tokens: list[list[int]], starts: list[int],
+                       lens: list[int], device: torch.device,
+                       score_rows: list[int] | None) -> ForwardBatch:
+    """The decode-shaped forward of a step of drafts: the token at position p of a request
+    is a row that sees the request's slots up to p (its own included: the decode path
+    stores every row's KV before any row attends)."""
     fb = build_batch(
         True,
         [[t] for toks in tokens for t in toks],

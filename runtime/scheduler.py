@@ -64,8 +64,8 @@ AHEAD_WITH_STOP_STRINGS = 8
 class Scheduler:
     def __init__(self, pool: KVPool, cache: RadixCache, device: torch.device,
                  config: EngineConfig | None = None, drafts_as_decodes: bool = False):
-        """drafts_as_decodes: steps of drafts only, and short prompt steps, run
-        decode-shaped (the model's fused CPU decode computes them; scheduled_batch.py)."""
+        """drafts_as_decodes: steps of drafts only run decode-shaped (the model's fused CPU
+        decode computes them; scheduled_batch.py)."""
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
         self.drafts_as_decodes = drafts_as_decodes

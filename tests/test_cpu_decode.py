@@ -210,41 +210,6 @@ def test_decode_step_matches_the_torch_path_in_fp32(model_path):
         assert torch.equal(w.argmax(-1), g.argmax(-1))
 
 
-def decode_shaped_prompt(model, prompt: list[int], slots: torch.Tensor):
-    """A prompt's tokens as decode rows (scheduled_batch._decode_shaped): row t sees slots
-    [0, t]; logits_at its last row."""
-    batch = build_batch(True, [[t] for t in prompt], list(range(len(prompt))),
-                        [slots[: t + 1] for t in range(len(prompt))],
-                        [slots[t : t + 1] for t in range(len(prompt))], model.device)
-    batch.logits_at = torch.tensor([len(prompt) - 1])
-    return batch
-
-
-@pytest.mark.slow
-def test_a_prompt_run_as_decode_rows_gives_the_extend_logits(model_path):
-    """A short prompt's prefill through the fused step: the LM head on its last row only
-    gives that row's bits of the head on every row, and the logits (and the KV the next
-    decode reads) are the torch extend path's to fp32 rounding."""
-    model = Model.load(model_path)
-    prompt, slots = list(range(100, 140)), torch.arange(1, 41)
-    pool = model.new_kv_pool(128)
-    model.use_fused_decode(False)
-    want = model.forward(build_batch(False, [prompt], [0], [slots], [slots], model.device), pool)
-    after = build_batch(True, [[777]], [40], [torch.arange(1, 42)], [torch.tensor([41])],
-                        model.device)
-    want_next = model.forward(after, pool)
-    model.use_fused_decode(True)
-    batch = decode_shaped_prompt(model, prompt, slots)
-    last = model.forward(batch, pool)
-    batch.score_rows = torch.arange(len(prompt))
-    last_of_all, every = model.forward(batch, pool)
-    assert last.shape == (1, model.config.vocab_size)
-    assert torch.equal(last, last_of_all) and torch.equal(last[0], every[-1])
-    for w, g in ((want, last), (want_next, model.forward(after, pool))):
-        assert (w - g).abs().max() < 1e-4 * w.abs().max()
-        assert torch.equal(w.argmax(-1), g.argmax(-1))
-
-
 @pytest.mark.slow
 def test_decode_step_rejects_a_token_outside_the_vocabulary_and_serves_on(model_path):
     """The step checks its token ids before touching the KV pool; the next step of the

@@ -307,7 +307,7 @@ def test_greedy_copy_is_the_same_and_drafts_are_taken(default_backend):
 @pytest.mark.parametrize("mode", [{"quantization": "int4"}, {"dtype": "bfloat16"}])
 def test_16_bit_and_int4_give_the_same_output_with_it(model_path, mode):
     """Where the extend path and the decode step round apart (16-bit activations, int4
-    weights), the drafts are checked decode-shaped (scheduled_batch._decode_shaped):
+    weights), the drafts are checked decode-shaped (scheduled_batch._drafts_as_decodes):
     the fused decode step gives each drafted row the bits a lone decode would, so the
     output is the same token for token. (Checked by the torch extend, near-ties resolved
     apart and the int4 copy changed.)"""

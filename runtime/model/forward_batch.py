@@ -18,9 +18,9 @@ class ForwardBatch:
     kv_indptr has B+1 entries and request b's KV slots (its cached prefix and its new
     tokens, in position order) are kv_indices[kv_indptr[b]:kv_indptr[b+1]];
     logits_at holds, per request, the row of its last new token.
-    Decode-shaped (is_decode): one token per row, B == T; a step of drafts or a short
-    prompt chunk may run so (scheduled_batch._decode_shaped), its rows then more than its
-    requests, logits_at picking each request's last.
+    Decode-shaped (is_decode): one token per row, B == T; a step of drafts may run so
+    (scheduled_batch._drafts_as_decodes), its rows then more than its requests, logits_at
+    picking each request's last.
     Decoding ahead (ahead > 1, decode-shaped): request b's KV slots end with the slots of
     its `ahead` new tokens, out_cache_loc holding the first; step s computes the token at
     positions + s, the first step input_ids, each later one the greedy pick of the step

@@ -76,7 +76,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-NO_ROWS = torch.empty(0, dtype=torch.int64)  # DecodeStep.logits' rows: all of them
 ACTIVATIONS = {Activation.SILU: F.silu, Activation.GELU_TANH: partial(F.gelu, approximate="tanh")}
 
 
@@ -321,17 +320,14 @@ class Model:
         # Outside inference mode: the step is one C++ call that records no autograd, and
         # entering and leaving the mode cost ~30 us of a decode step's Python (its code is
         # out of cache after the step's weight reads).
-        # Without score rows only logits_at's go through the LM head (a prompt's last).
-        only = batch.score_rows is None and batch.logits_at.numel() < batch.input_ids.numel()
         rows = fused.logits(
             batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
             batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale,
-            batch.logits_at if only else NO_ROWS,
         )
-        if batch.score_rows is None:
-            return rows  # a decode step's row per request, or logits_at's
+        if batch.score_rows is None and batch.logits_at.numel() == rows.shape[0]:
+            return rows  # a decode step: a row per request
         last = rows[batch.logits_at]
-        return last, rows[batch.score_rows]
+        return last if batch.score_rows is None else (last, rows[batch.score_rows])
 
     def forward_ahead(self, batch: ForwardBatch, pool: KVPool, stop_ids: list[int],
                       mark: int = 0) -> AheadLogits:
