@@ -170,8 +170,8 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     since = {}
 
     def decoding() -> None:
-        # Zeroed once the prompt is in: the fused step computes a short prompt too, and
-        # the breakdown is its decode steps'.
+        # Zeroed once the prompt is in: the breakdown covers the decode steps from the
+        # first token on, the window `step` is measured over.
         model.decode_phase_seconds()
         since.update(decodes=engine.steps["decode"], forward_s=engine.step_seconds["decode"])
 
