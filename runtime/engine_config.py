@@ -53,9 +53,10 @@ class EngineConfig:
     # of B: decode_ahead // B steps), each its greedy pick, and the picker then checks each
     # row as it checks any draft: the same tokens, with the engine's Python between steps
     # paid once for them. A run never takes more steps than a request has generated so
-    # far, nor 8 where it has stop strings (runs past one are computed for nothing); it
-    # ends at a stop token, and after its current step once new work arrives. Tokens then
-    # stream in runs of up to this many. 1: a step a token.
+    # far, nor 8 where it has stop strings (runs past one are computed for nothing) or
+    # prompt lookup (drafts are proposed between runs); it ends at a stop token, and after
+    # its current step once new work arrives. Tokens then stream in runs of up to this
+    # many. 1: a step a token.
     decode_ahead: int = 32
 
     def __post_init__(self) -> None:
