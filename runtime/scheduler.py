@@ -56,10 +56,10 @@ IN_BATCH_SHARE_MIN = 32
 LPM_MIN_QUEUE, LPM_MAX_QUEUE = 4, 256
 
 # Decode steps a run takes at most where a request has stop strings (the step cannot see
-# text, so the steps past one are computed for nothing: at most 7 here; at 32 a 20-token
-# answer ending at a newline had computed up to 12 more) or prompt lookup (its drafts are
-# proposed between runs: at 32, a copy workload drafted 666 tokens where at 8 it drafted
-# 910, and lookup's gain fell from 1.60x to 1.35x).
+# text, so the steps past one are computed for nothing: at most 7 here, where at 32 a
+# 20-token answer ending at a newline could compute 12 more) or prompt lookup (its drafts
+# are proposed between runs: at 32 `sgl-nb bench copy` drafted 666 tokens and lookup
+# gained 1.35x; at 8, 903 and 1.61x).
 SHORT_AHEAD = 8
 
 
