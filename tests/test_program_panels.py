@@ -11,6 +11,8 @@ from support.waits import WAIT
 import sgl_nb as sgl
 from sgl_nb.notebook.widgets import CacheTreeView, ProgramWidget
 from sgl_nb.notebook.widgets.keyed import Item, KeyedView
+from sgl_nb.notebook.widgets.timing import Timings
+from sgl_nb.runtime.events import CacheHit, InstructionFinished, InstructionStarted, Op, Token
 
 slow = pytest.mark.slow
 
@@ -213,3 +215,18 @@ def test_timings_fold_queue_prefill_decode():
     assert n.cache_hit == pytest.approx(0.3)
     assert n.summary() == "queue 0 ms · prefill 2 ms · decode 3 ms · cache 3/10 tok"
     assert t.node(8).requests == 0 and t.node(8).summary() == ""
+
+
+def test_timing_keeps_engine_events_that_come_before_the_start():
+    """The executor reports an Instruction's start once the engine has its request, which
+    may have admitted it and decoded already: those events still count, and its queue
+    time is 0, not negative."""
+    t = Timings()
+    t.apply(CacheHit(request=7, ts=1_000, cached_tokens=3, prompt_tokens=10))
+    t.apply(Token(request=7, ts=3_000_000))
+    t.apply(InstructionStarted(node=2, request=7, op=Op.DECODE, ts=5_000))
+    t.apply(InstructionFinished(node=2, request=7, op=Op.DECODE, ts=9_000_000))
+    got = t.node(2)
+    assert got.requests == 1 and got.queue_s == 0
+    assert got.prefill_s == (3_000_000 - 1_000) / 1e9 and got.decode_s == 6_000_000 / 1e9
+    assert (got.cached_tokens, got.prompt_tokens) == (3, 10)

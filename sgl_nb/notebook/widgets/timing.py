@@ -74,13 +74,16 @@ class Timings:
             return
         r = self._requests.get(e.request)
         if isinstance(e, InstructionStarted):
-            if r is None:
-                r = self._requests[e.request] = _Request(e.node, e.op)
+            if r is None or r.node is None:
+                r = self._requests.setdefault(e.request, _Request(None, None))
+                r.node, r.kind = e.node, e.op
                 self._by_node.setdefault(e.node, []).append(e.request)
-            r.submitted = e.ts
+            # The executor reports a start once the engine has the request, which may have
+            # admitted it already: it was submitted no later than that.
+            r.submitted = e.ts if r.admitted is None else min(e.ts, r.admitted)
             return
-        if r is None:
-            return
+        if r is None:  # its engine events came before its start: kept for when it comes
+            r = self._requests[e.request] = _Request(None, None)
         if isinstance(e, CacheHit) and r.admitted is None:
             r.admitted = e.ts
             r.cached_tokens, r.prompt_tokens = e.cached_tokens, e.prompt_tokens
