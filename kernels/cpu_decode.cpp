@@ -1006,7 +1006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, Family>())
       .def("logits", &DecodeStep::logits)
       .def("logits_ahead", &DecodeStep::logits_ahead)
-      .def("interrupt", &DecodeStep::interrupt, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("interrupt", &DecodeStep::interrupt)
       .def("interrupts", &DecodeStep::interrupts)
       .def("phase_seconds", &DecodeStep::phase_seconds);
   pybind11::class_<Family>(m, "Family")

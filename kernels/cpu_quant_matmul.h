@@ -245,37 +245,52 @@ inline XWords spread_x(const QuantizedRows& q, int64_t r, int64_t i) {
 // cycles: those 4 cycles per 32 bytes are the kernel's floor there. In cache on one core,
 // 3.2 ns per 32 bytes against 4.4-4.7 (K = 576, 1536; a standalone copy of both), and the
 // engine's int4 one stream 1.1-1.3x (measured on a 2-core Zen 1: docs/benchmarks.md).
-template <int NR>
+//
+// With Vnni (AVX-512 VNNI on ymm) each unit and row takes two dpbusd (low and high nibbles,
+// each its own int32 chain) where AVX2 takes two maddubs and two 16-bit adds, and the
+// group's madd goes. Lane c of a group's int32 sum is the same integer either way (no 16-bit
+// sum saturates), and the float part is shared, so the bits are the same. Measured on a
+// 2-core Zen 4, K = 576 and 1536, in cache, one and two threads: 1.2-1.3x at 4 to 46 rows
+// of x (prefill, batched decode), 1.06-1.17x at 1 and 2.
+template <int NR, bool Vnni = false>
 inline void int4_panel(const uint8_t* w, const QuantizedRows& q, int64_t r0,
                        const uint16_t* scale, const uint16_t* min, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int64_t k = q.k, fs = q.stride;
+  const int64_t fs = q.stride;
   const float *dx = q.dx.data() + r0 * fs, *xsum = q.xsum.data() + r0 * fs;
   __m256 acc[NR];
   for (auto& a : acc) a = _mm256_setzero_ps();
-  const int64_t groups = k / kGroup;
+  const int64_t groups = q.k / kGroup;
   if (groups < 1) __builtin_unreachable();  // else GCC keeps acc in memory
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
     stream_ahead(wg, 2);
     int4_scales_ahead(scale, min, g);
-    __m256i sum16[NR];
-    for (auto& s : sum16) s = _mm256_setzero_si256();
+    // Row r's group sum so far: AVX2's 16-bit sums in lo[r]; VNNI's int32 chains in both.
+    __m256i lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + u * kGroup));
-      const __m256i lo = _mm256_and_si256(b, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      const __m256i wlo = _mm256_and_si256(b, mask);
+      const __m256i whi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
       for (int r = 0; r < NR; ++r) {
-        const auto [xlo, xhi] = spread_x(q, r0 + r, g * 8 + u);
-        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
-                                                               _mm256_maddubs_epi16(hi, xhi)));
+        const XWords x = spread_x(q, r0 + r, g * 8 + u);
+        if constexpr (Vnni) {
+#ifdef SGL_NB_AVX512_VNNI
+          lo[r] = _mm256_dpbusd_epi32(lo[r], wlo, x.lo);
+          hi[r] = _mm256_dpbusd_epi32(hi[r], whi, x.hi);
+#endif
+        } else {
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_add_epi16(_mm256_maddubs_epi16(wlo, x.lo),
+                                                           _mm256_maddubs_epi16(whi, x.hi)));
+        }
       }
     }
     const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
     for (int r = 0; r < NR; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones));
-      acc[r] = add_group(acc[r], dot, s, dx[r * fs + g], m, xsum[r * fs + g]);
+      const __m256i sum32 = Vnni ? _mm256_add_epi32(lo[r], hi[r]) : _mm256_madd_epi16(lo[r], ones);
+      acc[r] = add_group(acc[r], _mm256_cvtepi32_ps(sum32), s, dx[r * fs + g], m, xsum[r * fs + g]);
     }
   }
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kRowPanel, acc[r]);
@@ -455,48 +470,6 @@ inline void int8_block_vnni(const int8_t* w, int64_t gs, const int8_t* xq, int64
     }
   }
   store_halves(acc, out);
-}
-
-// int4_panel with AVX-512 VNNI (on ymm): per unit and row two dpbusd (low and high
-// nibbles, each its own chain) where int4_panel takes two maddubs and two 16-bit adds, and
-// a group's madd goes. Lane c of a group's int32 sum is the same integer either way (no
-// 16-bit sum saturates: see int4_panel), and the float part is int4_panel's, so the bits
-// are the same. Measured on a 2-core Zen 4, K = 576 and 1536, in cache, one and two
-// threads: 1.2-1.3x at 4 to 46 rows of x (prefill, batched decode), 1.06-1.17x at 1 and 2.
-template <int NR>
-inline void int4_panel_vnni(const uint8_t* w, const QuantizedRows& q, int64_t r0,
-                            const uint16_t* scale, const uint16_t* min, float* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const int64_t fs = q.stride;
-  const float *dx = q.dx.data() + r0 * fs, *xsum = q.xsum.data() + r0 * fs;
-  __m256 acc[NR];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  const int64_t groups = q.k / kGroup;
-  if (groups < 1) __builtin_unreachable();  // else GCC keeps acc in memory
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * kRowPanel * kGroup / 2;
-    stream_ahead(wg, 2);
-    int4_scales_ahead(scale, min, g);
-    __m256i lo32[NR], hi32[NR];
-    for (int r = 0; r < NR; ++r) lo32[r] = hi32[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + u * kGroup));
-      const __m256i lo = _mm256_and_si256(b, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-      for (int r = 0; r < NR; ++r) {
-        const XWords x = spread_x(q, r0 + r, g * 8 + u);
-        lo32[r] = _mm256_dpbusd_epi32(lo32[r], lo, x.lo);
-        hi32[r] = _mm256_dpbusd_epi32(hi32[r], hi, x.hi);
-      }
-    }
-    const __m256 s = load8_half(scale + g * kRowPanel), m = load8_half(min + g * kRowPanel);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo32[r], hi32[r]));
-      acc[r] = add_group(acc[r], dot, s, dx[r * fs + g], m, xsum[r * fs + g]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kRowPanel, acc[r]);
 }
 #endif
 
@@ -763,7 +736,7 @@ struct Int4Weights {
       if constexpr (std::is_same_v<Rows, QuantizedRows>) {
 #ifdef SGL_NB_AVX512_VNNI
         if (vnni) {
-          return int4_panel_vnni<NR>(w, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
+          return int4_panel<NR, true>(w, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
         }
 #endif
         int4_panel<NR>(w, x, r0, scale + p0 * x.groups, min + p0 * x.groups, o);
