@@ -37,7 +37,7 @@ DEFAULTS = {
     "gguf": {"model": None, "new_tokens": 128, "repeat": 6, "json": None},
     "copy": {"model": None, "dtype": "float32", "quantization": None, "hf_lookup_tokens": 10,
              "max_tokens": None, "repeat": 3, "json": None},
-    "ahead": {"model": None, "quantization": "int4", "values": [1, 8], "new_tokens": 256,
+    "ahead": {"model": None, "quantization": "int4", "values": None, "new_tokens": 256,
               "requests": 8, "prefix_tokens": 400, "batch_tokens": 64, "repeat": 4,
               "json": None},
     "peers": {"files": ["Q4_0", "Q4_1", "Q8_0", "F32"], "new_tokens": 128, "repeat": 4,

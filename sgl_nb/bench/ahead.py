@@ -65,8 +65,9 @@ def print_summary(s: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument("--quantization", default="int4", help="int4, int8 or none")
-    parser.add_argument("--values", type=int, nargs="+", default=[1, 8],
-                        help="decode_ahead values, the first the baseline")
+    parser.add_argument("--values", type=int, nargs="+", default=None,
+                        help="decode_ahead values, the first the baseline (default: 1 and "
+                        "the engine's default)")
     parser.add_argument("--new-tokens", type=int, default=256, help="one-stream tokens")
     parser.add_argument("--requests", type=int, default=8, help="requests in the batch")
     parser.add_argument("--prefix-tokens", type=int, default=400)
@@ -79,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("new_tokens", "requests", "batch_tokens", "repeat"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    from sgl_nb import Runtime
+    from sgl_nb.runtime.engine_config import EngineConfig
+
+    args.values = args.values or [1, EngineConfig.decode_ahead]
     if min(args.values) < 1:
         raise SystemExit("--values must be at least 1")
-    from sgl_nb import Runtime
     from sgl_nb.bench.engine import workload
 
     _, ids, prompts = workload(args)
