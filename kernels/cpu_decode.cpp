@@ -544,7 +544,7 @@ class DecodeStep {
   }
 
   // Ends a logits_ahead in progress (or the next one, given an earlier mark) after its
-  // current step; from any thread, without the GIL.
+  // current step; from any thread (logits_ahead runs without the GIL).
   void interrupt() { interrupts_.fetch_add(1, std::memory_order_release); }
   int64_t interrupts() const { return interrupts_.load(std::memory_order_acquire); }
 
