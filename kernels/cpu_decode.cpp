@@ -875,6 +875,8 @@ class DecodeStep {
     at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
       PhaseClock clock(phase_s_);
+      prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
+                         v_bufs[l].data_ptr<T>(), batch, s);
       pre_norm<T>(hp, norms_[2 * l], xn, batch);
       clock.mark(kNorms);
       qkv = run_linear(linears_[4 * l], xn, qkv);

@@ -67,6 +67,24 @@ inline void rope_head(const T* x, const float* cos, const float* sin, float* out
   for (; i < d; ++i) out[i] = float(x[i]);
 }
 
+// The pool rows rope_and_store will write (each request's new K and V at out_loc), asked
+// for as the layer starts: the weights streamed since have evicted them, and a store that
+// misses waits on the line. The layer's norm and qkv matmul then cover those misses: the
+// step's RoPE and KV store 0.037 -> 0.017 ms, the step 2.72 -> 2.69 (int4 one stream,
+// alternating in one process on a 2-core Zen 4, medians of 10).
+template <typename T>
+void prefetch_new_kv(const int64_t* out_loc, T* kbuf, T* vbuf, int64_t batch, const Shape& s) {
+  const int64_t bytes = s.kv_heads * s.head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < batch; ++b) {
+    const char* k = reinterpret_cast<const char*>(kbuf + out_loc[b] * s.kv_heads * s.head_dim);
+    const char* v = reinterpret_cast<const char*>(vbuf + out_loc[b] * s.kv_heads * s.head_dim);
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(k + off, /*write=*/1);
+      __builtin_prefetch(v + off, /*write=*/1);
+    }
+  }
+}
+
 // RoPE on q and k, k and v into the pool at out_loc, q (scaled, fp32) into qf. cos and sin
 // are [batch, rotary] (nullptr: no RoPE in this layer).
 template <typename T>
