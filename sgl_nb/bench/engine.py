@@ -444,8 +444,8 @@ def print_bandwidth_floor(modes: dict) -> None:
           "over the read bandwidth of a buffer twice the last-level cache, on the engine's "
           "threads, or the step's matmuls' rate where higher; 'of floor': one stream's "
           "tok/s over the floor's; 'decode step': the floor's step time over ours; "
-          "'matmul GB/s': those weights over the step's matmul phases (well under 'read "
-          "GB/s': the kernels' arithmetic, not memory, sets them)")
+          "'matmul GB/s': those weights over the step's matmul phases (where well under "
+          "'read GB/s', the way the kernels stream the weights, not memory, sets them)")
 
 
 def matmul_read_rate(weight_bytes: float, breakdown_ms: dict[str, float]) -> float | None:
