@@ -34,6 +34,7 @@ from sgl_nb.runtime.request import Request
 from sgl_nb.runtime.request_factory import RequestFactory
 from sgl_nb.runtime.request_handle import EngineError as EngineError  # its old import path
 from sgl_nb.runtime.request_handle import RequestHandle
+from sgl_nb.runtime.sampler import float_cpu
 from sgl_nb.runtime.sampling_params import SamplingParams
 from sgl_nb.runtime.scheduled_batch import ScheduledBatch
 from sgl_nb.runtime.scheduler import Scheduler
@@ -382,7 +383,7 @@ class Engine:
             else:
                 ready.append((i, r))
         return PickRows(logits.last, ready, [
-            (r, batch.draft_logits(i, logits.last, logits.extra).float().cpu())
+            (r, float_cpu(batch.draft_logits(i, logits.last, logits.extra)))
             for i, r in drafted])
 
     def _stop_ids(self, reqs: list[Request]) -> list[int]:
