@@ -54,6 +54,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
+    def uses_jump_forward(self, engine_default: bool) -> bool:
+        return engine_default if self.jump_forward is None else self.jump_forward
+
+    def uses_prompt_lookup(self, engine_default: bool) -> bool:
+        return engine_default if self.prompt_lookup is None else self.prompt_lookup
+
     @property
     def adjusts_logits(self) -> bool:
         """Whether a penalty, a logit bias or min_tokens changes the logits before sampling."""

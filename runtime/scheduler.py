@@ -343,8 +343,7 @@ class Scheduler:
             # At most as many as it has generated: a request that stops early (a stop
             # string) wastes at most the steps past its stop, and a short one few.
             n = min(n, r.max_new_tokens - len(r.output_ids), max(len(r.output_ids), 1))
-            lookup = self.prompt_lookup if p.prompt_lookup is None else p.prompt_lookup
-            if p.stop or lookup:
+            if p.stop or p.uses_prompt_lookup(self.prompt_lookup):
                 n = min(n, SHORT_AHEAD)
         return n if n * len(reqs) <= self.pool.available() else 1
 

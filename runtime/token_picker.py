@@ -213,15 +213,13 @@ class TokenPicker:
         if req.finished:
             return
         left = req.max_new_tokens - len(req.output_ids)
-        on = req.params.jump_forward
-        if req.grammar is not None and (self.settings.jump_forward if on is None else on):
+        if req.grammar is not None and req.params.uses_jump_forward(self.settings.jump_forward):
             req.draft_ids = req.grammar.jump_forward(self.tokenizer, left)
             self.jumps.drafted += len(req.draft_ids)
             if req.draft_ids:
                 return
-        on = req.params.prompt_lookup
-        if self._step_size > MAX_BATCH or not (
-                self.settings.prompt_lookup if on is None else on):
+        if (self._step_size > MAX_BATCH
+                or not req.params.uses_prompt_lookup(self.settings.prompt_lookup)):
             return
         # A grammar's request: only drafts its grammar could take (a rejected draft never
         # reaches the matcher either way: it is accepted only once picked).
