@@ -2,12 +2,13 @@
 #pragma once
 
 #include <ATen/Parallel.h>  // at::get_num_threads
-#include <unistd.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -76,7 +77,6 @@ class WorkerPool {
   // new workers.
   void stop() {
     std::lock_guard<std::mutex> busy(run_mutex_);
-    if (pid_ != getpid()) return;  // a forked child: its parent's threads are not here
     {
       std::lock_guard<std::mutex> lock(sleep_mutex_);
       stopping_.store(true, std::memory_order_release);
@@ -90,6 +90,24 @@ class WorkerPool {
   }
 
  private:
+  WorkerPool() {
+    pthread_atfork(nullptr, nullptr, [] { WorkerPool::get().forget_parent_threads(); });
+  }
+
+  // In a forked child (a fork handler: the child has one thread). The parent's workers do
+  // not exist here, and its mutexes and condition variable may hold their state: with a
+  // parent's worker asleep at the fork, notify_all blocked forever in the child (seen).
+  // Fresh ones, and no workers; the parent's thread handles are left, never joined nor
+  // destroyed (destroying a joinable std::thread terminates the process).
+  void forget_parent_threads() {
+    new (&run_mutex_) std::mutex;
+    new (&sleep_mutex_) std::mutex;
+    new (&sleep_cv_) std::condition_variable;
+    new std::vector<std::thread>(std::move(threads_));
+    threads_.clear();
+    workers_ = 0;
+  }
+
   // ~100 us of pause instructions: enough for the gaps inside a step; between steps (Python
   // work, a stream consumer on another thread) a spinning worker would take a core.
   static constexpr int kSpins = 4000;
@@ -130,14 +148,6 @@ class WorkerPool {
   }
 
   void ensure_workers(int64_t count) {
-    if (pid_ != getpid()) {  // a forked child has none of its parent's threads
-      pid_ = getpid();
-      workers_ = 0;
-      // Its parent's threads do not exist here: their handles are left, never joined nor
-      // destroyed (destroying a joinable std::thread terminates the process).
-      new std::vector<std::thread>(std::move(threads_));
-      threads_.clear();
-    }
     for (; workers_ < count; ++workers_) {
       // `seen` is read here, before the job that needs the worker is published, not when
       // the thread gets to run.
@@ -181,7 +191,6 @@ class WorkerPool {
   Job job_ = nullptr;
   const void* job_fn_ = nullptr;
   int64_t nparts_ = 1, grain_ = 1, workers_ = 0;
-  pid_t pid_ = getpid();
 };
 
 }  // namespace sgl_nb

@@ -8,6 +8,9 @@ decode step of the default model against the torch path in fp32, bf16 and int4.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -330,6 +333,45 @@ def test_quantized_kernel_gives_the_same_bits_on_one_thread_and_on_two(quantizat
             assert torch.equal(layer(x[:1]), alone[0]) and torch.equal(layer(x), alone[1])
     finally:
         ext.set_num_threads(0)
+
+
+def test_a_forked_child_runs_the_kernels_on_workers_of_its_own(tmp_path):
+    """A child forked after the parent's jobs has none of the parent's worker threads: its
+    first job starts its own (kernels/cpu_worker_pool.h, told by a fork handler), gives the
+    parent's bits, and the child exits with its own exit code."""
+    layer, _ = quantized_layer("int4", 4096, 576, seed=5)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
+    try:
+        ext.set_num_threads(2)
+        want = layer(x)  # the parent's workers exist from here on
+        out = tmp_path / "child.pt"
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                torch.save([layer(x) for _ in range(5)], out)
+                ext.stop_workers()
+                code = 7
+            finally:
+                os._exit(code)
+        status = _exit_status(pid, deadline=time.monotonic() + 300)
+    finally:
+        ext.set_num_threads(0)
+    assert status == 7, "the child hung" if status is None else f"the child exited {status}"
+    assert all(torch.equal(got, want) for got in torch.load(out))
+
+
+def _exit_status(pid: int, deadline: float) -> int | None:
+    """The child's exit code; None if it is still running at the deadline (a hang: it is
+    killed then, so that the suite goes on)."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 @pytest.mark.slow
