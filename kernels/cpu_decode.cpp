@@ -1,4 +1,5 @@
-// One CPU decode step (one new token per request), token ids to logits, in one call.
+// One CPU decode step (one new token per request), token ids to logits, in one call; and
+// the same layers over an extend's new tokens (DecodeStep::hidden).
 //
 // Why: at batch 1 the weight matmuls of the default model take 4-17 ms per step, while the
 // ~35 small torch ops per layer around them cost ~12 ms more in Python and dispatch, and
@@ -464,11 +465,54 @@ class DecodeStep {
                 "decode: ids, positions and out_loc [B], kv_indptr [B + 1]");
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
     std::lock_guard<std::mutex> lock(busy_);
+    const c10::InferenceMode normal_tensors(false);  // see outs_
     if (dtype_ == at::kFloat) {
       return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     }
     return step<c10::BFloat16>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs,
                                scale);
+  }
+
+  // An extend's residual stream after the last layer, fp32 [R, hidden], at `rows` [R] of
+  // its new tokens (before the final norm: the model's LM head goes on from there). ids,
+  // positions and out_loc [T] int64; token t attends to kv_indices[first[t]:ends[t]], its
+  // own slot out_loc[t] last. The decode step's own code on T rows: a token gets the same
+  // bits in a prompt, in a pass that verifies drafts and in a decode step.
+  at::Tensor hidden(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& first,
+                    const at::Tensor& ends, const at::Tensor& kv_indices,
+                    const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+                    const std::vector<at::Tensor>& v_bufs, double scale,
+                    const at::Tensor& rows) {
+    const int64_t tokens = ids.numel();
+    TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
+                out_loc.sizes() == ids.sizes() && first.sizes() == ids.sizes() &&
+                ends.sizes() == ids.sizes(), "extend: ids, positions, out_loc, first and ends [T]");
+    const at::Tensor f = first.to(at::kLong).contiguous(), e = ends.to(at::kLong).contiguous();
+    const at::Tensor r = rows.to(at::kLong).contiguous();
+    const int64_t *fp = f.data_ptr<int64_t>(), *ep = e.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(0 <= fp[t] && fp[t] < ep[t] && ep[t] <= kv_indices.numel(),
+                  "extend: token ", t, " sees no slot or slots past kv_indices");
+    }
+    const int64_t* rp = r.data_ptr<int64_t>();
+    for (int64_t i = 0; i < r.numel(); ++i) {
+      TORCH_CHECK(0 <= rp[i] && rp[i] < tokens, "extend: row ", rp[i], " is not a new token");
+    }
+    pybind11::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(busy_);
+    const c10::InferenceMode normal_tensors(false);  // see outs_
+    phases_ = &extend_phase_s_;
+    const struct Restore {
+      DecodeStep* s;
+      ~Restore() { s->phases_ = &s->phase_s_; }
+    } restore{this};
+    const at::Tensor kv = kv_indices.to(at::kLong).contiguous();
+    const at::Tensor loc = out_loc.to(at::kLong).contiguous();
+    if (dtype_ == at::kFloat) {
+      return extend_hidden<float>(ids, positions, fp, ep, kv, loc, k_bufs, v_bufs, scale, r);
+    }
+    return extend_hidden<c10::BFloat16>(ids, positions, fp, ep, kv, loc, k_bufs, v_bufs, scale,
+                                        r);
   }
 
   // Up to `steps` decode steps in one call, each request's next token its greedy pick (the
@@ -505,6 +549,7 @@ class DecodeStep {
     };
     pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(busy_);
+    const c10::InferenceMode normal_tensors(false);  // see outs_
     const auto opts = indptr.options();
     const int64_t vocab = embed_.size(0);
     at::Tensor logits = at::empty({steps, batch, vocab}, opts.dtype(at::kFloat));
@@ -667,31 +712,57 @@ class DecodeStep {
     }
   }
 
+  // The residual stream, fp32 [B, hidden], of token ids [B] (checked against the
+  // vocabulary before anything is written), and into `ropes` the RoPE tables of positions.
   template <typename T>
-  at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
-                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                  const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
-    PhaseClock clock(phase_s_);
+  at::Tensor embedded(const at::Tensor& ids_in, const at::Tensor& positions_in,
+                      std::vector<std::pair<at::Tensor, at::Tensor>>& ropes) const {
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     const at::Tensor positions = positions_in.to(at::kLong).contiguous();
     const int64_t batch = ids.size(0), n = shape_.hidden, vocab = embed_.size(0);
     at::Tensor h = at::empty({batch, n}, embed_.options().dtype(at::kFloat));
     const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "token id ", id[b], " outside the vocabulary");
+    }
     const T* e = embed_.data_ptr<T>();
     float* hp = h.data_ptr<float>();
     const float embed_scale = static_cast<float>(f_.embed_scale);
     for (int64_t b = 0; b < batch; ++b) {
-      TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "token id ", id[b], " outside the vocabulary");
       for (int64_t i = 0; i < n; ++i) hp[b * n + i] = float(e[id[b] * n + i]);
       if (embed_scale != 1.f) {
         for (int64_t i = 0; i < n; ++i) hp[b * n + i] *= embed_scale;
       }
     }
-    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
     for (const at::Tensor& inv : f_.inv_freqs) ropes.push_back(rope_tables<T>(positions, inv));
+    return h;
+  }
+
+  template <typename T>
+  at::Tensor extend_hidden(const at::Tensor& ids, const at::Tensor& positions,
+                           const int64_t* first, const int64_t* ends,
+                           const at::Tensor& kv_indices, const at::Tensor& out_loc,
+                           const std::vector<at::Tensor>& k_bufs,
+                           const std::vector<at::Tensor>& v_bufs, double scale,
+                           const at::Tensor& rows) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
+    at::Tensor h = embedded<T>(ids, positions, ropes);
+    run<T>(h, ropes, first, ends, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    return h.index_select(0, rows);
+  }
+
+  template <typename T>
+  at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
+                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                  const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
+    PhaseClock clock(*phases_);
+    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
+    at::Tensor h = embedded<T>(ids_in, positions_in, ropes);
+    const int64_t batch = h.size(0), n = shape_.hidden;
     clock.mark(kEmbed);
-    run<T>(h, ropes, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    const int64_t* ip = kv_indptr.data_ptr<int64_t>();
+    run<T>(h, ropes, ip, ip + 1, kv_indices, out_loc, k_bufs, v_bufs, scale);
     clock.restart();
     at::Tensor hn = at::empty({batch, n}, embed_.options());
     rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
@@ -753,9 +824,10 @@ class DecodeStep {
     return {cos, sin};
   }
 
-  // Each request's first visible slot per distinct window: its own first slot, or its
-  // last `w`; layers without a window start at kv_indptr.
-  std::vector<std::pair<int64_t, std::vector<int64_t>>> window_starts(const int64_t* indptr,
+  // Each row's first visible slot per distinct window: first[b], or the last `w` before
+  // ends[b]; layers without a window start at `first`.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> window_starts(const int64_t* first,
+                                                                      const int64_t* ends,
                                                                       int64_t batch) const {
     std::vector<std::pair<int64_t, std::vector<int64_t>>> out;
     for (int64_t w : f_.windows) {
@@ -764,7 +836,7 @@ class DecodeStep {
         continue;
       }
       std::vector<int64_t> starts(batch);
-      for (int64_t b = 0; b < batch; ++b) starts[b] = std::max(indptr[b], indptr[b + 1] - w);
+      for (int64_t b = 0; b < batch; ++b) starts[b] = std::max(first[b], ends[b] - w);
       out.emplace_back(w, std::move(starts));
     }
     return out;
@@ -811,7 +883,7 @@ class DecodeStep {
   template <typename T>
   at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
                        at::Tensor& gu, at::Tensor& act, at::Tensor& out) {
-    PhaseClock clock(phase_s_);
+    PhaseClock clock(*phases_);
     gu = run_linear(gate_up, x, gu);
     clock.mark(kGateUp);
     const int64_t rows = x.size(0), inter = gu.size(1) / 2;
@@ -862,12 +934,14 @@ class DecodeStep {
     return out;
   }
 
-  // The decoder layers over h, the fp32 residual stream [B, hidden], in place.
+  // The decoder layers over h, the fp32 residual stream [B, hidden], in place. Row b
+  // attends to the slots indices[first[b]:ends[b]] (its own new slot, out_loc[b], last):
+  // a decode step's rows each a request, an extend's each a new token of one.
   template <typename T>
   void run(at::Tensor& h, const std::vector<std::pair<at::Tensor, at::Tensor>>& ropes,
-           const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& out_loc,
-           const std::vector<at::Tensor>& k_bufs, const std::vector<at::Tensor>& v_bufs,
-           double scale) {
+           const int64_t* first, const int64_t* ends, const at::Tensor& kv_indices,
+           const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+           const std::vector<at::Tensor>& v_bufs, double scale) {
     const int64_t batch = h.size(0), n = shape_.hidden, layers = norms_.size() / 2;
     const Shape& s = shape_;
     const auto opts = h.options().dtype(dtype_);
@@ -875,15 +949,14 @@ class DecodeStep {
     at::Tensor attn = at::empty({batch, s.heads * s.head_dim}, opts);
     at::Tensor qf = at::empty({batch, s.heads * s.head_dim}, h.options());
     float* hp = h.data_ptr<float>();
-    const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
     const int64_t* indices = kv_indices.data_ptr<int64_t>();
-    const auto starts = window_starts(indptr, batch);
+    const auto starts = window_starts(first, ends, batch);
     const auto starts_of = [&](int64_t l) -> const int64_t* {
       const int64_t w = f_.windows.empty() ? 0 : f_.windows[l];
       for (const auto& ws : starts) {
         if (ws.first == w) return ws.second.data();
       }
-      return indptr;
+      return first;
     };
     const at::Tensor none;
     const auto post = [&](int64_t i) -> const at::Tensor& {
@@ -896,7 +969,7 @@ class DecodeStep {
     at::Tensor& down = outs_[3];
     at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
-      PhaseClock clock(phase_s_);
+      PhaseClock clock(*phases_);
       prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                          v_bufs[l].data_ptr<T>(), batch, s);
       pre_norm<T>(hp, norms_[2 * l], xn, batch);
@@ -912,7 +985,7 @@ class DecodeStep {
                         static_cast<float>(scale));
       clock.mark(kRope);
       attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
-                   starts_of(l), indptr + 1, indices, attn.data_ptr<T>(), batch, s,
+                   starts_of(l), ends, indices, attn.data_ptr<T>(), batch, s,
                    static_cast<float>(f_.attn_softcap));
       clock.mark(kAttention);
       o = run_linear(linears_[4 * l + 1], attn, o);
@@ -936,8 +1009,15 @@ class DecodeStep {
   std::vector<at::Tensor> norms_;    // before attention and before the MLP, per layer
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, final_norm_;
-  at::Tensor outs_[5];  // the qkv, o, gate_up, down and activation outputs of the last step
+  // The qkv, o, gate_up, down and activation outputs of the last step, updated in place by
+  // the next (a bias added): made as normal tensors whatever the caller's mode, as ATen
+  // refuses in-place updates of an inference tensor outside inference mode.
+  at::Tensor outs_[5];
   std::array<double, kPhases> phase_s_{};  // seconds per Phase since phase_seconds()
+  // Where the running call's phases are timed: phase_s_ in decode steps; an extend's go to
+  // extend_phase_s_, which nothing reports (phase_seconds describes decode steps).
+  std::array<double, kPhases>* phases_ = &phase_s_;
+  std::array<double, kPhases> extend_phase_s_{};
   std::mutex busy_;     // outs_ serve one step at a time
   std::atomic<int64_t> interrupts_{0};  // interrupt() calls so far
   LinearSpec head_;
@@ -1030,6 +1110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, Family>())
       .def("logits", &DecodeStep::logits)
       .def("logits_ahead", &DecodeStep::logits_ahead)
+      .def("hidden", &DecodeStep::hidden)
       .def("interrupt", &DecodeStep::interrupt)
       .def("interrupts", &DecodeStep::interrupts)
       .def("phase_seconds", &DecodeStep::phase_seconds);

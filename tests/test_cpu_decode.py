@@ -214,6 +214,36 @@ def test_decode_step_matches_the_torch_path_in_fp32(model_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [{}, {"dtype": "bfloat16"}, {"quantization": "int8"},
+                                  {"quantization": "int4"}], ids=["fp32", "bf16", "int8", "int4"])
+def test_a_prompt_writes_the_kv_its_tokens_decoded_one_by_one_write(model_path, mode):
+    """Extends run the fused step's layers too (Model.forward): a prompt in one extend, in
+    two chunks, or fed token by token through decode steps leaves the same bits in every
+    layer's K and V, so which way a token came in never changes what follows it."""
+    model = Model.load(model_path, **mode)
+    assert model.fused_decode_ready()
+    prompt, n = list(range(100, 140)), 40
+    slots = torch.arange(1, n + 1)
+
+    def extend(pool, begin: int, end: int):
+        return model.forward(build_batch(False, [prompt[begin:end]], [begin], [slots[:end]],
+                                         [slots[begin:end]], model.device), pool)
+
+    whole, chunked, decoded = (model.new_kv_pool(64) for _ in range(3))
+    extend(whole, 0, n)
+    extend(chunked, 0, 17)
+    extend(chunked, 17, n)
+    extend(decoded, 0, 1)
+    for i in range(1, n):
+        model.forward(build_batch(True, [[prompt[i]]], [i], [slots[: i + 1]], [slots[i : i + 1]],
+                                  model.device), decoded)
+    for pool in (chunked, decoded):
+        for layer in range(model.config.num_layers):
+            assert torch.equal(pool.k_buffers[layer][slots], whole.k_buffers[layer][slots])
+            assert torch.equal(pool.v_buffers[layer][slots], whole.v_buffers[layer][slots])
+
+
+@pytest.mark.slow
 def test_decode_step_rejects_a_token_outside_the_vocabulary_and_serves_on(model_path):
     """The step checks its token ids before touching the KV pool; the next step of the
     same request gives the bits it gave before (its reused buffers are intact)."""

@@ -328,10 +328,10 @@ FUSED_TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=1e-4),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_decode_step_matches_the_layer_loop(family, dtype):
-    """Every family decodes through cpu_decode.cpp's fused step (its Family: windows,
-    soft-caps, post-norms, q/k norms, partial or no RoPE, multipliers, gelu, routed experts)
-    and gets the logits of the model's torch layer loop, over prompts longer than the
-    window; a step built without the family's differences does not."""
+    """Every family prefills and decodes through cpu_decode.cpp's fused step (its Family:
+    windows, soft-caps, post-norms, q/k norms, partial or no RoPE, multipliers, gelu, routed
+    experts) and gets the logits of the model's torch layer loop, over prompts longer than
+    the window; a step built without the family's differences does not."""
     ext = _ext()
     hf = tiny_config(family)
     torch.manual_seed(0)
@@ -339,8 +339,12 @@ def test_fused_decode_step_matches_the_layer_loop(family, dtype):
     config = ModelConfig.from_dict(hf.to_dict())
     model = Model(config, weights, dtype=dtype)
     step = fused_step(ext, model)
-    want = _decode_steps(model, fused=False)
-    got = _decode_steps(model, fused=step)
+    # Routed experts in bf16: over a 40-token prompt some token's top-k is a near-tie that
+    # one rounding apart flips (12% of a prefill row's logits then differ, seen), so there
+    # both paths decode from the layer loop's prefill.
+    prefill = not (dtype == torch.bfloat16 and config.num_experts)
+    want = _decode_steps(model, fused=False, fused_prefill=prefill)
+    got = _decode_steps(model, fused=step, fused_prefill=prefill)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, **FUSED_TOLERANCE[dtype])
     if family != "llama":  # Llama's step is the plain one
@@ -349,7 +353,7 @@ def test_fused_decode_step_matches_the_layer_loop(family, dtype):
         for name in ("routers", "expert_kinds", "expert_tensors", "top_k", "norm_topk_prob"):
             setattr(plain, name, getattr(real, name))  # a MoE layer has no dense MLP to run
         plain = fused_step(ext, model, plain)
-        llama_shaped = _decode_steps(model, fused=plain)
+        llama_shaped = _decode_steps(model, fused=plain, fused_prefill=prefill)
         assert max((p - w).abs().max().item() for p, w in zip(llama_shaped, want)) > 1e-2
 
 
@@ -371,15 +375,18 @@ def test_fused_decode_step_refuses_a_wrong_family():
         fused_step(ext, moe, ext.Family())
 
 
-def _decode_steps(model, fused) -> list[torch.Tensor]:
-    """Logits of 4 decode steps of two requests (prompts of 40 and 5 tokens), after a
-    prefill through the layer loop; `fused`: the step decoding (False: the layer loop)."""
-    model.use_fused_decode(fused)
+def _decode_steps(model, fused, fused_prefill: bool = True) -> list[torch.Tensor]:
+    """Logits of the prefill of two requests (prompts of 40 and 5 tokens), then of 4 decode
+    steps; `fused`: the step running them (False: the layer loop), the prefill too unless
+    fused_prefill is False (then it is the layer loop's, and left out)."""
+    model.use_fused_decode(fused if fused_prefill else False)
     pool = model.new_kv_pool(128)
     slots = [torch.arange(1, 41), torch.arange(60, 65)]
     prompts = [list(range(300, 340)), list(range(400, 405))]
-    model.forward(build_batch(False, prompts, [0, 0], slots, slots, "cpu"), pool)
-    out = []
+    out = [model.forward(build_batch(False, prompts, [0, 0], slots, slots, "cpu"), pool)]
+    if not fused_prefill:
+        out = []
+        model.use_fused_decode(fused)
     for step in range(4):
         slots = [torch.cat([s, torch.tensor([70 + 2 * step + b])]) for b, s in enumerate(slots)]
         batch = build_batch(True, [[500 + step], [600 + step]], [s.numel() - 1 for s in slots],

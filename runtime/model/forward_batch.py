@@ -44,6 +44,14 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return self.kv_indptr.numel() - 1
 
+    def token_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, ends) [T]: new token t sees the slots kv_indices[first[t]:ends[t]], its
+        request's cached prefix and its new tokens up to itself (causal)."""
+        q_lens = self.qo_indptr[1:] - self.qo_indptr[:-1]
+        req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens)
+        t = torch.arange(req.numel(), device=req.device)
+        return self.kv_indptr[:-1][req], self.kv_indptr[1:][req] - self.qo_indptr[1:][req] + t + 1
+
     def step_of(self, s: int, input_ids: torch.Tensor) -> ForwardBatch:
         """Step s of a batch that decodes ahead, as a one-step decode batch: each request's
         KV range without the slots of the steps after s."""

@@ -314,9 +314,11 @@ class Model:
 
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
-        fused = self._fused_decode() if batch.is_decode else None
+        fused = self._fused_decode()
         if fused is None:
             return self._forward_layers(batch, pool)
+        if not batch.is_decode:
+            return self._forward_extend(fused, batch, pool)
         # Outside inference mode: the step is one C++ call that records no autograd, and
         # entering and leaving the mode cost ~30 us of a decode step's Python (its code is
         # out of cache after the step's weight reads).
@@ -352,8 +354,26 @@ class Model:
         return AheadLogits(torch.stack(rows), torch.stack(picks) if picks else empty)
 
     @torch.inference_mode()
+    def _forward_extend(self, fused, batch: ForwardBatch, pool: KVPool):
+        """An extend (a prompt or a chunk of one, drafts to verify) where decode steps take
+        the fused step: through its layers, so that a token's KV and logits have the bits a
+        decode step gives it (one path for every token: which a prompt's tokens took must
+        not depend on its length), then the extend's LM head as _forward_layers applies it.
+        One C++ call: the torch loop's ~15 ops a layer were a third of a short prompt's
+        time."""
+        first, ends = batch.token_ranges()
+        rows = batch.logits_at
+        if batch.score_rows is not None:
+            rows = torch.cat([rows, batch.score_rows])
+        h = fused.hidden(batch.input_ids, batch.positions, first, ends, batch.kv_indices,
+                         batch.out_cache_loc, pool.k_buffers, pool.v_buffers, self.scale, rows)
+        n = batch.logits_at.numel()
+        last = self._logits(h[:n], self.lm_head)
+        return last if batch.score_rows is None else (last, self._logits(h[n:], self.lm_head))
+
+    @torch.inference_mode()
     def _forward_layers(self, batch: ForwardBatch, pool: KVPool):
-        """forward through the torch layer loop (every step the fused decode does not take)."""
+        """forward through the torch layer loop (where the fused step is not used)."""
         # The residual stream is fp32 in every mode (.float() is a no-op in fp32 mode): in
         # 16-bit modes that rounds less and agrees better with fp32 (README, Precision
         # modes); rms_norm hands the matmuls their 16-bit input.
@@ -448,14 +468,14 @@ class Model:
             fused.interrupt()
 
     def fused_decode_ready(self) -> bool:
-        """Whether decode steps take the fused CPU path (building it if needed)."""
+        """Whether steps take the fused CPU path (decode steps, and the layers of extends),
+        building it if needed."""
         return self._fused_decode() is not None
 
     def use_fused_decode(self, step: bool | object = True) -> None:
-        """Which path decode steps take. True (the default): the fused CPU step, built on
-        the next decode where it is usable (see _fused_decode); False: the torch layer
-        loop, always; a cpu_decode DecodeStep (fused_step's): that one. Tests compare the
-        paths this way."""
+        """Which path steps take. True (the default): the fused CPU step, built on the next
+        step where it is usable (see _fused_decode); False: the torch layer loop, always; a
+        cpu_decode DecodeStep (fused_step's): that one. Tests compare the paths this way."""
         self._fused = None if step is True else step
 
     def _fused_decode(self):
