@@ -356,10 +356,10 @@ class Model:
     @torch.inference_mode()
     def _forward_extend(self, fused, batch: ForwardBatch, pool: KVPool):
         """An extend (a prompt or a chunk of one, drafts to verify) where decode steps take
-        the fused step: through its layers, so that a token's KV and logits have the bits a
-        decode step gives it (one path for every token: which a prompt's tokens took must
-        not depend on its length), then the extend's LM head as _forward_layers applies it.
-        One C++ call: the torch loop's ~15 ops a layer were a third of a short prompt's
+        the fused step: through its layers, so that a token's KV has the bits a decode step
+        gives it (one path for every token: which one a prompt's tokens took must not depend
+        on its length or batch), then the extend's LM head as _forward_layers applies it.
+        One C++ call: the torch loop's ~15 ops a layer were a fifth of a short prompt's
         time."""
         first, ends = batch.token_ranges()
         rows = batch.logits_at
