@@ -158,7 +158,7 @@ class Engine:
         the next request and step (the pool, the model and the scheduler's limits keep what
         they were built with)."""
         self._settings = self.requests.settings = self.picker.settings = settings
-        self.scheduler.set_decode_ahead(settings.decode_ahead, settings.prompt_lookup)
+        self.scheduler.settings = settings
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)

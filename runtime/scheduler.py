@@ -71,7 +71,9 @@ class Scheduler:
         c = config or EngineConfig(device=str(device))
         self.pool, self.cache, self.device = pool, cache, device
         self.drafts_as_decodes = drafts_as_decodes
-        self.set_decode_ahead(c.decode_ahead, c.prompt_lookup)
+        # decode_ahead and prompt_lookup are read from it at each step: the engine may swap
+        # it (Engine.settings); the limits below keep what they were built with.
+        self.settings = c
         self.max_prefill_tokens, self.max_running = c.max_prefill_tokens, c.max_running
         self.time_slice, self.preemption = c.time_slice, c.preemption
         self.starvation_steps, self.schedule_policy = c.starvation_steps, c.schedule_policy
@@ -333,8 +335,9 @@ class Scheduler:
         controller), within what each may still generate, what it has generated so far
         and the free KV; else 1."""
         # decode_ahead rows of logits over the batch: a run's rows [steps, B, vocab] are
-        # fp32, and the picker reads each.
-        n = self.decode_ahead // len(reqs) if reqs else 1
+        # fp32, and the picker reads each. Only the fused step decodes ahead.
+        ahead = self.settings.decode_ahead if self.drafts_as_decodes else 1
+        n = ahead // len(reqs) if reqs else 1
         for r in reqs:
             p = r.params
             if (n <= 1 or r.draft_ids or r.grammar is not None or r.gate is not None
@@ -343,7 +346,7 @@ class Scheduler:
             # At most as many as it has generated: a request that stops early (a stop
             # string) wastes at most the steps past its stop, and a short one few.
             n = min(n, r.max_new_tokens - len(r.output_ids), max(len(r.output_ids), 1))
-            if p.stop or p.uses_prompt_lookup(self.prompt_lookup):
+            if p.stop or p.uses_prompt_lookup(self.settings.prompt_lookup):
                 n = min(n, SHORT_AHEAD)
         return n if n * len(reqs) <= self.pool.available() else 1
 
@@ -398,14 +401,6 @@ class Scheduler:
         for queue in (self.prefilling, self.running, self.suspended, self.waiting):
             if req in queue:
                 queue.remove(req)
-
-    def set_decode_ahead(self, steps: int, prompt_lookup: bool) -> None:
-        """EngineConfig.decode_ahead: up to `steps` decode steps a forward, where the model
-        decodes through the fused step (drafts_as_decodes); elsewhere one. prompt_lookup:
-        EngineConfig's, which a request's own setting overrides (runs then SHORT_AHEAD)."""
-        # Decode steps one forward may compute (ForwardBatch.ahead).
-        self.decode_ahead = steps if self.drafts_as_decodes else 1
-        self.prompt_lookup = prompt_lookup
 
     def drop_drafts(self, req: Request) -> None:
         """Forget req's draft tokens, and free the KV a step computed for them."""
