@@ -51,21 +51,25 @@ constexpr const char* kPhaseNames[kPhases] = {
     "attention", "o matmul", "gate_up matmul", "activation", "down matmul", "lm head matmul",
     "lm head refinement"};
 
+// A null `sums` times nothing (an extend: phase_seconds describes decode steps).
 class PhaseClock {
  public:
-  explicit PhaseClock(std::array<double, kPhases>& sums) : sums_(sums) {}
+  explicit PhaseClock(std::array<double, kPhases>* sums) : sums_(sums) { restart(); }
   // The time since the last mark (or restart, or since this clock was made) goes to phase p.
   void mark(Phase p) {
+    if (sums_ == nullptr) return;
     const auto now = std::chrono::steady_clock::now();
-    sums_[p] += std::chrono::duration<double>(now - last_).count();
+    (*sums_)[p] += std::chrono::duration<double>(now - last_).count();
     last_ = now;
   }
   // Time from here on is counted (what came before was marked elsewhere).
-  void restart() { last_ = std::chrono::steady_clock::now(); }
+  void restart() {
+    if (sums_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
 
  private:
-  std::array<double, kPhases>& sums_;
-  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  std::array<double, kPhases>* sums_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 // One linear layer: its kind and tensors, the bias last (empty when absent):
@@ -466,6 +470,7 @@ class DecodeStep {
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
+    phases_ = &phase_s_;
     if (dtype_ == at::kFloat) {
       return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
     }
@@ -501,11 +506,7 @@ class DecodeStep {
     pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
-    phases_ = &extend_phase_s_;
-    const struct Restore {
-      DecodeStep* s;
-      ~Restore() { s->phases_ = &s->phase_s_; }
-    } restore{this};
+    phases_ = nullptr;
     const at::Tensor kv = kv_indices.to(at::kLong).contiguous();
     const at::Tensor loc = out_loc.to(at::kLong).contiguous();
     if (dtype_ == at::kFloat) {
@@ -550,6 +551,7 @@ class DecodeStep {
     pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
+    phases_ = &phase_s_;
     const auto opts = indptr.options();
     const int64_t vocab = embed_.size(0);
     at::Tensor logits = at::empty({steps, batch, vocab}, opts.dtype(at::kFloat));
@@ -756,7 +758,7 @@ class DecodeStep {
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                   const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
                   const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
-    PhaseClock clock(*phases_);
+    PhaseClock clock(phases_);
     std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
     at::Tensor h = embedded<T>(ids_in, positions_in, ropes);
     const int64_t batch = h.size(0), n = shape_.hidden;
@@ -883,7 +885,7 @@ class DecodeStep {
   template <typename T>
   at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
                        at::Tensor& gu, at::Tensor& act, at::Tensor& out) {
-    PhaseClock clock(*phases_);
+    PhaseClock clock(phases_);
     gu = run_linear(gate_up, x, gu);
     clock.mark(kGateUp);
     const int64_t rows = x.size(0), inter = gu.size(1) / 2;
@@ -969,7 +971,7 @@ class DecodeStep {
     at::Tensor& down = outs_[3];
     at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
-      PhaseClock clock(*phases_);
+      PhaseClock clock(phases_);
       prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                          v_bufs[l].data_ptr<T>(), batch, s);
       pre_norm<T>(hp, norms_[2 * l], xn, batch);
@@ -1014,10 +1016,9 @@ class DecodeStep {
   // refuses in-place updates of an inference tensor outside inference mode.
   at::Tensor outs_[5];
   std::array<double, kPhases> phase_s_{};  // seconds per Phase since phase_seconds()
-  // Where the running call's phases are timed: phase_s_ in decode steps; an extend's go to
-  // extend_phase_s_, which nothing reports (phase_seconds describes decode steps).
+  // Where the running call's phases are timed, set by each entry point under busy_:
+  // phase_s_ in decode steps, nowhere in an extend.
   std::array<double, kPhases>* phases_ = &phase_s_;
-  std::array<double, kPhases> extend_phase_s_{};
   std::mutex busy_;     // outs_ serve one step at a time
   std::atomic<int64_t> interrupts_{0};  // interrupt() calls so far
   LinearSpec head_;
