@@ -173,8 +173,10 @@ def test_cancel_key(runtime):
                     "the first token")
         await pilot.press("x")
         await until(pilot, shown(pilot, "LIVE  cancelled"), "the cancel")
-        assert "⊘ Gen tale" in pane(app, "graph")
-        assert "long_story  cancelled" in pane(app, "state")
+        # The panes repaint after the status line: each waited for, not read at once.
+        await until(pilot, lambda: "⊘ Gen tale" in pane(app, "graph"), "the cancelled gen")
+        await until(pilot, lambda: "long_story  cancelled" in pane(app, "state"),
+                    "the cancelled program")
         assert isinstance(session.state.error(), sgl.ProgramCancelled)
         await pilot.press("x")
         assert "the program has finished" in app.status_text
