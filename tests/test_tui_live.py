@@ -19,6 +19,7 @@ from sgl_nb.tui.program_file import load_program
 pytestmark = pytest.mark.slow
 
 PROGRAM = Path(__file__).parent / "data" / "tui_program.py"
+SAGA = Path(__file__).parent / "data" / "tui_saga.py"
 
 
 async def until(pilot, cond, what: str, timeout: float = WAIT) -> None:
@@ -43,9 +44,9 @@ def pane(app, name: str) -> str:
     return app.query_one(f"#{name}").plain
 
 
-def debug(runtime, function: str, scenario) -> None:
+def debug(runtime, function: str, scenario, program: Path = PROGRAM) -> None:
     """Run `scenario(pilot, session)` in the app on a live run of `function`."""
-    session = LiveSession(load_program(f"{PROGRAM}:{function}"), runtime)
+    session = LiveSession(load_program(f"{program}:{function}"), runtime)
 
     async def run() -> None:
         app = DebuggerApp(session, show_timings=False)
@@ -134,7 +135,7 @@ def test_pause(runtime):
         # reach the timeline with the events, the pause's own event after them.
         await until(pilot, lambda: held_in_timeline(session), "the pause's event")
         held = tokens()
-        assert held < 64 and not session.position().finished
+        assert held < 4096 and not session.position().finished
         await pilot.press("s")  # paused: one step is exactly one more token
         await until(pilot, shown(pilot, f"before token {held + 2} of #2"), "one more token")
         assert tokens() == held + 1
@@ -144,7 +145,7 @@ def test_pause(runtime):
     settings = runtime.engine.settings
     runtime.engine.settings = dataclasses.replace(settings, prompt_lookup=False)
     try:
-        debug(runtime, "long_story", scenario)
+        debug(runtime, "saga", scenario, SAGA)
     finally:
         runtime.engine.settings = settings
 
@@ -175,10 +176,10 @@ def test_cancel_key(runtime):
         await until(pilot, shown(pilot, "LIVE  cancelled"), "the cancel")
         # The panes repaint after the status line: each waited for, not read at once.
         await until(pilot, lambda: "⊘ Gen tale" in pane(app, "graph"), "the cancelled gen")
-        await until(pilot, lambda: "long_story  cancelled" in pane(app, "state"),
+        await until(pilot, lambda: "saga  cancelled" in pane(app, "state"),
                     "the cancelled program")
         assert isinstance(session.state.error(), sgl.ProgramCancelled)
         await pilot.press("x")
         assert "the program has finished" in app.status_text
 
-    debug(runtime, "long_story", scenario)
+    debug(runtime, "saga", scenario, SAGA)

@@ -182,7 +182,7 @@ def test_rerun_from_a_text_node(runtime):
 @sgl.function
 def long_story(s):
     s += "Once upon a time"
-    s += sgl.gen("story", max_tokens=400, ignore_eos=True)
+    s += sgl.gen("story", max_tokens=4096, ignore_eos=True)
 
 
 def test_a_running_program_is_not_rerun(runtime):
