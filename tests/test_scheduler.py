@@ -225,7 +225,7 @@ def test_stepping_and_events_under_preemption(model_path):
     @sgl.function
     def story(s):
         s += "Tell me a long story about a lighthouse keeper."
-        s += sgl.gen("story", max_tokens=64, ignore_eos=True)
+        s += sgl.gen("story", max_tokens=256, ignore_eos=True)
 
     with Runtime(model_path, kv_pool_tokens=4096, time_slice=2) as rt:
         reference = story.run(backend=rt)["story"]
