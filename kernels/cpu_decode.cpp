@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_dense_matmul.h"
+#include "cpu_gated_int4.h"
 #include "cpu_layer_ops.h"
 #include "cpu_logits.h"
 #include "cpu_quant_matmul.h"
@@ -79,7 +80,18 @@ class PhaseClock {
 struct LinearSpec {
   int64_t kind;
   std::vector<at::Tensor> t;
+  Int4Panels int4{};  // our int4 layout without a bias, for inputs of k_in (with_int4)
 };
+
+// l with its Int4Panels filled where it is int4 in our layout, has no bias and takes inputs
+// of width k_in (the step's own buffers, so that no call checks the tensors again).
+LinearSpec with_int4(LinearSpec l, int64_t k_in) {
+  const bool ours = l.kind == kInt4 && l.t.size() == 6 && l.t[2].numel() && !l.t[5].numel();
+  if (ours && l.t[2].dim() == 3 && l.t[2].size(1) * kGroup == k_in) {
+    l.int4 = int4_panels(l.t[2], l.t[3], l.t[4], k_in);
+  }
+  return l;
+}
 
 // y = l(x); our kernels write into `out` where it fits (output_rows).
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor& out = {}) {
@@ -447,14 +459,45 @@ class DecodeStep {
         refine_(refine), eps_(static_cast<float>(eps)), f_(std::move(family)) {
     const int64_t layers = static_cast<int64_t>(norms_.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers, "4 linears per layer");
-    for (size_t i = 0; i < kinds.size(); ++i) linears_.push_back({kinds[i], tensors[i]});
     shape_ = {embed_.size(1), heads, kv_heads, head_dim, 0};
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      linears_.push_back(with_int4({kinds[i], tensors[i]}, input_width(i, kinds, tensors)));
+    }
+    head_ = with_int4(std::move(head_), shape_.hidden);
     dtype_ = embed_.scalar_type();
     TORCH_CHECK(head_dim % 8 == 0, "the fused CPU decode takes head_dim % 8 == 0");
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16,
                 "the fused CPU decode takes float32 or bfloat16 activations");
     TORCH_CHECK(embed_.is_contiguous(), "embedding: contiguous [vocab, hidden] in T");
     check_family(layers);
+  }
+
+  // The width of linear i's input in the step (qkv, o, gate_up, down per layer): down's is
+  // half gate_up's output; 0 where that is not known (an int4 layout of unexpected shape).
+  int64_t input_width(size_t i, const std::vector<int64_t>& kinds,
+                      const std::vector<std::vector<at::Tensor>>& tensors) const {
+    switch (i % 4) {
+      case 0: case 2: return shape_.hidden;
+      case 1: return shape_.heads * shape_.head_dim;
+      default: {
+        const auto& gu = tensors[i - 1];
+        const bool panels = kinds[i - 1] == kInt4 && gu.size() == 6 && gu[2].dim() == 3;
+        return panels ? gu[2].size(0) * kRowPanel / 2 : 0;
+      }
+    }
+  }
+
+  // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
+  // checked pointers (LinearSpec::int4), any other through run_linear.
+  template <typename T>
+  static void linear(const LinearSpec& l, const at::Tensor& x, at::Tensor& out) {
+    if (l.int4.nib == nullptr) {
+      out = run_linear(l, x, out);
+      return;
+    }
+    const int64_t rows = x.size(0);
+    out = output_rows(out, rows, l.int4.n, x.options());
+    int4_matmul(x.data_ptr<T>(), rows, l.int4, out.data_ptr<T>());
   }
 
   // Logits, fp32 [B, vocab], of one new token per request: ids and positions [B] int64,
@@ -770,7 +813,8 @@ class DecodeStep {
     rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
                        n, eps_);
     clock.mark(kNorms);
-    at::Tensor logits = widened_logits<T>(run_linear(head_, hn), into);
+    linear<T>(head_, hn, outs_[5]);
+    at::Tensor logits = widened_logits<T>(outs_[5], into);
     clock.mark(kHead);
     if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
     clock.mark(kRefine);
@@ -882,20 +926,26 @@ class DecodeStep {
   }
 
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
+  // int4 panels take both halves in one pass (int4_gated; its time is gate_up's).
   template <typename T>
   at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
                        at::Tensor& gu, at::Tensor& act, at::Tensor& out) {
     PhaseClock clock(phases_);
-    gu = run_linear(gate_up, x, gu);
-    clock.mark(kGateUp);
-    const int64_t rows = x.size(0), inter = gu.size(1) / 2;
-    if (!act.defined() || act.size(0) != rows || act.size(1) != inter) {
-      act = at::empty({rows, inter}, x.options());
+    const auto activation = static_cast<Activation>(f_.activation);
+    const int64_t rows = x.size(0);
+    if (gated_panels(gate_up.int4)) {
+      act = output_rows(act, rows, gate_up.int4.n / 2, x.options());
+      int4_gated(x.data_ptr<T>(), rows, gate_up.int4, activation, act.data_ptr<T>());
+      clock.mark(kGateUp);
+    } else {
+      linear<T>(gate_up, x, gu);
+      clock.mark(kGateUp);
+      const int64_t inter = gu.size(1) / 2;
+      act = output_rows(act, rows, inter, x.options());
+      act_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), rows, inter, activation);
+      clock.mark(kActivation);
     }
-    act_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), rows, inter,
-               static_cast<Activation>(f_.activation));
-    clock.mark(kActivation);
-    out = run_linear(down, act, out);
+    linear<T>(down, act, out);
     clock.mark(kDown);
     return out;
   }
@@ -976,7 +1026,7 @@ class DecodeStep {
                          v_bufs[l].data_ptr<T>(), batch, s);
       pre_norm<T>(hp, norms_[2 * l], xn, batch);
       clock.mark(kNorms);
-      qkv = run_linear(linears_[4 * l], xn, qkv);
+      linear<T>(linears_[4 * l], xn, qkv);
       clock.mark(kQkv);
       if (f_.qk_norm) qk_norm<T>(qkv.data_ptr<T>(), batch, l);
       const int64_t r = f_.rope_of_layer[l];
@@ -990,7 +1040,7 @@ class DecodeStep {
                    starts_of(l), ends, indices, attn.data_ptr<T>(), batch, s,
                    static_cast<float>(f_.attn_softcap));
       clock.mark(kAttention);
-      o = run_linear(linears_[4 * l + 1], attn, o);
+      linear<T>(linears_[4 * l + 1], attn, o);
       clock.mark(kOProj);
       add_block<T>(hp, o, post(2 * l), batch);
       pre_norm<T>(hp, norms_[2 * l + 1], xn, batch);
@@ -1011,10 +1061,10 @@ class DecodeStep {
   std::vector<at::Tensor> norms_;    // before attention and before the MLP, per layer
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, final_norm_;
-  // The qkv, o, gate_up, down and activation outputs of the last step, updated in place by
-  // the next (a bias added): made as normal tensors whatever the caller's mode, as ATen
-  // refuses in-place updates of an inference tensor outside inference mode.
-  at::Tensor outs_[5];
+  // The qkv, o, gate_up, down, activation and LM head outputs of the last step, updated in
+  // place by the next (a bias added): made as normal tensors whatever the caller's mode, as
+  // ATen refuses in-place updates of an inference tensor outside inference mode.
+  at::Tensor outs_[6];
   std::array<double, kPhases> phase_s_{};  // seconds per Phase since phase_seconds()
   // Where the running call's phases are timed, set by each entry point under busy_:
   // phase_s_ in decode steps, nowhere in an extend.

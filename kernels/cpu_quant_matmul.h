@@ -903,39 +903,63 @@ inline at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w,
   return y;
 }
 
-// y = x @ w.T (+ bias), int4 weights in our layout (nibbles [N / 8, K / 32, 128], scale and
-// min fp16 [N / 8, K / 32, 8]); x bf16 or fp32; into `out` where it fits (output_rows). A
-// block is a whole panel at any number of rows of x (int4_panel: its 8 weight rows are the
-// lanes).
-inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
-                              const at::Tensor& scale, const at::Tensor& min,
-                              const at::Tensor& bias, const at::Tensor& out = {}) {
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0 && nib.dim() == 3 &&
-                  nib.is_contiguous() && nib.size(1) == x.size(1) / kGroup &&
-                  nib.size(2) == kRowPanel * kGroup / 2,
+// An int4 linear in our layout (int4_linear's nibbles, scale and min) as pointers and sizes,
+// for callers that checked the tensors once and call it again and again: each at::Tensor
+// accessor of a call touches metadata that a decode step's weight stream has evicted.
+struct Int4Panels {
+  const uint8_t* nib = nullptr;  // null: not an int4 linear in our layout
+  const uint16_t* scale = nullptr;
+  const uint16_t* min = nullptr;
+  int64_t n = 0, k = 0;
+};
+
+// y [rows, n] = x [rows, k] @ w.T, x and y bf16 or fp32 (int4_linear's kernels).
+template <typename T>
+void int4_matmul(const T* x, int64_t rows, const Int4Panels& w, T* y) {
+  if constexpr (std::is_same_v<T, float>) {
+    thread_local FloatRows f;
+    float_rows(x, rows, w.k, true, f);
+    quant_matmul<kRowPanel>(Int4Weights<FloatRows>{w.nib, w.scale, w.min, f}, rows, w.n, y);
+  } else {
+    thread_local QuantizedRows q;
+    quantize_rows(x, rows, w.k, q, /*spread=*/kSpreadRows);
+    quant_matmul<kRowPanel>(Int4Weights<QuantizedRows>{w.nib, w.scale, w.min, q}, rows, w.n, y);
+  }
+}
+
+// The pointers of int4 weights in our layout (nibbles [N / 8, K / 32, 128], scale and min
+// fp16 [N / 8, K / 32, 8]) for x [rows, k], checked.
+inline Int4Panels int4_panels(const at::Tensor& nib, const at::Tensor& scale,
+                              const at::Tensor& min, int64_t k) {
+  TORCH_CHECK(k % kGroup == 0 && nib.dim() == 3 && nib.is_contiguous() &&
+                  nib.size(1) == k / kGroup && nib.size(2) == kRowPanel * kGroup / 2,
               "int4: x [rows, k], k a multiple of 32, and nibbles in panels [n / 8, k / 32, "
               "128]");
-  const int64_t rows = x.size(0), k = x.size(1), n = nib.size(0) * kRowPanel;
   TORCH_CHECK(scale.dim() == 3 && scale.size(0) == nib.size(0) && scale.size(1) == k / kGroup &&
                   scale.size(2) == kRowPanel && min.sizes() == scale.sizes() &&
                   scale.is_contiguous() && min.is_contiguous() &&
                   scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
               "int4: scale and min fp16 in panels [n / 8, k / 32, 8]");
-  at::Tensor y = output_rows(out, rows, n, x.options());
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const auto* mp = reinterpret_cast<const uint16_t*>(min.data_ptr());
-  thread_local QuantizedRows q;
+  return {nib.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+          reinterpret_cast<const uint16_t*>(min.data_ptr()), nib.size(0) * kRowPanel, k};
+}
+
+// y = x @ w.T (+ bias), int4 weights in our layout (int4_panels); x bf16 or fp32; into `out`
+// where it fits (output_rows). A block is a whole panel at any number of rows of x
+// (int4_panel: its 8 weight rows are the lanes).
+inline at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& nib,
+                              const at::Tensor& scale, const at::Tensor& min,
+                              const at::Tensor& bias, const at::Tensor& out = {}) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2, "int4: x [rows, k]");
+  const Int4Panels w = int4_panels(nib, scale, min, x.size(1));
+  const int64_t rows = x.size(0);
+  at::Tensor y = output_rows(out, rows, w.n, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q, /*spread=*/kSpreadRows);
-    quant_matmul<kRowPanel>(Int4Weights<QuantizedRows>{nib.data_ptr<uint8_t>(), sp, mp, q},
-                            rows, n, y.data_ptr<c10::BFloat16>());
+    int4_matmul(x.data_ptr<c10::BFloat16>(), rows, w, y.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int4: bf16 or fp32 activations");
-    thread_local FloatRows f;
-    float_rows(x.data_ptr<float>(), rows, k, true, f);
-    quant_matmul<kRowPanel>(Int4Weights<FloatRows>{nib.data_ptr<uint8_t>(), sp, mp, f}, rows,
-                            n, y.data_ptr<float>());
+    int4_matmul(x.data_ptr<float>(), rows, w, y.data_ptr<float>());
   }
   if (bias.numel()) y.add_(bias);
   return y;
