@@ -1221,6 +1221,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::gil_scoped_release no_gil;
     return int4_linear(x, nib, scale, zero, bias);
   });
+  m.def("int4_gated", [](const at::Tensor& x_in, const at::Tensor& nib, const at::Tensor& scale,
+                         const at::Tensor& zero, int64_t activation) {
+    const at::Tensor x = x_in.contiguous();
+    TORCH_CHECK(x.dim() == 2, "int4_gated: x [rows, k]");
+    TORCH_CHECK(activation == 0 || activation == 1, "int4_gated: activation 0 or 1");
+    const Int4Panels w = int4_panels(nib, scale, zero, x.size(1));
+    TORCH_CHECK(gated_panels(w), "int4_gated: gate_up's halves in whole panels");
+    at::Tensor out = at::empty({x.size(0), w.n / 2}, x.options());
+    pybind11::gil_scoped_release no_gil;
+    const auto act = static_cast<Activation>(activation);
+    if (x.scalar_type() == at::kBFloat16) {
+      int4_gated(x.data_ptr<c10::BFloat16>(), x.size(0), w, act, out.data_ptr<c10::BFloat16>());
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_gated: bf16 or fp32 activations");
+      int4_gated(x.data_ptr<float>(), x.size(0), w, act, out.data_ptr<float>());
+    }
+    return out;
+  }, "act(gate) * up of an int4 gate_up linear in one pass (the fused step's MLP half)");
   m.def("kernel_isa", [] { return quant_isa_name(quant_isa().load()); },
         "the instruction set the bf16 int4/int8 kernels use now");
   m.def("kernel_isas", &quant_isa_names, "the ones this build has, widest (the default) first");

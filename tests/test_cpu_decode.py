@@ -105,6 +105,27 @@ def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n
         assert torch.equal(layer(x[i:])[0], batch[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", [0, 1], ids=["silu", "gelu_tanh"])
+def test_gate_up_and_its_activation_in_one_pass(dtype, activation):
+    """The fused step's int4 gate_up computes act(gate) * up as it goes (cpu_gated_int4.h):
+    the matmul's own outputs, rounded as the torch path rounds them, and a row's bits the
+    same in any batch."""
+    layer, _ = quantized_layer("int4", 2 * 104, 576, seed=3)  # 13 panels a half
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = ext.int4_gated(x, *layer.small[:3], activation)
+    gate, up = layer(x).float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu if activation == 0 else (
+        lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+    want = (act(gate).to(dtype).float() * up).to(dtype)
+    # Our exp and torch's differ in the last bits of fp32 (so a bf16 rounding may flip).
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-2 if bf16 else 1e-5)
+    assert not bf16 or (got == want).float().mean() > 0.97
+    for i in range(6):
+        assert torch.equal(ext.int4_gated(x[i : i + 1], *layer.small[:3], activation)[0], got[i])
+
+
 def test_int8_layer_whose_outputs_fill_no_whole_panel_takes_torchs_kernel():
     w = torch.randn(90, 64, generator=torch.Generator().manual_seed(0)) * 0.05
     t = quantize(w, "int8")
