@@ -263,9 +263,9 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
 
 // Decode attention, split like flash-decoding: one task per (request, KV head, chunk of at
 // most kChunk of its tokens), whose `group` query heads read each K/V row once; each task
-// keeps its running max, exp-sum and unnormalised output, merged per head afterwards. The
-// split gives two cores work at batch 1, and a request's result does not depend on the rest
-// of the batch.
+// keeps its running max, exp-sum and unnormalised output, merged per head by the task that
+// finishes its (request, KV head) last. The split gives two cores work at batch 1, and a
+// request's result does not depend on the rest of the batch.
 constexpr int64_t kChunk = 128;
 constexpr int64_t kAhead = 64;  // keys whose K and V rows are prefetched ahead of the scores
 
@@ -293,7 +293,8 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
   // references: the workers must see the caller's vectors, not their own thread_locals.
   thread_local std::vector<Task> task_list;
   thread_local std::vector<int64_t> first_list, order_list;
-  thread_local std::vector<float> mx_list, sum_list, acc_list, merged;
+  thread_local std::vector<float> mx_list, sum_list, acc_list;
+  thread_local std::vector<std::atomic<int64_t>> left_list;  // per (b, kvh): tasks not done
   std::vector<Task>& tasks = task_list;
   std::vector<int64_t>& first = first_list;  // tasks of (b, kvh): first[i]..first[i + 1]
   tasks.clear();
@@ -323,6 +324,39 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
   mx.resize(n * group);
   sum.resize(n * group);
   acc.resize(n * group * d);
+  std::vector<std::atomic<int64_t>>& left = left_list;
+  if (static_cast<int64_t>(left.size()) < batch * s.kv_heads) {
+    left = std::vector<std::atomic<int64_t>>(batch * s.kv_heads);
+  }
+  for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
+    left[i].store(first[i + 1] - first[i], std::memory_order_relaxed);
+  }
+  // Request b's KV head kvh: its tasks' partial results merged into its `group` heads of
+  // out, in task order (the same sums whichever thread merges). Merged where its last task
+  // ends, on that task's thread: the merge of a decode step's heads ran on the caller alone
+  // after the tasks (on a prompt's 46 tokens, most of the attention's time).
+  const auto merge = [&](int64_t i) {
+    thread_local std::vector<float> merged;  // this thread's own
+    std::vector<float>& o = merged;
+    o.resize(d);
+    const int64_t b = i / s.kv_heads, kvh = i % s.kv_heads;
+    for (int64_t g = 0; g < group; ++g) {
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      for (int64_t t = first[i]; t < first[i + 1]; ++t) m = std::max(m, mx[t * group + g]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t t = first[i]; t < first[i + 1]; ++t) {
+        const float w = std::exp(mx[t * group + g] - m);
+        l += w * sum[t * group + g];
+        const float* a = acc.data() + (t * group + g) * d;
+        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
+      }
+      T* dst = out + (b * s.heads + kvh * group + g) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = T(o[e] / l);
+    }
+  };
+  for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
+    if (first[i + 1] == first[i]) merge(i);  // no keys: no task will
+  }
   WorkerPool::get().parallel_for(n, [&](int64_t, int64_t) {
     thread_local std::vector<float> scores;  // this thread's own
     thread_local std::vector<const T*> rows, vrows;  // the task's K rows and V rows
@@ -388,26 +422,11 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           if (e < d) weighted_values<gn(), 1>(p, len, vrows.data(), len, e, o + g * d, d);
         });
       }
+      // acq_rel: the last task's thread sees the other tasks' partial results.
+      const int64_t i = task.b * s.kv_heads + task.kvh;
+      if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i);
     }
   });
-  std::vector<float>& o = merged;
-  o.resize(d);
-  for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
-    const int64_t b = i / s.kv_heads, kvh = i % s.kv_heads;
-    for (int64_t g = 0; g < group; ++g) {
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      for (int64_t t = first[i]; t < first[i + 1]; ++t) m = std::max(m, mx[t * group + g]);
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t t = first[i]; t < first[i + 1]; ++t) {
-        const float w = std::exp(mx[t * group + g] - m);
-        l += w * sum[t * group + g];
-        const float* a = acc.data() + (t * group + g) * d;
-        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
-      }
-      T* dst = out + (b * s.heads + kvh * group + g) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = T(o[e] / l);
-    }
-  }
 }
 
 enum class QKNorm : int64_t { kNone = 0, kPerHead = 1, kWhole = 2 };  // model_config.QKNorm
