@@ -829,8 +829,8 @@ class DecodeStep {
     run<T>(h, ropes, ip, ip + 1, kv_indices, out_loc, k_bufs, v_bufs, scale);
     clock.restart();
     at::Tensor hn = at::empty({batch, n}, embed_.options());
-    rms_norm<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(), batch,
-                       n, eps_);
+    rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(),
+                            batch, n, eps_);
     clock.mark(kNorms);
     linear<T>(head_, hn, outs_[5]);
     at::Tensor logits = widened_logits<T>(outs_[5], into);
@@ -940,7 +940,7 @@ class DecodeStep {
   void pre_norm(const float* hp, const at::Tensor& w, at::Tensor& xn, int64_t batch) const {
     const int64_t n = shape_.hidden;
     T* out = xn.data_ptr<T>();
-    if (w.numel()) return rms_norm<float, T>(hp, w.data_ptr<T>(), out, batch, n, eps_);
+    if (w.numel()) return rms_norm_rows<float, T>(hp, w.data_ptr<T>(), out, batch, n, eps_);
     for (int64_t i = 0; i < batch * n; ++i) out[i] = T(hp[i]);
   }
 

@@ -85,17 +85,34 @@ void prefetch_new_kv(const int64_t* out_loc, T* kbuf, T* vbuf, int64_t batch, co
   }
 }
 
-// RoPE on q and k, k and v into the pool at out_loc, q (scaled, fp32) into qf. cos and sin
-// are [batch, rotary] (nullptr: no RoPE in this layer).
+// Calls part(begin, end) over [0, rows): at once below kRowsToSplit rows (a decode step's,
+// where a job costs more than the loop), else split among the threads (an extend's tokens;
+// each row's result is its own).
+constexpr int64_t kRowsToSplit = 8;
+template <typename F>
+inline void over_rows(int64_t rows, const F& part) {
+  if (rows < kRowsToSplit) return part(0, rows);
+  WorkerPool::get().parallel_for(rows, part);
+}
+
+// rms_norm of each of `rows` rows (over_rows).
+template <typename In, typename T>
+void rms_norm_rows(const In* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, [&](int64_t r0, int64_t r1) {
+    rms_norm<In, T>(x + r0 * n, w, out + r0 * n, r1 - r0, n, eps);
+  });
+}
+
+// rope_and_store's rows [b0, b1).
 template <typename T>
-void rope_and_store(const T* qkv, const float* cos, const float* sin, int64_t rotary,
-                    const int64_t* out_loc, T* kbuf, T* vbuf, float* qf, int64_t batch,
-                    const Shape& s, float scale) {
+void rope_rows(const T* qkv, const float* cos, const float* sin, int64_t rotary,
+               const int64_t* out_loc, T* kbuf, T* vbuf, float* qf, int64_t b0, int64_t b1,
+               const Shape& s, float scale) {
   const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
-  thread_local std::vector<float> rotated;
+  thread_local std::vector<float> rotated;  // this thread's own
   std::vector<float>& r = rotated;
   r.resize(d);
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const T* row = qkv + b * width;
     const float* cb = cos == nullptr ? nullptr : cos + b * rotary;
     const float* sb = sin == nullptr ? nullptr : sin + b * rotary;
@@ -123,6 +140,17 @@ void rope_and_store(const T* qkv, const float* cos, const float* sin, int64_t ro
     const T* v = row + (s.heads + s.kv_heads) * d;
     std::copy(v, v + s.kv_heads * d, vbuf + out_loc[b] * s.kv_heads * d);
   }
+}
+
+// RoPE on q and k, k and v into the pool at out_loc, q (scaled, fp32) into qf. cos and sin
+// are [batch, rotary] (nullptr: no RoPE in this layer). Rows as over_rows splits them.
+template <typename T>
+void rope_and_store(const T* qkv, const float* cos, const float* sin, int64_t rotary,
+                    const int64_t* out_loc, T* kbuf, T* vbuf, float* qf, int64_t batch,
+                    const Shape& s, float scale) {
+  over_rows(batch, [&](int64_t b0, int64_t b1) {
+    rope_rows(qkv, cos, sin, rotary, out_loc, kbuf, vbuf, qf, b0, b1, s, scale);
+  });
 }
 
 // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with
