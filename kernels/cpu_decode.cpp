@@ -945,14 +945,17 @@ class DecodeStep {
   }
 
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
-  // int4 panels take both halves in one pass (int4_gated; its time is gate_up's).
+  // A decode step's few rows take int4 panels' halves in one pass (int4_gated; its time is
+  // gate_up's). An extend's do not: on the bench prompt's 46 tokens that made the first
+  // token 28.2 -> 31.7 ms (medians of 15, alternating in one process; the block's two
+  // panels and x's rows crowd L1 where the arithmetic, not memory, sets the pace).
   template <typename T>
   at::Tensor gated_mlp(const LinearSpec& gate_up, const LinearSpec& down, const at::Tensor& x,
                        at::Tensor& gu, at::Tensor& act, at::Tensor& out) {
     PhaseClock clock(phases_);
     const auto activation = static_cast<Activation>(f_.activation);
     const int64_t rows = x.size(0);
-    if (gated_panels(gate_up.int4)) {
+    if (gated_panels(gate_up.int4) && rows < kRowsToSplit) {
       act = output_rows(act, rows, gate_up.int4.n / 2, x.options());
       int4_gated(x.data_ptr<T>(), rows, gate_up.int4, activation, act.data_ptr<T>());
       clock.mark(kGateUp);
