@@ -294,7 +294,12 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
   thread_local std::vector<Task> task_list;
   thread_local std::vector<int64_t> first_list, order_list;
   thread_local std::vector<float> mx_list, sum_list, acc_list;
-  thread_local std::vector<std::atomic<int64_t>> left_list;  // per (b, kvh): tasks not done
+  // Per (b, kvh): its tasks not done. A line each: the two threads count down different
+  // heads at once (attention 0.352 -> 0.344 ms a step with the pad, alternating in one process).
+  struct alignas(64) Left {
+    std::atomic<int64_t> tasks{0};
+  };
+  thread_local std::vector<Left> left_list;
   std::vector<Task>& tasks = task_list;
   std::vector<int64_t>& first = first_list;  // tasks of (b, kvh): first[i]..first[i + 1]
   tasks.clear();
@@ -324,12 +329,12 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
   mx.resize(n * group);
   sum.resize(n * group);
   acc.resize(n * group * d);
-  std::vector<std::atomic<int64_t>>& left = left_list;
+  std::vector<Left>& left = left_list;
   if (static_cast<int64_t>(left.size()) < batch * s.kv_heads) {
-    left = std::vector<std::atomic<int64_t>>(batch * s.kv_heads);
+    left = std::vector<Left>(batch * s.kv_heads);
   }
   for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
-    left[i].store(first[i + 1] - first[i], std::memory_order_relaxed);
+    left[i].tasks.store(first[i + 1] - first[i], std::memory_order_relaxed);
   }
   // Request b's KV head kvh: its tasks' partial results merged into its `group` heads of
   // out, in task order (the same sums whichever thread merges). Merged where its last task
@@ -424,7 +429,7 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
       }
       // acq_rel: the last task's thread sees the other tasks' partial results.
       const int64_t i = task.b * s.kv_heads + task.kvh;
-      if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i);
+      if (left[i].tasks.fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i);
     }
   });
 }
