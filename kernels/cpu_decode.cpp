@@ -80,15 +80,15 @@ class PhaseClock {
 struct LinearSpec {
   int64_t kind;
   std::vector<at::Tensor> t;
-  Int4Panels int4{};  // our int4 layout without a bias, for inputs of k_in (with_int4)
+  Int4Panels int4{};  // our int4 layout without a bias (with_int4): its checked pointers
 };
 
-// l with its Int4Panels filled where it is int4 in our layout, has no bias and takes inputs
-// of width k_in (the step's own buffers, so that no call checks the tensors again).
-LinearSpec with_int4(LinearSpec l, int64_t k_in) {
+// l with its Int4Panels filled where it is int4 in our layout and has no bias, so that no
+// call checks its tensors again.
+LinearSpec with_int4(LinearSpec l) {
   const bool ours = l.kind == kInt4 && l.t.size() == 6 && l.t[2].numel() && !l.t[5].numel();
-  if (ours && l.t[2].dim() == 3 && l.t[2].size(1) * kGroup == k_in) {
-    l.int4 = int4_panels(l.t[2], l.t[3], l.t[4], k_in);
+  if (ours && l.t[2].dim() == 3) {
+    l.int4 = int4_panels(l.t[2], l.t[3], l.t[4], l.t[2].size(1) * kGroup);
   }
   return l;
 }
@@ -485,9 +485,9 @@ class DecodeStep {
     TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 4 * layers, "4 linears per layer");
     shape_ = {embed_.size(1), heads, kv_heads, head_dim, 0};
     for (size_t i = 0; i < kinds.size(); ++i) {
-      linears_.push_back(with_int4({kinds[i], tensors[i]}, input_width(i, kinds, tensors)));
+      linears_.push_back(with_int4({kinds[i], tensors[i]}));
     }
-    head_ = with_int4(std::move(head_), shape_.hidden);
+    head_ = with_int4(std::move(head_));
     dtype_ = embed_.scalar_type();
     TORCH_CHECK(head_dim % 8 == 0, "the fused CPU decode takes head_dim % 8 == 0");
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16,
@@ -496,26 +496,12 @@ class DecodeStep {
     check_family(layers);
   }
 
-  // The width of linear i's input in the step (qkv, o, gate_up, down per layer): down's is
-  // half gate_up's output; 0 where that is not known (an int4 layout of unexpected shape).
-  int64_t input_width(size_t i, const std::vector<int64_t>& kinds,
-                      const std::vector<std::vector<at::Tensor>>& tensors) const {
-    switch (i % 4) {
-      case 0: case 2: return shape_.hidden;
-      case 1: return shape_.heads * shape_.head_dim;
-      default: {
-        const auto& gu = tensors[i - 1];
-        const bool panels = kinds[i - 1] == kInt4 && gu.size() == 6 && gu[2].dim() == 3;
-        return panels ? gu[2].size(0) * kRowPanel / 2 : 0;
-      }
-    }
-  }
-
   // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
-  // checked pointers (LinearSpec::int4), any other through run_linear.
+  // checked pointers (LinearSpec::int4) where x has its width, any other through run_linear
+  // (which names a wrong width).
   template <typename T>
   static void linear(const LinearSpec& l, const at::Tensor& x, at::Tensor& out) {
-    if (l.int4.nib == nullptr) {
+    if (l.int4.nib == nullptr || x.size(1) != l.int4.k) {
       out = run_linear(l, x, out);
       return;
     }
@@ -960,7 +946,7 @@ class DecodeStep {
     PhaseClock clock(phases_);
     const auto activation = static_cast<Activation>(f_.activation);
     const int64_t rows = x.size(0);
-    if (gated_panels(gate_up.int4) && rows < kRowsToSplit) {
+    if (gated_panels(gate_up.int4) && x.size(1) == gate_up.int4.k && rows < kRowsToSplit) {
       act = output_rows(act, rows, gate_up.int4.n / 2, x.options());
       int4_gated(x.data_ptr<T>(), rows, gate_up.int4, activation, act.data_ptr<T>());
       clock.mark(kGateUp);

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cpu_layer_ops.h"
 #include "cpu_quant_matmul.h"
@@ -29,7 +28,7 @@ inline bool gated_panels(const Int4Panels& gate_up) {
 template <typename T>
 void int4_gated(const T* x, int64_t rows, const Int4Panels& w, Activation act, T* out) {
   const int64_t inter = w.n / 2;
-  const auto run = [&](const auto& weights) {
+  with_int4_rows(x, rows, w, [&](const auto& weights) {
     for_each_block<kMaxRowBlock, kRowPanel>(
         rows, inter, row_chunk(w.k), [&](int64_t j0, auto, int64_t r0, int64_t nr) {
           float gate[kMaxRowBlock * kRowPanel], up[kMaxRowBlock * kRowPanel];
@@ -44,16 +43,7 @@ void int4_gated(const T* x, int64_t rows, const Int4Panels& w, Activation act, T
             act_span(g, u, out + (r0 + r) * inter + j0, kRowPanel, act);
           }
         });
-  };
-  if constexpr (std::is_same_v<T, float>) {
-    thread_local FloatRows f;
-    float_rows(x, rows, w.k, true, f);
-    run(Int4Weights<FloatRows>{w.nib, w.scale, w.min, f});
-  } else {
-    thread_local QuantizedRows q;
-    quantize_rows(x, rows, w.k, q, /*spread=*/kSpreadRows);
-    run(Int4Weights<QuantizedRows>{w.nib, w.scale, w.min, q});
-  }
+  });
 }
 
 }  // namespace sgl_nb

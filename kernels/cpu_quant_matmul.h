@@ -913,18 +913,27 @@ struct Int4Panels {
   int64_t n = 0, k = 0;
 };
 
-// y [rows, n] = x [rows, k] @ w.T, x and y bf16 or fp32 (int4_linear's kernels).
-template <typename T>
-void int4_matmul(const T* x, int64_t rows, const Int4Panels& w, T* y) {
+// fn(weights): w over x [rows, k] (bf16 or fp32) as the int4 kernels take it, x's rows
+// prepared first (quantized, or fp32 as they are: the exact path).
+template <typename T, typename F>
+void with_int4_rows(const T* x, int64_t rows, const Int4Panels& w, const F& fn) {
   if constexpr (std::is_same_v<T, float>) {
     thread_local FloatRows f;
     float_rows(x, rows, w.k, true, f);
-    quant_matmul<kRowPanel>(Int4Weights<FloatRows>{w.nib, w.scale, w.min, f}, rows, w.n, y);
+    fn(Int4Weights<FloatRows>{w.nib, w.scale, w.min, f});
   } else {
     thread_local QuantizedRows q;
     quantize_rows(x, rows, w.k, q, /*spread=*/kSpreadRows);
-    quant_matmul<kRowPanel>(Int4Weights<QuantizedRows>{w.nib, w.scale, w.min, q}, rows, w.n, y);
+    fn(Int4Weights<QuantizedRows>{w.nib, w.scale, w.min, q});
   }
+}
+
+// y [rows, n] = x [rows, k] @ w.T, x and y bf16 or fp32 (int4_linear's kernels).
+template <typename T>
+void int4_matmul(const T* x, int64_t rows, const Int4Panels& w, T* y) {
+  with_int4_rows(x, rows, w, [&](const auto& weights) {
+    quant_matmul<kRowPanel>(weights, rows, w.n, y);
+  });
 }
 
 // The pointers of int4 weights in our layout (nibbles [N / 8, K / 32, 128], scale and min
