@@ -614,24 +614,32 @@ class DecodeStep {
     // Step s's KV ranges, filled in place (each range without the slots of later steps).
     at::Tensor sp = at::empty({batch + 1}, opts), si = at::empty_like(indices);
     at::Tensor out = at::empty({batch}, opts);
+    // The refinement ranks each row's best entries anyway; the pick comes from them where
+    // nothing changes the logits after it (refine_top_logits), else from a pass of its own.
+    const bool picked_by_refine = refines_last();
+    std::vector<int64_t> last_picks(batch);
     int64_t done = steps;
     for (int64_t s = 0; s < steps; ++s) {
       const int64_t n = ahead_ranges(ip, indices, batch, steps - 1 - s, sp, si, out);
       const at::Tensor kv = si.narrow(0, 0, n);
+      // Raw pointers from here to the next step: a tensor op costs microseconds here,
+      // where the step's weight reads have left the dispatcher's data out of cache.
+      int64_t* picks = s + 1 < steps ? tokens.data_ptr<int64_t>() + s * batch : last_picks.data();
+      int64_t* refine_picks = picked_by_refine ? picks : nullptr;
       if (dtype_ == at::kFloat) {
-        step<float>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
+        step<float>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s], refine_picks);
       } else {
-        step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s]);
+        step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s],
+                            refine_picks);
       }
       if (s + 1 == steps) break;
       if (interrupts_.load(std::memory_order_acquire) != mark) {
         done = s + 1;
         break;
       }
-      // Raw pointers from here to the next step: a tensor op costs microseconds here,
-      // where the step's weight reads have left the dispatcher's data out of cache.
-      int64_t* picks = tokens.data_ptr<int64_t>() + s * batch;
-      first_argmax(logits.data_ptr<float>() + s * batch * vocab, batch, vocab, picks);
+      if (!picked_by_refine) {
+        first_argmax(logits.data_ptr<float>() + s * batch * vocab, batch, vocab, picks);
+      }
       if (stopped(picks)) {
         done = s + 1;
         break;
@@ -675,6 +683,12 @@ class DecodeStep {
       last[b] = all[ip[b] + n - 1];
     }
     return p[batch];
+  }
+
+  // Whether the head's refinement gives the logits their last change (the picks it ranks
+  // are then the rows' argmax): no Granite scaling nor final soft-cap after it.
+  bool refines_last() const {
+    return head16_.numel() && f_.logits_scaling == 1.0 && f_.final_softcap <= 0;
   }
 
   // Per row of rows [B, vocab] (fp32), numpy's argmax into tokens [B]: the first largest
@@ -810,7 +824,8 @@ class DecodeStep {
   at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                   const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {}) {
+                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {},
+                  int64_t* picks = nullptr) {
     PhaseClock clock(phases_);
     std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
     at::Tensor h = embedded<T>(ids_in, positions_in, ropes);
@@ -826,7 +841,7 @@ class DecodeStep {
     linear<T>(head_, hn, outs_[5]);
     at::Tensor logits = widened_logits<T>(outs_[5], into);
     clock.mark(kHead);
-    if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_);
+    if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_, picks);
     clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
     if (f_.logits_scaling != 1.0) logits.div_(f_.logits_scaling);
@@ -1215,10 +1230,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_attention", &extend_attention_op, pybind11::arg("q"), pybind11::arg("k_buffer"),
         pybind11::arg("v_buffer"), pybind11::arg("qo_indptr"), pybind11::arg("kv_indptr"),
         pybind11::arg("kv_indices"), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
+  // Returns each row's pick after the refinement (numpy's argmax of the updated row).
   m.def("refine_top_logits", [](at::Tensor logits, const at::Tensor& h, const at::Tensor& w,
                                 int64_t r) {
+    std::vector<int64_t> picks(logits.dim() == 2 ? logits.size(0) : 0);
     pybind11::gil_scoped_release no_gil;
-    refine_top_logits(logits, h, w, r);
+    refine_top_logits(logits, h, w, r, picks.data());
+    return picks;
   });
   m.def("top_logits", [](const at::Tensor& rows, int64_t k) {
     pybind11::gil_scoped_release no_gil;

@@ -32,6 +32,16 @@ class TopK:
     logits: list[list[float]]
     lse: list[float]
     masked: list[list[bool]] | None = None  # once the rows are masked
+    # Ranked by the CPU kernels' rule (the first NaN, else the largest, ties the lower id):
+    # then ids[b][0] is numpy's argmax of row b, the greedy pick (greedy_picks' rule).
+    argmax_first: bool = False
+
+    def greedy(self) -> list[int] | None:
+        """Each row's greedy pick, where ids[b][0] is it: ranked by the kernels' rule and
+        no mask applied since (a mask may remove the best); else None."""
+        if not self.argmax_first or self.masked is not None:
+            return None
+        return [ids[0] for ids in self.ids]
 
     def mark_masked(self, rows: torch.Tensor) -> None:
         """Read the mask off the masked rows: an alternative is masked where its logit is
@@ -43,7 +53,7 @@ class TopK:
     def select(self, keep: list[int]) -> TopK:
         masked = None if self.masked is None else [self.masked[i] for i in keep]
         return TopK([self.ids[i] for i in keep], [self.logits[i] for i in keep],
-                    [self.lse[i] for i in keep], masked)
+                    [self.lse[i] for i in keep], masked, self.argmax_first)
 
     def lists(self, rows: torch.Tensor, tokens: list[int]) -> list[tuple]:
         """Per row (ids, logprobs, masked, chosen token's logprob), the logprobs to
@@ -84,7 +94,7 @@ def top_alternatives(rows: torch.Tensor, k: int) -> TopK:
     k = min(k, rows.shape[-1])
     native = cpu_decode.loaded()
     if native is not None and rows.device.type == "cpu" and k > 0:
-        return TopK(*native.top_logits(float_cpu(rows), k))
+        return TopK(*native.top_logits(float_cpu(rows), k), argmax_first=True)
     logits, ids = _topk(rows, k)
     logits = logits.tolist()
     return TopK(ids, logits, _logsumexp(rows, [row[0] for row in logits]))
@@ -147,12 +157,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     all_logprobs: bool = False,
+    top: TopK | None = None,
 ) -> list[Sampled]:
     """logits: [B, vocab] float32 on the CPU. Greedy rows take the argmax; the others draw
     with their own generator, so a seeded request draws the same tokens whatever batch it
     is in.
-    all_logprobs: every row's logprob, asked or not (someone listens to token events)."""
-    greedy = greedy_picks(logits).tolist()
+    all_logprobs: every row's logprob, asked or not (someone listens to token events).
+    top: the rows' alternatives, where taken: their best is the greedy pick where
+    TopK.greedy says so (numpy's own pass over a decode ahead's rows, cold by then, cost
+    ~6 us a token)."""
+    greedy = top.greedy() if top is not None else None
+    if greedy is None and any(p.greedy for p in params):
+        greedy = greedy_picks(logits).tolist()
     out: list[Sampled] = []
     for b, p in enumerate(params):
         if p.greedy:

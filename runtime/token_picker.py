@@ -123,7 +123,7 @@ class TokenPicker:
         if not reqs:
             return
         sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs],
-                         all_logprobs=self.events.active)
+                         all_logprobs=self.events.active, top=top)
         alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
         for b, (req, s) in enumerate(zip(reqs, sampled)):
             yield self._token_pick(req, s, alts[b] if alts else None)
@@ -153,7 +153,8 @@ class TokenPicker:
             yield from failed
             if not kept:
                 return
-            s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active)[0]
+            s = sample(row, [req.params], [req.generator], all_logprobs=self.events.active,
+                       top=top)[0]
             agreed = self._against_draft(req, s, counts)
             s.forced = agreed and not ours
             agreed_n += agreed
@@ -181,7 +182,7 @@ class TokenPicker:
         if failed or not reqs:
             return
         sampled = sample(rows, [req.params] * len(reqs), [req.generator] * len(reqs),
-                         all_logprobs=self.events.active)
+                         all_logprobs=self.events.active, top=top)
         alts = top.lists(rows, [s.token for s in sampled]) if top is not None else None
         self.aheads.drafted += len(req.draft_ids)
         for j, s in enumerate(sampled):

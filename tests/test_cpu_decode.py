@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from sgl_nb.kernels import cpu_decode, reference
-from sgl_nb.runtime.model.forward_batch import build_batch
+from sgl_nb.runtime.model.forward_batch import build_batch, greedy_picks
 from sgl_nb.runtime.model.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
 from sgl_nb.runtime.model.model import Model
 from sgl_nb.runtime.model.quantize import dequantize, quantize
-from sgl_nb.runtime.sampler import top_alternatives
+from sgl_nb.runtime.sampler import sample, top_alternatives
+from sgl_nb.runtime.sampling_params import SamplingParams
 
 ext = cpu_decode.load()
 pytestmark = pytest.mark.skipif(ext is None, reason="no C++ compiler: the torch path runs")
@@ -323,6 +324,40 @@ def test_logits_head_refinement_in_the_module_matches_torchs():
         assert torch.allclose(got[above], exact[above], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[below], base[below])
     assert (above.sum(-1) >= 12).all()  # the test has teeth: most of the 16 are strictly above
+
+
+def test_the_refinements_pick_is_numpys_argmax_of_the_refined_row():
+    """The pick a decode ahead takes from the refinement (the best of the refined entries
+    and of the rest, cpu_logits.h) is numpy's argmax of the row it leaves: where the
+    refinement lowers every candidate below the 17th, at ties, and with a NaN."""
+    gen = torch.Generator().manual_seed(1)
+    w16 = (torch.randn(1000, 64, generator=gen) * 0.2).bfloat16()
+    h = torch.randn(5, 64, generator=gen)
+    logits = h @ w16.float().T
+    logits[0, :16] = 100.0  # candidates the refinement brings back down: the 17th wins
+    logits[1, 900:] = logits[1].max() + 1  # a tie at the top, past the candidates
+    logits[2, 500] = float("nan")  # numpy's argmax: the first NaN ...
+    h[2, 7] = float("nan")  # ... of the refined candidates, all NaN then
+    logits[3] = logits[3].round()  # ties everywhere
+    rows = logits.clone()
+    picks = ext.refine_top_logits(rows, h, w16, 16)
+    assert picks == rows.numpy().argmax(-1).tolist()
+    assert picks[0] >= 16 and rows[2].isnan().sum() == 16
+    assert not torch.equal(rows[0, :16], logits[0, :16])  # the refinement ran
+
+
+def test_greedy_picks_taken_from_the_alternatives_are_numpys_argmax():
+    """sample() takes a greedy row's pick from its alternatives' best (TopK.greedy) when
+    they were ranked by the kernels' rule and nothing masked the rows since: numpy's
+    argmax, ties and NaN included."""
+    rows = _rows_with_ties_and_infinities()
+    rows[0, 333] = float("nan")
+    top = top_alternatives(rows, 5)
+    params = [SamplingParams(temperature=0.0)] * rows.shape[0]
+    got = [s.token for s in sample(rows, params, [None] * rows.shape[0], top=top)]
+    assert top.greedy() == got == greedy_picks(rows).tolist()
+    top.mark_masked(rows)
+    assert top.greedy() is None  # a mask may have removed the best
 
 
 def _rows_with_ties_and_infinities() -> torch.Tensor:
