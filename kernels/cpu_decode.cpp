@@ -494,6 +494,7 @@ class DecodeStep {
                 "the fused CPU decode takes float32 or bfloat16 activations");
     TORCH_CHECK(embed_.is_contiguous(), "embedding: contiguous [vocab, hidden] in T");
     check_family(layers);
+    for (const at::Tensor& w : norms_) norm_weights_.push_back(w.numel() ? w.data_ptr() : nullptr);
   }
 
   // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
@@ -941,13 +942,25 @@ class DecodeStep {
     add_into<T>(hp, x.data_ptr<T>(), batch * n, static_cast<float>(f_.residual_scale));
   }
 
-  // h normed by `w` into xn, or (no norm here) only rounded to T.
+  // h normed by norm weights i (norm_weights_) into xn, or (none there) only rounded to T.
   template <typename T>
-  void pre_norm(const float* hp, const at::Tensor& w, at::Tensor& xn, int64_t batch) const {
+  void pre_norm(const float* hp, int64_t i, at::Tensor& xn, int64_t batch) const {
     const int64_t n = shape_.hidden;
     T* out = xn.data_ptr<T>();
-    if (w.numel()) return rms_norm_rows<float, T>(hp, w.data_ptr<T>(), out, batch, n, eps_);
+    const T* w = static_cast<const T*>(norm_weights_[i]);
+    if (w != nullptr) return rms_norm_rows<float, T>(hp, w, out, batch, n, eps_);
     for (int64_t i = 0; i < batch * n; ++i) out[i] = T(hp[i]);
+  }
+
+  // Asks for norm weights i (the final norm's past the last layer's) ahead of the matmul
+  // before them: the weight stream evicts them from one step to the next, and read cold
+  // they held up each norm (the step's norms 0.066 -> 0.047 ms with their pointers taken
+  // once, in norm_weights_; alternating in one process).
+  template <typename T>
+  void prefetch_norm(int64_t i) const {
+    const void* w = i < static_cast<int64_t>(norm_weights_.size()) ? norm_weights_[i]
+                                                                    : final_norm_.data_ptr();
+    if (w != nullptr) prefetch_bytes(w, shape_.hidden * static_cast<int64_t>(sizeof(T)));
   }
 
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
@@ -1052,8 +1065,9 @@ class DecodeStep {
       PhaseClock clock(phases_);
       prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
                          v_bufs[l].data_ptr<T>(), batch, s);
-      pre_norm<T>(hp, norms_[2 * l], xn, batch);
+      pre_norm<T>(hp, 2 * l, xn, batch);
       clock.mark(kNorms);
+      prefetch_norm<T>(2 * l + 1);
       linear<T>(linears_[4 * l], xn, qkv);
       clock.mark(kQkv);
       if (f_.qk_norm) qk_norm<T>(qkv.data_ptr<T>(), batch, l);
@@ -1071,8 +1085,9 @@ class DecodeStep {
       linear<T>(linears_[4 * l + 1], attn, o);
       clock.mark(kOProj);
       add_block<T>(hp, o, post(2 * l), batch);
-      pre_norm<T>(hp, norms_[2 * l + 1], xn, batch);
+      pre_norm<T>(hp, 2 * l + 1, xn, batch);
       clock.mark(kNorms);
+      prefetch_norm<T>(2 * l + 2);
       if (!moe_.empty() && moe_[l].router.numel()) {
         at::Tensor y = moe<T>(moe_[l], xn);
         clock.restart();
@@ -1087,6 +1102,9 @@ class DecodeStep {
   }
 
   std::vector<at::Tensor> norms_;    // before attention and before the MLP, per layer
+  // norms_' data (nullptr: no norm there), taken once: a tensor's metadata is as cold as
+  // its data by the time a step comes back to it.
+  std::vector<const void*> norm_weights_;
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, final_norm_;
   // The qkv, o, gate_up, down, activation and LM head outputs of the last step, updated in

@@ -694,12 +694,6 @@ inline int64_t panel_row_offset(int64_t j, int64_t row_bytes, int64_t unit_bytes
   return (j / kRowPanel) * kRowPanel * row_bytes + (j % kRowPanel) * unit_bytes;
 }
 
-// Asks for `bytes` from p to be brought into the caches (whole lines, in order).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
-}
-
 // out[r * NC + c] for weight rows j0..j0 + NC - 1 from panel(p0, out8), which computes the
 // whole panel at row p0 into out8 [NR][8]: directly where the block is a panel (N is a
 // multiple of 8, so every int4 block is), else through a copy.

@@ -18,6 +18,12 @@
 
 namespace sgl_nb {
 
+// Asks for `bytes` from p to be brought into the caches (whole lines, in order).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
 inline float bf16_bits_to_float(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
