@@ -36,7 +36,6 @@ import json
 import multiprocessing
 import statistics
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -77,18 +76,15 @@ def hf_batched(hf, tok, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def ours_one_stream(rt, ids: list[int], n: int,
-                    on_first: Callable[[], None] | None = None) -> tuple[float, float]:
+def ours_one_stream(rt, ids: list[int], n: int) -> tuple[float, float]:
     """(seconds end to end, mean seconds per decode step: from the first token's text to
     the last's, over the n - 1 tokens between; a chunk may hold several, decode ahead's
     do). Prompt lookup off: this is the decode step's figure (`sgl-nb bench copy`
-    measures lookup). on_first: called as the first text arrives (the prefill done)."""
+    measures lookup)."""
     t0 = time.perf_counter()
     stamps = []
     for _ in rt.generate(ids, max_tokens=n, ignore_eos=True, stream=True, prompt_lookup=False):
         stamps.append(time.perf_counter())
-        if on_first is not None and len(stamps) == 1:
-            on_first()
     total = time.perf_counter() - t0
     step = (stamps[-1] - stamps[0]) / max(n - 1, 1)
     return total, step
@@ -167,15 +163,14 @@ def measure_ours(rt, args: argparse.Namespace, ids: list[int], prompts: list[lis
     floor_b = statistics.median(linears_floor(model, args.requests))
     rt.generate(ids[:8], max_tokens=4)  # warm-up
     engine = rt.engine
-    since = {}
-
-    def decoding() -> None:
-        # Zeroed once the prompt is in: the breakdown covers the decode steps from the
-        # first token on, the window `step` is measured over.
-        model.decode_phase_seconds()
-        since.update(decodes=engine.steps["decode"], forward_s=engine.step_seconds["decode"])
-
-    stream_s, step = ours_one_stream(rt, ids, args.new_tokens, on_first=decoding)
+    # Zeroed before the request: its decode steps are the ones after its first token, the
+    # window `step` is measured over (its prompt is an extend, which neither counts). Zeroed
+    # at the first token instead, the call waited for the decode run already under way and
+    # the engine counted that run's seconds, or not yet: a run's worth (~0.1 ms a step)
+    # came and went in "forward call beyond the phases".
+    model.decode_phase_seconds()
+    since = {"decodes": engine.steps["decode"], "forward_s": engine.step_seconds["decode"]}
+    stream_s, step = ours_one_stream(rt, ids, args.new_tokens)
     decodes = engine.steps["decode"] - since["decodes"]
     forward_s = engine.step_seconds["decode"] - since["forward_s"]
     phases = model.decode_phase_seconds() or {}
