@@ -119,23 +119,25 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
   }
 }
 
-// Which cache a prefetch fills: L1 (and L2) for rows read next, L2 alone for rows read
-// later (such a request holds none of L1's few miss buffers while it waits on memory).
-enum class Into { kL1, kL2 };
-
-// Asks for the first `bytes` of each of rows[0:n].
-template <Into into = Into::kL1, typename T>
-inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
+// Reads each cache line of a task's K rows and V rows (`bytes` each) once, one load after
+// another with no arithmetic between, before the task's arithmetic starts. A decode step
+// finds them cold (the weights streamed through the caches since), in slots out of the
+// hardware prefetcher's reach; loads back to back keep many misses in flight at once.
+// Software prefetches into L2, 64 keys ahead of the scores (and value rows again 8 ahead),
+// left the attention at the mercy of the host's spells: in one process, alternating 256-
+// token rounds, the step's attention took 0.311 ms with these loads against 0.514 (medians
+// of 10, a 2-core Zen 4); in a standalone loop after 64 MB streamed, 13 us a layer against
+// 20 at 174 keys.
+template <typename T>
+inline void touch_rows(const T* const* k, const T* const* v, int64_t n, int64_t bytes) {
+  uint32_t sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const char* row = reinterpret_cast<const char*>(rows[j]);
-    for (int64_t off = 0; off < bytes; off += 64) {
-      if constexpr (into == Into::kL1) {
-        __builtin_prefetch(row + off);
-      } else {
-        __builtin_prefetch(row + off, 0, 2);
-      }
-    }
+    const auto* kr = reinterpret_cast<const unsigned char*>(k[j]);
+    const auto* vr = reinterpret_cast<const unsigned char*>(v[j]);
+    for (int64_t off = 0; off < bytes; off += 64) sum += kr[off] + vr[off];
   }
+  // The sum kept, so that the loads are: an asm barrier costs nothing at run time.
+  asm volatile("" : : "r"(sum));
 }
 
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
@@ -173,9 +175,6 @@ inline void scores_of_keys(const float* q, const T* const* k, int64_t d, float* 
   }
 }
 
-// Value rows whose lines the first pass of weighted_values asks for ahead of its loads.
-constexpr int64_t kValuesAhead = 8;
-
 // out[g][e0 : e0 + 8 NV] = sum_j p[g * stride + j] v_j[e0 : ...] over `len` value rows,
 // for GN heads, in registers; each output the same fma chain over j as a lone axpy loop.
 template <int GN, int NV, typename T>
@@ -187,10 +186,6 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
   // GN weights, then one value vector at a time: 3 x 4 accumulators + 3 + 1 fill the 16
   // registers (holding all NV value vectors spilled an accumulator: 2x slower, measured).
   for (int64_t j = 0; j < len; ++j) {
-    // The scores' pass asked for these rows too, yet the first load of each still missed
-    // (28% of the attention's samples in perf): asked for again here, 8 rows ahead, a
-    // step's attention took 0.39-0.47 ms against 0.48-0.63 (medians, one process).
-    if (e0 == 0 && j + kValuesAhead < len) prefetch_rows(v + j + kValuesAhead, 1, d * sizeof(T));
     __m256 pj[GN];
     for (int g = 0; g < GN; ++g) pj[g] = _mm256_set1_ps(p[g * stride + j]);
     for (int m = 0; m < NV; ++m) {
@@ -267,7 +262,6 @@ inline void weighted_values(const float* p, int64_t stride, const T* const* v, i
 // finishes its (request, KV head) last. The split gives two cores work at batch 1, and a
 // request's result does not depend on the rest of the batch.
 constexpr int64_t kChunk = 128;
-constexpr int64_t kAhead = 64;  // keys whose K and V rows are prefetched ahead of the scores
 
 // f(std::integral_constant<int, min(left, 4)>): up to four query heads at a time.
 template <typename F>
@@ -378,14 +372,7 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
         rows[j] = kbuf + at;
         vrows[j] = vbuf + at;
       }
-      // The rows sit in scattered slots, out of the hardware prefetcher's reach, and a
-      // decode step finds them cold (the weights streamed through the cache since). They
-      // are asked for into L2, kAhead keys ahead of the scores. Into L1, all of a chunk's
-      // at once overran the core's outstanding misses (a step's attention 1.35x as long);
-      // into L1 16 keys ahead, a step's attention took 0.32-0.36 ms against 0.25-0.27 into
-      // L2 32-96 keys ahead (phase medians, alternating in one process on a Zen 4).
-      prefetch_rows<Into::kL2>(rows.data(), std::min(len, kAhead), d * sizeof(T));
-      prefetch_rows<Into::kL2>(vrows.data(), std::min(len, kAhead), d * sizeof(T));
+      touch_rows(rows.data(), vrows.data(), len, d * static_cast<int64_t>(sizeof(T)));
       for (int64_t g = 0; g < group; g += 4) {
         head_block(group - g, [&](auto gn) {
           // Keys per block: 12 accumulators for up to three heads, 8 for four.
@@ -393,11 +380,6 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
           float* out = scores.data() + g * len;
           int64_t j = 0;
           for (; j + NK <= len; j += NK) {
-            if (g == 0 && j + kAhead < len) {
-              const int64_t n = std::min<int64_t>(NK, len - j - kAhead);
-              prefetch_rows<Into::kL2>(rows.data() + j + kAhead, n, d * sizeof(T));
-              prefetch_rows<Into::kL2>(vrows.data() + j + kAhead, n, d * sizeof(T));
-            }
             scores_of_keys<gn(), NK>(q + g * d, rows.data() + j, d, out + j, len);
           }
           for (; j < len; ++j) {
