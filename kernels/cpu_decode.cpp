@@ -476,7 +476,12 @@ class DecodeStep {
                 "the fused CPU decode takes float32 or bfloat16 activations");
     TORCH_CHECK(embed_.is_contiguous(), "embedding: contiguous [vocab, hidden] in T");
     check_family(layers);
-    for (const at::Tensor& w : norms_) norm_weights_.push_back(w.numel() ? w.data_ptr() : nullptr);
+    for (const at::Tensor& w : norms_) {
+      TORCH_CHECK(!w.numel() || (w.scalar_type() == dtype_ && w.is_contiguous() &&
+                                 w.numel() == shape_.hidden),
+                  "norm weights: empty, or [hidden] contiguous in the activations' dtype");
+      norm_weights_.push_back(w.numel() ? w.data_ptr() : nullptr);
+    }
   }
 
   // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
@@ -924,24 +929,25 @@ class DecodeStep {
     add_into<T>(hp, x.data_ptr<T>(), batch * n, static_cast<float>(f_.residual_scale));
   }
 
-  // h normed by norm weights i (norm_weights_) into xn, or (none there) only rounded to T.
+  // h normed by norm weights `norm` (norm_weights_) into xn, or (none there) only rounded
+  // to T.
   template <typename T>
-  void pre_norm(const float* hp, int64_t i, at::Tensor& xn, int64_t batch) const {
+  void pre_norm(const float* hp, int64_t norm, at::Tensor& xn, int64_t batch) const {
     const int64_t n = shape_.hidden;
     T* out = xn.data_ptr<T>();
-    const T* w = static_cast<const T*>(norm_weights_[i]);
+    const T* w = static_cast<const T*>(norm_weights_[norm]);
     if (w != nullptr) return rms_norm_rows<float, T>(hp, w, out, batch, n, eps_);
     for (int64_t i = 0; i < batch * n; ++i) out[i] = T(hp[i]);
   }
 
-  // Asks for norm weights i (the final norm's past the last layer's) ahead of the matmul
-  // before them: the weight stream evicts them from one step to the next, and read cold
-  // they held up each norm (the step's norms 0.066 -> 0.047 ms with their pointers taken
-  // once, in norm_weights_; alternating in one process).
+  // Asks for norm weights `norm` (the final norm's past the last layer's) ahead of the
+  // matmul before them: the weight stream evicts them from one step to the next, and read
+  // cold they held up each norm (the step's norms 0.066 -> 0.047 ms with their pointers
+  // taken once, in norm_weights_; alternating in one process).
   template <typename T>
-  void prefetch_norm(int64_t i) const {
-    const void* w = i < static_cast<int64_t>(norm_weights_.size()) ? norm_weights_[i]
-                                                                    : final_norm_.data_ptr();
+  void prefetch_norm(int64_t norm) const {
+    const void* w = norm < static_cast<int64_t>(norm_weights_.size()) ? norm_weights_[norm]
+                                                                       : final_norm_.data_ptr();
     if (w != nullptr) prefetch_bytes(w, shape_.hidden * static_cast<int64_t>(sizeof(T)));
   }
 
