@@ -476,12 +476,14 @@ class DecodeStep {
                 "the fused CPU decode takes float32 or bfloat16 activations");
     TORCH_CHECK(embed_.is_contiguous(), "embedding: contiguous [vocab, hidden] in T");
     check_family(layers);
-    for (const at::Tensor& w : norms_) {
+    const auto take = [&](const at::Tensor& w) {
       TORCH_CHECK(!w.numel() || (w.scalar_type() == dtype_ && w.is_contiguous() &&
                                  w.numel() == shape_.hidden),
                   "norm weights: empty, or [hidden] contiguous in the activations' dtype");
       norm_weights_.push_back(w.numel() ? w.data_ptr() : nullptr);
-    }
+    };
+    for (const at::Tensor& w : norms_) take(w);
+    take(final_norm_);
   }
 
   // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
@@ -605,14 +607,13 @@ class DecodeStep {
     // The refinement ranks each row's best entries anyway; the pick comes from them where
     // nothing changes the logits after it (refine_top_logits), else from a pass of its own.
     const bool picked_by_refine = refines_last();
-    std::vector<int64_t> last_picks(batch);
     int64_t done = steps;
     for (int64_t s = 0; s < steps; ++s) {
       const int64_t n = ahead_ranges(ip, indices, batch, steps - 1 - s, sp, si, out);
       const at::Tensor kv = si.narrow(0, 0, n);
       // Raw pointers from here to the next step: a tensor op costs microseconds here,
       // where the step's weight reads have left the dispatcher's data out of cache.
-      int64_t* picks = s + 1 < steps ? tokens.data_ptr<int64_t>() + s * batch : last_picks.data();
+      int64_t* picks = tokens.data_ptr<int64_t>() + s * batch;  // the last step's: not returned
       int64_t* refine_picks = picked_by_refine ? picks : nullptr;
       if (dtype_ == at::kFloat) {
         step<float>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s], refine_picks);
@@ -823,8 +824,8 @@ class DecodeStep {
     run<T>(h, ropes, ip, ip + 1, kv_indices, out_loc, k_bufs, v_bufs, scale);
     clock.restart();
     at::Tensor hn = at::empty({batch, n}, embed_.options());
-    rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm_.data_ptr<T>(), hn.data_ptr<T>(),
-                            batch, n, eps_);
+    const auto* final_norm = static_cast<const T*>(norm_weights_.back());
+    rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm, hn.data_ptr<T>(), batch, n, eps_);
     clock.mark(kNorms);
     linear<T>(head_, hn, outs_[5]);
     at::Tensor logits = widened_logits<T>(outs_[5], into);
@@ -940,16 +941,16 @@ class DecodeStep {
     for (int64_t i = 0; i < batch * n; ++i) out[i] = T(hp[i]);
   }
 
-  // Asks for norm weights `norm` (the final norm's past the last layer's) ahead of the
+  // Asks for norm weights `norm` (past the last layer's, the final norm's) ahead of the
   // matmul before them: the weight stream evicts them from one step to the next, and read
   // cold they held up each norm (the step's norms 0.066 -> 0.047 ms with their pointers
   // taken once, in norm_weights_; alternating in one process).
   template <typename T>
   void prefetch_norm(int64_t norm) const {
-    const void* w = norm < static_cast<int64_t>(norm_weights_.size()) ? norm_weights_[norm]
-                                                                       : final_norm_.data_ptr();
+    const void* w = norm_weights_[norm];
     if (w != nullptr) prefetch_bytes(w, shape_.hidden * static_cast<int64_t>(sizeof(T)));
   }
+
 
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
   // A decode step's few rows take int4 panels' halves in one pass (int4_gated; its time is
@@ -1090,8 +1091,8 @@ class DecodeStep {
   }
 
   std::vector<at::Tensor> norms_;    // before attention and before the MLP, per layer
-  // norms_' data (nullptr: no norm there), taken once: a tensor's metadata is as cold as
-  // its data by the time a step comes back to it.
+  // norms_' data, then final_norm_'s (nullptr: no norm there), taken once: a tensor's
+  // metadata is as cold as its data by the time a step comes back to it.
   std::vector<const void*> norm_weights_;
   std::vector<LinearSpec> linears_;  // qkv, o, gate_up, down, per layer
   at::Tensor embed_, final_norm_;
