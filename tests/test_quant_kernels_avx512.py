@@ -1,11 +1,11 @@
 """The AVX-512 VNNI quantized kernels (kernels/cpu_quant_matmul.h) against the AVX2 ones.
 
 Where the build has AVX-512 VNNI, the int8 and Q8_0 blocks (one row of x against a panel
-of 8 weight rows, up to 4 rows against 2) and the int4 panels (up to 4 rows against 8) take
-dpbusd; their float part is the AVX2 kernels', so the two give the same bits, and a row
-decoded alone gets the bits it gets in a batch. The module's set_isa switches between them
-in one build. Our kernels take N a multiple of 8 only (an int8 layer of other N goes to
-torch's kernel: tests/test_cpu_decode.py).
+of 8 weight rows, up to 4 rows against 2) and the int4 panels (up to 4 rows against 8; from
+8 rows of x on, two panels at once) take dpbusd; their float part is the AVX2 kernels', so
+the two give the same bits, and a row decoded alone gets the bits it gets in a batch. The
+module's set_isa switches between them in one build. Our kernels take N a multiple of 8
+only (an int8 layer of other N goes to torch's kernel: tests/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ SHAPES = [(form, n, k) for form, ns in [("int4", (16, 48, 96)), ("q8_0", (8, 40,
 def test_vnni_gives_the_avx2_bits_and_the_batch_bits(isa, form, n, k):
     layer, w = layer_of(form, n, k)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(k)).bfloat16()
-    for rows in (1, 2, 5, 17):
+    for rows in (1, 2, 5, 8, 17):
         isa("avx2")
         avx2 = layer(x[:rows])
         isa(VNNI)
