@@ -484,6 +484,12 @@ class DecodeStep {
     };
     for (const at::Tensor& w : norms_) take(w);
     take(final_norm_);
+    if (head16_.numel()) {
+      TORCH_CHECK(head16_.scalar_type() == at::kBFloat16 && head16_.is_contiguous() &&
+                      head16_.dim() == 2 && head16_.size(1) == shape_.hidden,
+                  "the head's refinement rows: [vocab, hidden] contiguous bfloat16");
+      head16_bits_ = reinterpret_cast<const uint16_t*>(head16_.data_ptr());
+    }
   }
 
   // y = l(x) into `out`, made [rows, n] where it does not fit: an int4 linear on its
@@ -830,7 +836,11 @@ class DecodeStep {
     linear<T>(head_, hn, outs_[5]);
     at::Tensor logits = widened_logits<T>(outs_[5], into);
     clock.mark(kHead);
-    if (head16_.numel()) refine_top_logits(logits, hn, head16_, refine_, picks);
+    if (head16_bits_ != nullptr) {
+      TORCH_CHECK(logits.size(1) == head16_.size(0), "refine: a row per logit");
+      refine_rows(logits.data_ptr<float>(), batch, logits.size(1), hn.data_ptr<T>(),
+                  head16_bits_, n, refine_, picks);
+    }
     clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
     if (f_.logits_scaling != 1.0) logits.div_(f_.logits_scaling);
@@ -1108,6 +1118,7 @@ class DecodeStep {
   std::atomic<int64_t> interrupts_{0};  // interrupt() calls so far
   LinearSpec head_;
   at::Tensor head16_;
+  const uint16_t* head16_bits_ = nullptr;  // its data, taken once (null: no refinement)
   int64_t refine_;
   float eps_;
   Family f_;

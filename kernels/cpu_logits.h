@@ -114,20 +114,46 @@ top_logits(const at::Tensor& rows, int64_t k) {
   return {std::move(ids), std::move(values), std::move(lse)};
 }
 
-// x . w over k (fp32 x, bf16 w), in 8 lanes over k in order, then one horizontal sum.
-inline float dot_bf16(const float* x, const uint16_t* w, int64_t k) {
+// x . w over k (x fp32 or bf16, w bf16 bits), in 8 lanes over k in order, then one
+// horizontal sum. bf16 x widens exactly, so it gives the bits its fp32 copy gives.
+template <typename X>
+inline float dot_bf16(const X* x, const uint16_t* w, int64_t k) {
 #ifdef SGL_NB_AVX2
   if (k % 8 == 0) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), acc);
-    }
+    for (int64_t i = 0; i < k; i += 8) acc = _mm256_fmadd_ps(load8(x + i), load8(w + i), acc);
     return hsum(acc);
   }
 #endif
   float acc = 0.f;
-  for (int64_t i = 0; i < k; ++i) acc += x[i] * bf16_bits_to_float(w[i]);
+  for (int64_t i = 0; i < k; ++i) acc += float(x[i]) * bf16_bits_to_float(w[i]);
   return acc;
+}
+
+// refine_top_logits on checked pointers: logits [rows, vocab] fp32 in place, h [rows, k]
+// (fp32 or bf16), w [vocab, k] bf16 bits. The decode step calls this on pointers it took
+// once: through the tensors (their checks, and h widened by a torch op, all cold after the
+// step's weight reads) the phase took 0.035 ms a step against 0.018 (int4, alternating in
+// one process, medians of 16).
+template <typename H>
+inline void refine_rows(float* logits, int64_t rows, int64_t vocab, const H* h,
+                        const uint16_t* w, int64_t k, int64_t r, int64_t* picks = nullptr) {
+  for (int64_t t = 0; t < rows; ++t) {
+    float* row = logits + t * vocab;
+    // On this thread: the row is in its cache (the head's widening wrote it); split over
+    // the two cores it took ~13 us more a step (alternating in one process).
+    std::vector<Ranked> best = top_entries(row, vocab, r + 1);
+    const int64_t refined = std::min<int64_t>(r, static_cast<int64_t>(best.size()));
+    // Every candidate's weight row asked for at once: the weight stream evicted them, and
+    // one row after another paid a memory latency each (the phase 0.039 -> 0.034 ms a step).
+    for (int64_t i = 0; i < refined; ++i) prefetch_bytes(w + best[i].id * k, k * 2);
+    for (int64_t i = 0; i < refined; ++i) {
+      best[i].value = row[best[i].id] = dot_bf16(h + t * k, w + best[i].id * k, k);
+    }
+    if (picks != nullptr) {
+      picks[t] = std::min_element(best.begin(), best.end(), above)->id;
+    }
+  }
 }
 
 // logits [T, V] fp32 (updated in place): the r best of each row replaced by h_row . w_j with
@@ -144,26 +170,8 @@ inline void refine_top_logits(at::Tensor& logits, const at::Tensor& h_in, const 
   const at::Tensor h = h_in.to(at::kFloat).contiguous();
   TORCH_CHECK(h.dim() == 2 && h.size(0) == logits.size(0) && h.size(1) == w.size(1),
               "refine: h [T, K]");
-  const int64_t rows = logits.size(0), vocab = logits.size(1), k = h.size(1);
-  float* lp = logits.data_ptr<float>();
-  const float* hp = h.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  for (int64_t t = 0; t < rows; ++t) {
-    float* row = lp + t * vocab;
-    // On this thread: the row is in its cache (the head's widening wrote it); split over
-    // the two cores it took ~13 us more a step (alternating in one process).
-    std::vector<Ranked> best = top_entries(row, vocab, r + 1);
-    const int64_t refined = std::min<int64_t>(r, static_cast<int64_t>(best.size()));
-    // Every candidate's weight row asked for at once: the weight stream evicted them, and
-    // one row after another paid a memory latency each (the phase 0.039 -> 0.034 ms a step).
-    for (int64_t i = 0; i < refined; ++i) prefetch_bytes(wp + best[i].id * k, k * 2);
-    for (int64_t i = 0; i < refined; ++i) {
-      best[i].value = row[best[i].id] = dot_bf16(hp + t * k, wp + best[i].id * k, k);
-    }
-    if (picks != nullptr) {
-      picks[t] = std::min_element(best.begin(), best.end(), above)->id;
-    }
-  }
+  refine_rows(logits.data_ptr<float>(), logits.size(0), logits.size(1), h.data_ptr<float>(),
+              reinterpret_cast<const uint16_t*>(w.data_ptr()), h.size(1), r, picks);
 }
 
 }  // namespace sgl_nb
