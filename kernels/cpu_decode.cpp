@@ -278,9 +278,9 @@ inline void head_block(int64_t left, const F& f) {
 // request's first token, or its window's), so a token's result is the same in prefill and
 // in any batch. softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
 template <typename T>
-void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* starts,
-               const int64_t* ends, const int64_t* indices, T* out, int64_t batch,
-               const Shape& s, float softcap = 0.f) {
+void attention(const float* qf, const T* kbuf, const T* vbuf, const KvRows& kv,
+               const int64_t* starts, const int64_t* ends, const int64_t* indices, T* out,
+               int64_t batch, const Shape& s, float softcap = 0.f) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   struct Task { int64_t b, kvh, begin, end; };
   // Scratch kept per calling thread (a decode step calls this once per layer), bound to
@@ -368,7 +368,7 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const int64_t* sta
       const int64_t len = task.end - task.begin;
       const float* q = qf + (task.b * s.heads + task.kvh * group) * d;
       for (int64_t j = 0; j < len; ++j) {
-        const int64_t at = (indices[task.begin + j] * s.kv_heads + task.kvh) * d;
+        const int64_t at = kv.at(indices[task.begin + j], task.kvh);
         rows[j] = kbuf + at;
         vrows[j] = vbuf + at;
       }
@@ -1062,8 +1062,10 @@ class DecodeStep {
     at::Tensor& act = outs_[4];
     for (int64_t l = 0; l < layers; ++l) {
       PhaseClock clock(phases_);
-      prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
-                         v_bufs[l].data_ptr<T>(), batch, s);
+      const KvRows kv = kv_rows<T>(k_bufs[l], v_bufs[l], s);
+      T* const kbuf = k_bufs[l].data_ptr<T>();
+      T* const vbuf = v_bufs[l].data_ptr<T>();
+      prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), kbuf, vbuf, kv, batch, s);
       pre_norm<T>(hp, 2 * l, xn, batch);
       clock.mark(kNorms);
       prefetch_norm<T>(2 * l + 1);
@@ -1073,13 +1075,11 @@ class DecodeStep {
       const int64_t r = f_.rope_of_layer[l];
       rope_and_store<T>(qkv.data_ptr<T>(), r < 0 ? nullptr : ropes[r].first.data_ptr<float>(),
                         r < 0 ? nullptr : ropes[r].second.data_ptr<float>(), f_.rotary_dim,
-                        out_loc.data_ptr<int64_t>(), k_bufs[l].data_ptr<T>(),
-                        v_bufs[l].data_ptr<T>(), qf.data_ptr<float>(), batch, s,
-                        static_cast<float>(scale));
+                        out_loc.data_ptr<int64_t>(), kbuf, vbuf, kv, qf.data_ptr<float>(),
+                        batch, s, static_cast<float>(scale));
       clock.mark(kRope);
-      attention<T>(qf.data_ptr<float>(), k_bufs[l].data_ptr<T>(), v_bufs[l].data_ptr<T>(),
-                   starts_of(l), ends, indices, attn.data_ptr<T>(), batch, s,
-                   static_cast<float>(f_.attn_softcap));
+      attention<T>(qf.data_ptr<float>(), kbuf, vbuf, kv, starts_of(l), ends, indices,
+                   attn.data_ptr<T>(), batch, s, static_cast<float>(f_.attn_softcap));
       clock.mark(kAttention);
       linear<T>(linears_[4 * l + 1], attn, o);
       clock.mark(kOProj);
@@ -1134,6 +1134,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
                         float softcap) {
   const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k_buffer.size(1);
   const Shape s{0, heads, kv_heads, q.size(2), 0};
+  const KvRows kv = kv_rows<T>(k_buffer, v_buffer, s);
   at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor idx = kv_indices.to(at::kLong).contiguous();
   at::Tensor out = at::empty(q.sizes(), k_buffer.options());
@@ -1143,7 +1144,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
   for (int64_t b0 = 0; b0 < tokens; b0 += kBlock) {
     const int64_t n = std::min(kBlock, tokens - b0), row = heads * s.head_dim;
     attention<T>(qf.data_ptr<float>() + b0 * row, k_buffer.data_ptr<T>(),
-                 v_buffer.data_ptr<T>(), starts.data() + b0, ends.data() + b0,
+                 v_buffer.data_ptr<T>(), kv, starts.data() + b0, ends.data() + b0,
                  idx.data_ptr<int64_t>(), out.data_ptr<T>() + b0 * row, n, s, softcap);
   }
   return out;

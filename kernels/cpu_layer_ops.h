@@ -5,6 +5,7 @@
 // activation dtype T (float or c10::BFloat16).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -20,6 +21,27 @@ namespace sgl_nb {
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, inter;
 };
+
+// Where a layer's K or V row for (slot, KV head) starts in its pool buffer, in elements. The
+// buffers are [slots, kv_heads, head_dim] views (runtime/kv_pool.py): slot-major storage
+// (head = head_dim) or head-major (slot = head_dim), each row's head_dim values adjacent.
+struct KvRows {
+  int64_t slot, head;
+  int64_t at(int64_t s, int64_t h) const { return s * slot + h * head; }
+};
+
+// The KvRows of a layer's K and V buffers, checked: [slots, kv_heads, head_dim] of T with
+// rows of adjacent values, K's strides V's.
+template <typename T>
+inline KvRows kv_rows(const at::Tensor& k, const at::Tensor& v, const Shape& s) {
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == s.kv_heads && k.size(2) == s.head_dim &&
+                  k.stride(2) == 1 && v.sizes() == k.sizes() && v.strides() == k.strides() &&
+                  k.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  v.scalar_type() == k.scalar_type(),
+              "KV buffers: K and V [slots, kv_heads, head_dim] alike, rows of adjacent values "
+              "in the activations' dtype");
+  return {k.stride(0), k.stride(1)};
+}
 
 enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };  // model_config.Activation
 
@@ -73,14 +95,17 @@ inline void rope_head(const T* x, const float* cos, const float* sin, float* out
 // step's RoPE and KV store 0.037 -> 0.017 ms, the step 2.72 -> 2.69 (int4 one stream,
 // alternating in one process on a 2-core Zen 4, medians of 10).
 template <typename T>
-void prefetch_new_kv(const int64_t* out_loc, T* kbuf, T* vbuf, int64_t batch, const Shape& s) {
-  const int64_t bytes = s.kv_heads * s.head_dim * static_cast<int64_t>(sizeof(T));
+void prefetch_new_kv(const int64_t* out_loc, T* kbuf, T* vbuf, const KvRows& kv, int64_t batch,
+                     const Shape& s) {
+  const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < batch; ++b) {
-    const char* k = reinterpret_cast<const char*>(kbuf + out_loc[b] * s.kv_heads * s.head_dim);
-    const char* v = reinterpret_cast<const char*>(vbuf + out_loc[b] * s.kv_heads * s.head_dim);
-    for (int64_t off = 0; off < bytes; off += 64) {
-      __builtin_prefetch(k + off, /*write=*/1);
-      __builtin_prefetch(v + off, /*write=*/1);
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const char* k = reinterpret_cast<const char*>(kbuf + kv.at(out_loc[b], h));
+      const char* v = reinterpret_cast<const char*>(vbuf + kv.at(out_loc[b], h));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, /*write=*/1);
+        __builtin_prefetch(v + off, /*write=*/1);
+      }
     }
   }
 }
@@ -106,8 +131,8 @@ void rms_norm_rows(const In* x, const T* w, T* out, int64_t rows, int64_t n, flo
 // rope_and_store's rows [b0, b1).
 template <typename T>
 void rope_rows(const T* qkv, const float* cos, const float* sin, int64_t rotary,
-               const int64_t* out_loc, T* kbuf, T* vbuf, float* qf, int64_t b0, int64_t b1,
-               const Shape& s, float scale) {
+               const int64_t* out_loc, T* kbuf, T* vbuf, const KvRows& kv, float* qf,
+               int64_t b0, int64_t b1, const Shape& s, float scale) {
   const int64_t d = s.head_dim, width = (s.heads + 2 * s.kv_heads) * d;
   thread_local std::vector<float> rotated;  // this thread's own
   std::vector<float>& r = rotated;
@@ -130,7 +155,7 @@ void rope_rows(const T* qkv, const float* cos, const float* sin, int64_t rotary,
 #endif
         for (; i < d; ++i) q[i] = float(T(r[i])) * scale;
       } else {
-        T* k = kbuf + (out_loc[b] * s.kv_heads + (h - s.heads)) * d;
+        T* k = kbuf + kv.at(out_loc[b], h - s.heads);
 #ifdef SGL_NB_AVX2
         for (; i < d; i += 8) store8(k + i, _mm256_loadu_ps(r.data() + i));
 #endif
@@ -138,7 +163,9 @@ void rope_rows(const T* qkv, const float* cos, const float* sin, int64_t rotary,
       }
     }
     const T* v = row + (s.heads + s.kv_heads) * d;
-    std::copy(v, v + s.kv_heads * d, vbuf + out_loc[b] * s.kv_heads * d);
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      std::copy(v + h * d, v + (h + 1) * d, vbuf + kv.at(out_loc[b], h));
+    }
   }
 }
 
@@ -146,10 +173,10 @@ void rope_rows(const T* qkv, const float* cos, const float* sin, int64_t rotary,
 // are [batch, rotary] (nullptr: no RoPE in this layer). Rows as over_rows splits them.
 template <typename T>
 void rope_and_store(const T* qkv, const float* cos, const float* sin, int64_t rotary,
-                    const int64_t* out_loc, T* kbuf, T* vbuf, float* qf, int64_t batch,
-                    const Shape& s, float scale) {
+                    const int64_t* out_loc, T* kbuf, T* vbuf, const KvRows& kv, float* qf,
+                    int64_t batch, const Shape& s, float scale) {
   over_rows(batch, [&](int64_t b0, int64_t b1) {
-    rope_rows(qkv, cos, sin, rotary, out_loc, kbuf, vbuf, qf, b0, b1, s, scale);
+    rope_rows(qkv, cos, sin, rotary, out_loc, kbuf, vbuf, kv, qf, b0, b1, s, scale);
   });
 }
 

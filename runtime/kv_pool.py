@@ -27,6 +27,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        head_major: bool = False,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -36,9 +37,8 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.capacity = num_slots
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [self._buffer(num_slots + 1, head_major) for _ in range(num_layers)]
+        self.v_buffers = [self._buffer(num_slots + 1, head_major) for _ in range(num_layers)]
         # Free slots are _stack[_top:]; alloc takes from the front, free pushes back onto it,
         # so recently freed (cache-warm) slots are reused first and the first allocations
         # come out in ascending order.
@@ -53,6 +53,20 @@ class KVPool:
         self._flags = bytearray(num_slots + 1)
         self._is_free = torch.frombuffer(self._flags, dtype=torch.bool)
         self._is_free[1:] = True
+
+    def _buffer(self, slots: int, head_major: bool) -> torch.Tensor:
+        """One layer's K or V: [slots, kv_heads, head_dim], each row's head_dim values
+        adjacent. head_major: stored [kv_heads, slots, head_dim] (a permuted view), so that a
+        KV head's rows of a request's slots lie together. The CPU decode step's attention reads
+        one KV head's rows per task: slot-major, the other heads' lines between them cost as
+        much to read as those rows (a standalone read of one head of 174 slots, 7.0 us a layer,
+        all three 8.1), and the int4 one stream's attention took 0.43 ms a step against 0.375
+        head-major, RoPE and the KV store 0.065 against 0.081 (alternating in one process,
+        medians of 14, a 2-core Zen 4)."""
+        shape = (self.num_kv_heads, slots, self.head_dim) if head_major else (
+            slots, self.num_kv_heads, self.head_dim)
+        buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return buf.permute(1, 0, 2) if head_major else buf
 
     def available(self) -> int:
         return self.capacity - self._top

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sgl_nb.kernels import cpu_decode, reference
+from sgl_nb.runtime.kv_pool import KVPool
 from sgl_nb.runtime.model.forward_batch import build_batch, greedy_picks
 from sgl_nb.runtime.model.linear import DenseLinear, Int4Linear, Int8Linear, LogitsHead, make_linear
 from sgl_nb.runtime.model.model import Model
@@ -45,6 +46,17 @@ def test_attention_matches_the_torch_reference(dtype, kv_heads, heads):
     own = slots[indptr[1] : indptr[2]]
     alone = ext.decode_attention(q[1:2] * 0.125, k, v, torch.tensor([0, lens[1]]), own)
     assert torch.equal(alone[0], got[1])
+    # Nor on how the pool lays out its rows (KVPool's head-major buffers).
+    kh, vh = head_major(k), head_major(v)
+    assert torch.equal(ext.decode_attention(q * 0.125, kh, vh, indptr, slots), got)
+
+
+def head_major(buf: torch.Tensor) -> torch.Tensor:
+    """buf's values in a head-major buffer seen [slots, kv_heads, head_dim] (KVPool's)."""
+    out = torch.empty(buf.shape[1], buf.shape[0], buf.shape[2], dtype=buf.dtype).permute(1, 0, 2)
+    out.copy_(buf)
+    assert out.stride(0) == buf.shape[2] and torch.equal(out, buf)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,6 +80,8 @@ def test_extend_attention_matches_the_reference_and_any_split(dtype):
     whole = kernels.extend_attention(q[:200], k, v, torch.tensor([0, 200]),
                                      torch.tensor([0, 200]), slots[:200], 0.125)
     assert torch.equal(whole[160:], got[:40])
+    heads = kernels.extend_attention(qs, head_major(k), head_major(v), qo, kv, idx, 0.125)
+    assert torch.equal(heads, got)
 
 
 def quantized_layer(quantization: str, n: int, k: int, seed: int = 0):
@@ -204,11 +218,12 @@ def test_dense_layer_whose_outputs_fill_no_whole_panel_takes_atens_matmul():
     assert torch.allclose(layer(x), x @ w.T + bias, atol=1e-5)
 
 
-def decode_logits(model: Model, fused: bool, steps: int = 6) -> list[torch.Tensor]:
+def decode_logits(model: Model, fused: bool, steps: int = 6,
+                  pool: KVPool | None = None) -> list[torch.Tensor]:
     """Logits of a few decode steps of two requests over a prefilled prompt, fed the same
-    tokens on both paths."""
+    tokens on both paths (into `pool`, else a new one of the model's)."""
     model.use_fused_decode(fused)
-    pool = model.new_kv_pool(512)
+    pool = pool or model.new_kv_pool(512)
     prompts = [list(range(100, 140)), list(range(300, 317))]
     slots = [torch.arange(1, 41), torch.arange(200, 217)]
     extend = build_batch(False, prompts, [0, 0], slots, slots, model.device)
@@ -263,6 +278,25 @@ def test_a_prompt_writes_the_kv_its_tokens_decoded_one_by_one_write(model_path, 
         for layer in range(model.config.num_layers):
             assert torch.equal(pool.k_buffers[layer][slots], whole.k_buffers[layer][slots])
             assert torch.equal(pool.v_buffers[layer][slots], whole.v_buffers[layer][slots])
+
+
+@pytest.mark.slow
+def test_the_step_gives_the_same_bits_over_either_pool_layout(model_path):
+    """The fused step reads the pool through its strides: a head-major pool (what
+    Model.new_kv_pool gives it) and a slot-major one hold the same K and V and give the same
+    logits, prompt and decode steps alike."""
+    model = Model.load(model_path, quantization="int4")
+    c = model.config
+    pools = [KVPool(c.num_layers, 512, c.num_kv_heads, c.head_dim, model.dtype,
+                    head_major=major) for major in (True, False)]
+    assert pools[0].k_buffers[0].stride(0) == c.head_dim
+    assert model.new_kv_pool(8).k_buffers[0].stride(0) == c.head_dim
+    runs = [decode_logits(model, fused=True, pool=pool) for pool in pools]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    for layer in range(c.num_layers):
+        assert torch.equal(pools[0].k_buffers[layer], pools[1].k_buffers[layer])
+        assert torch.equal(pools[0].v_buffers[layer], pools[1].v_buffers[layer])
 
 
 @pytest.mark.slow

@@ -20,6 +20,18 @@ def test_buffers_shape_and_padding_slot():
     assert pool.available() == 10 and pool.used() == 0
 
 
+def test_head_major_buffers_are_the_same_slots_stored_by_head():
+    pool = KVPool(num_layers=2, num_slots=10, num_kv_heads=2, head_dim=5, head_major=True)
+    for buf in pool.k_buffers + pool.v_buffers:
+        assert buf.shape == (11, 2, 5) and not buf.any()
+        assert buf.stride() == (5, 55, 1)  # a KV head's rows adjacent, slot after slot
+        assert buf.permute(1, 0, 2).is_contiguous()
+    row = torch.arange(10.0).view(2, 5)
+    pool.k_buffers[1][torch.tensor([4])] = row[None]
+    assert torch.equal(pool.k_buffers[1][4], row)
+    assert torch.equal(pool.k_buffers[1].permute(1, 0, 2)[:, 4], row)
+
+
 def test_alloc_and_free_roundtrip():
     pool = make_pool(8)
     a = pool.alloc(3)

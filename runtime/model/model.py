@@ -309,8 +309,11 @@ class Model:
         return cls(config, weights, dtype, device, quantization, quantized)
 
     def new_kv_pool(self, num_slots: int) -> KVPool:
+        """Head-major where the fused CPU step reads it (KVPool._buffer says why); the torch
+        path's index ops take either."""
         c = self.config
-        return KVPool(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVPool(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device,
+                      head_major=self._fused_decode() is not None)
 
     def forward(self, batch: ForwardBatch, pool: KVPool):
         """Float32 logits at batch.logits_at, [B, vocab]; with score_rows, also theirs."""
