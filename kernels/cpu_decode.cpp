@@ -489,6 +489,7 @@ class DecodeStep {
                       head16_.dim() == 2 && head16_.size(1) == shape_.hidden,
                   "the head's refinement rows: [vocab, hidden] contiguous bfloat16");
       head16_bits_ = reinterpret_cast<const uint16_t*>(head16_.data_ptr());
+      head16_rows_ = head16_.size(0);
     }
   }
 
@@ -837,7 +838,7 @@ class DecodeStep {
     at::Tensor logits = widened_logits<T>(outs_[5], into);
     clock.mark(kHead);
     if (head16_bits_ != nullptr) {
-      TORCH_CHECK(logits.size(1) == head16_.size(0), "refine: a row per logit");
+      TORCH_CHECK(logits.size(1) == head16_rows_, "refine: a row per logit");
       refine_rows(logits.data_ptr<float>(), batch, logits.size(1), hn.data_ptr<T>(),
                   head16_bits_, n, refine_, picks);
     }
@@ -1119,6 +1120,7 @@ class DecodeStep {
   LinearSpec head_;
   at::Tensor head16_;
   const uint16_t* head16_bits_ = nullptr;  // its data, taken once (null: no refinement)
+  int64_t head16_rows_ = 0;
   int64_t refine_;
   float eps_;
   Family f_;

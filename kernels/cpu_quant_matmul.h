@@ -520,10 +520,9 @@ inline void int4_panel_pair(const uint8_t* w, const QuantizedRows& q, int64_t r0
         hi[r] = _mm512_dpbusd_epi32(hi[r], whi, _mm512_set1_epi32(xh));
       }
     }
-    const __m512 s = _mm512_insertf32x8(
-        _mm512_castps256_ps512(load8_half(scale + g * kRowPanel)), load8_half(scale2 + g * kRowPanel), 1);
-    const __m512 m = _mm512_insertf32x8(
-        _mm512_castps256_ps512(load8_half(min + g * kRowPanel)), load8_half(min2 + g * kRowPanel), 1);
+    const int64_t at8 = g * kRowPanel;
+    const __m512 s = join_halves(load8_half(scale + at8), load8_half(scale2 + at8));
+    const __m512 m = join_halves(load8_half(min + at8), load8_half(min2 + at8));
     for (int r = 0; r < NR; ++r) {  // add_group's operations, in its order
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * fs + g])), acc[r]);

@@ -49,6 +49,11 @@ inline __m256 lower_half(__m512 v) { return _mm512_castps512_ps256(v); }
 inline __m256 upper_half(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
+// lo in the lower 256 bits, hi in the upper (AVX512F alone: no DQ's insertf32x8).
+inline __m512 join_halves(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                             _mm256_castps_pd(hi), 1));
+}
 #endif
 
 // Four sums of eight lanes in one __m128, each added as ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7))
