@@ -121,8 +121,8 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
 
 // Reads each cache line of a task's K rows and V rows (`bytes` each) once, one load after
 // another with no arithmetic between, before the task's arithmetic starts. A decode step
-// finds them cold (the weights streamed through the caches since), in slots out of the
-// hardware prefetcher's reach; loads back to back keep many misses in flight at once.
+// finds them cold (the weights streamed through the caches since), in pool slots that may
+// lie anywhere; loads back to back keep many misses in flight at once.
 // Software prefetches into L2, 64 keys ahead of the scores (and value rows again 8 ahead),
 // left the attention at the mercy of the host's spells: in one process, alternating 256-
 // token rounds, the step's attention took 0.311 ms with these loads against 0.514 (medians
@@ -961,7 +961,6 @@ class DecodeStep {
     const void* w = norm_weights_[norm];
     if (w != nullptr) prefetch_bytes(w, shape_.hidden * static_cast<int64_t>(sizeof(T)));
   }
-
 
   // act(gate) * up, then down, over the rows of xn: the dense MLP's path and each expert's.
   // A decode step's few rows take int4 panels' halves in one pass (int4_gated; its time is
