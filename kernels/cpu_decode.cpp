@@ -274,19 +274,62 @@ inline void head_block(int64_t left, const F& f) {
   }
 }
 
-// Query b attends to the slots indices[starts[b]:ends[b]]; chunks count from starts[b] (the
-// request's first token, or its window's), so a token's result is the same in prefill and
-// in any batch. softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
+// The tasks of one attention call: query b attends to the slots indices[starts[b]:ends[b]];
+// chunks count from starts[b] (the request's first token, or its window's), so a token's
+// result is the same in prefill and in any batch. The same for every layer that sees the
+// same starts: a decode step plans once per window size, not once per layer (rebuilt per
+// layer, the plan took ~0.6 us of each layer's attention).
+struct AttentionPlan {
+  struct Task {
+    int64_t b, kvh, begin, end;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first;  // (b, kvh)'s tasks: first[i]..first[i + 1]
+  // Whole chunks first, then the shorter tails, each thread taking the next task when it
+  // is free: contiguous halves were uneven (batch 1 at 300 tokens: 556 keys against 344).
+  // Which thread computes a task does not change its bits.
+  std::vector<int64_t> order;
+  int64_t batch = 0, kv_heads = 0;
+};
+
+// plan's tasks for starts, ends [batch] over kv_heads KV heads (its vectors reused).
+inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t batch,
+                           int64_t kv_heads, AttentionPlan& plan) {
+  plan.batch = batch;
+  plan.kv_heads = kv_heads;
+  plan.tasks.clear();
+  plan.first.assign(batch * kv_heads + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      for (int64_t c = starts[b]; c < ends[b]; c += kChunk) {
+        plan.tasks.push_back({b, kvh, c, std::min(c + kChunk, ends[b])});
+      }
+      plan.first[b * kv_heads + kvh + 1] = static_cast<int64_t>(plan.tasks.size());
+    }
+  }
+  const int64_t n = static_cast<int64_t>(plan.tasks.size());
+  plan.order.clear();
+  for (const bool whole : {true, false}) {
+    for (int64_t t = 0; t < n; ++t) {
+      const bool full = plan.tasks[t].end - plan.tasks[t].begin == kChunk;
+      if (full == whole) plan.order.push_back(t);
+    }
+  }
+}
+
+// softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
 template <typename T>
-void attention(const float* qf, const T* kbuf, const T* vbuf, const KvRows& kv,
-               const int64_t* starts, const int64_t* ends, const int64_t* indices, T* out,
-               int64_t batch, const Shape& s, float softcap = 0.f) {
-  const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
-  struct Task { int64_t b, kvh, begin, end; };
+void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const T* vbuf,
+               const KvRows& kv, const int64_t* indices, T* out, const Shape& s,
+               float softcap = 0.f) {
+  TORCH_CHECK(plan.kv_heads == s.kv_heads, "attention: a plan for another model's KV heads");
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads, batch = plan.batch;
+  using Task = AttentionPlan::Task;
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& first = plan.first;
+  const std::vector<int64_t>& order = plan.order;
   // Scratch kept per calling thread (a decode step calls this once per layer), bound to
   // references: the workers must see the caller's vectors, not their own thread_locals.
-  thread_local std::vector<Task> task_list;
-  thread_local std::vector<int64_t> first_list, order_list;
   thread_local std::vector<float> mx_list, sum_list, acc_list;
   // Per (b, kvh): its tasks not done. A line each: the two threads count down different
   // heads at once (attention 0.352 -> 0.344 ms a step with the pad, alternating in one process).
@@ -294,28 +337,7 @@ void attention(const float* qf, const T* kbuf, const T* vbuf, const KvRows& kv,
     std::atomic<int64_t> tasks{0};
   };
   thread_local std::vector<Left> left_list;
-  std::vector<Task>& tasks = task_list;
-  std::vector<int64_t>& first = first_list;  // tasks of (b, kvh): first[i]..first[i + 1]
-  tasks.clear();
-  first.assign(batch * s.kv_heads + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
-      for (int64_t c = starts[b]; c < ends[b]; c += kChunk) {
-        tasks.push_back({b, kvh, c, std::min(c + kChunk, ends[b])});
-      }
-      first[b * s.kv_heads + kvh + 1] = static_cast<int64_t>(tasks.size());
-    }
-  }
   const int64_t n = static_cast<int64_t>(tasks.size());
-  // Whole chunks first, then the shorter tails, each thread taking the next task when it
-  // is free: contiguous halves were uneven (batch 1 at 300 tokens: 556 keys against 344).
-  // Which thread computes a task does not change its bits.
-  std::vector<int64_t>& order = order_list;
-  order.resize(n);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_partition(order.begin(), order.end(), [&](int64_t t) {
-    return tasks[t].end - tasks[t].begin == kChunk;
-  });
   std::atomic<int64_t> next{0};
   std::vector<float>& mx = mx_list;
   std::vector<float>& sum = sum_list;
@@ -1043,12 +1065,18 @@ class DecodeStep {
     float* hp = h.data_ptr<float>();
     const int64_t* indices = kv_indices.data_ptr<int64_t>();
     const auto starts = window_starts(first, ends, batch);
-    const auto starts_of = [&](int64_t l) -> const int64_t* {
+    // plans_[0]: the whole ranges; plans_[1 + i]: window starts[i]'s.
+    plans_.resize(1 + starts.size());
+    plan_attention(first, ends, batch, s.kv_heads, plans_[0]);
+    for (size_t i = 0; i < starts.size(); ++i) {
+      plan_attention(starts[i].second.data(), ends, batch, s.kv_heads, plans_[1 + i]);
+    }
+    const auto plan_of = [&](int64_t l) -> const AttentionPlan& {
       const int64_t w = f_.windows.empty() ? 0 : f_.windows[l];
-      for (const auto& ws : starts) {
-        if (ws.first == w) return ws.second.data();
+      for (size_t i = 0; i < starts.size(); ++i) {
+        if (starts[i].first == w) return plans_[1 + i];
       }
-      return first;
+      return plans_[0];
     };
     const at::Tensor none;
     const auto post = [&](int64_t i) -> const at::Tensor& {
@@ -1078,8 +1106,8 @@ class DecodeStep {
                         out_loc.data_ptr<int64_t>(), kbuf, vbuf, kv, qf.data_ptr<float>(),
                         batch, s, static_cast<float>(scale));
       clock.mark(kRope);
-      attention<T>(qf.data_ptr<float>(), kbuf, vbuf, kv, starts_of(l), ends, indices,
-                   attn.data_ptr<T>(), batch, s, static_cast<float>(f_.attn_softcap));
+      attention<T>(plan_of(l), qf.data_ptr<float>(), kbuf, vbuf, kv, indices,
+                   attn.data_ptr<T>(), s, static_cast<float>(f_.attn_softcap));
       clock.mark(kAttention);
       linear<T>(linears_[4 * l + 1], attn, o);
       clock.mark(kOProj);
@@ -1124,6 +1152,7 @@ class DecodeStep {
   float eps_;
   Family f_;
   std::vector<Experts> moe_;  // per layer where any layer is MoE (else empty)
+  std::vector<AttentionPlan> plans_;  // run's, per window size (see there)
   Shape shape_;
   at::ScalarType dtype_;
 };
@@ -1142,11 +1171,13 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k_buffer,
   pybind11::gil_scoped_release no_gil;
   // Blocks of queries bound the per-task scratch (tokens x KV heads x chunks of the context).
   constexpr int64_t kBlock = 64;
+  AttentionPlan plan;
   for (int64_t b0 = 0; b0 < tokens; b0 += kBlock) {
     const int64_t n = std::min(kBlock, tokens - b0), row = heads * s.head_dim;
-    attention<T>(qf.data_ptr<float>() + b0 * row, k_buffer.data_ptr<T>(),
-                 v_buffer.data_ptr<T>(), kv, starts.data() + b0, ends.data() + b0,
-                 idx.data_ptr<int64_t>(), out.data_ptr<T>() + b0 * row, n, s, softcap);
+    plan_attention(starts.data() + b0, ends.data() + b0, n, kv_heads, plan);
+    attention<T>(plan, qf.data_ptr<float>() + b0 * row, k_buffer.data_ptr<T>(),
+                 v_buffer.data_ptr<T>(), kv, idx.data_ptr<int64_t>(),
+                 out.data_ptr<T>() + b0 * row, s, softcap);
   }
   return out;
 }
