@@ -470,6 +470,15 @@ struct Experts {
   std::vector<LinearSpec> linears;  // expert e: gate_up at 2e, down at 2e + 1
 };
 
+// One forward's rows as raw pointers, checked by the entry point that took them from its
+// tensors: ids, positions and out_loc [batch] int64; row b attends to the slots
+// indices[first[b]:ends[b]], its own new slot (out_loc[b]) last. A decode step's rows are
+// requests, an extend's the new tokens of one.
+struct StepRows {
+  const int64_t *ids, *positions, *out_loc, *first, *ends, *indices;
+  int64_t batch;
+};
+
 class DecodeStep {
  public:
   // Per layer: the norm weights before attention and before the MLP (norms; empty: none)
@@ -539,15 +548,26 @@ class DecodeStep {
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
                 out_loc.sizes() == ids.sizes() && kv_indptr.numel() == ids.numel() + 1,
                 "decode: ids, positions and out_loc [B], kv_indptr [B + 1]");
+    const at::Tensor id = ids.to(at::kLong).contiguous();
+    const at::Tensor pos = positions.to(at::kLong).contiguous();
+    const at::Tensor loc = out_loc.to(at::kLong).contiguous();
+    const at::Tensor ip = kv_indptr.to(at::kLong).contiguous();
+    const at::Tensor kv = kv_indices.to(at::kLong).contiguous();
+    const int64_t batch = ids.numel();
+    at::Tensor logits = at::empty({batch, embed_.size(0)}, kv.options().dtype(at::kFloat));
+    const int64_t* p = ip.data_ptr<int64_t>();
+    const StepRows rows{id.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), loc.data_ptr<int64_t>(),
+                        p, p + 1, kv.data_ptr<int64_t>(), batch};
     pybind11::gil_scoped_release no_gil;  // other Python threads run during the step
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
     phases_ = &phase_s_;
     if (dtype_ == at::kFloat) {
-      return step<float>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs, scale);
+      step<float>(rows, k_bufs, v_bufs, scale, logits.data_ptr<float>());
+    } else {
+      step<c10::BFloat16>(rows, k_bufs, v_bufs, scale, logits.data_ptr<float>());
     }
-    return step<c10::BFloat16>(ids, positions, kv_indptr, kv_indices, out_loc, k_bufs, v_bufs,
-                               scale);
+    return logits;
   }
 
   // An extend's residual stream after the last layer, fp32 [R, hidden], at `rows` [R] of
@@ -579,13 +599,14 @@ class DecodeStep {
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
     phases_ = nullptr;
+    const at::Tensor id = ids.to(at::kLong).contiguous();
+    const at::Tensor pos = positions.to(at::kLong).contiguous();
     const at::Tensor kv = kv_indices.to(at::kLong).contiguous();
     const at::Tensor loc = out_loc.to(at::kLong).contiguous();
-    if (dtype_ == at::kFloat) {
-      return extend_hidden<float>(ids, positions, fp, ep, kv, loc, k_bufs, v_bufs, scale, r);
-    }
-    return extend_hidden<c10::BFloat16>(ids, positions, fp, ep, kv, loc, k_bufs, v_bufs, scale,
-                                        r);
+    const StepRows step_rows{id.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                             loc.data_ptr<int64_t>(), fp, ep, kv.data_ptr<int64_t>(), tokens};
+    if (dtype_ == at::kFloat) return extend_hidden<float>(step_rows, k_bufs, v_bufs, scale, r);
+    return extend_hidden<c10::BFloat16>(step_rows, k_bufs, v_bufs, scale, r);
   }
 
   // Up to `steps` decode steps in one call, each request's next token its greedy pick (the
@@ -633,38 +654,42 @@ class DecodeStep {
     // Step s's KV ranges, filled in place (each range without the slots of later steps).
     at::Tensor sp = at::empty({batch + 1}, opts), si = at::empty_like(indices);
     at::Tensor out = at::empty({batch}, opts);
+    const int64_t* all = indices.data_ptr<int64_t>();
+    int64_t *range_ip = sp.data_ptr<int64_t>(), *range_slots = si.data_ptr<int64_t>();
+    int64_t *last_slots = out.data_ptr<int64_t>(), *step_pos = pos.data_ptr<int64_t>();
+    float* logits_out = logits.data_ptr<float>();
+    int64_t* token_out = tokens.data_ptr<int64_t>();
+    int64_t* step_id = step_ids.data_ptr<int64_t>();
+    const StepRows rows{step_id, step_pos, last_slots, range_ip, range_ip + 1, range_slots,
+                        batch};
     // The refinement ranks each row's best entries anyway; the pick comes from them where
     // nothing changes the logits after it (refine_top_logits), else from a pass of its own.
     const bool picked_by_refine = refines_last();
     int64_t done = steps;
     for (int64_t s = 0; s < steps; ++s) {
-      const int64_t n = ahead_ranges(ip, indices, batch, steps - 1 - s, sp, si, out);
-      const at::Tensor kv = si.narrow(0, 0, n);
+      ahead_ranges(ip, all, batch, steps - 1 - s, range_ip, range_slots, last_slots);
       // Raw pointers from here to the next step: a tensor op costs microseconds here,
       // where the step's weight reads have left the dispatcher's data out of cache.
-      int64_t* picks = tokens.data_ptr<int64_t>() + s * batch;  // the last step's: not returned
+      int64_t* picks = token_out + s * batch;  // the last step's: not returned
       int64_t* refine_picks = picked_by_refine ? picks : nullptr;
+      float* step_logits = logits_out + s * batch * vocab;
       if (dtype_ == at::kFloat) {
-        step<float>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s], refine_picks);
+        step<float>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks);
       } else {
-        step<c10::BFloat16>(step_ids, pos, sp, kv, out, k_bufs, v_bufs, scale, logits[s],
-                            refine_picks);
+        step<c10::BFloat16>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks);
       }
       if (s + 1 == steps) break;
       if (interrupts_.load(std::memory_order_acquire) != mark) {
         done = s + 1;
         break;
       }
-      if (!picked_by_refine) {
-        first_argmax(logits.data_ptr<float>() + s * batch * vocab, batch, vocab, picks);
-      }
+      if (!picked_by_refine) first_argmax(step_logits, batch, vocab, picks);
       if (stopped(picks)) {
         done = s + 1;
         break;
       }
-      std::copy(picks, picks + batch, step_ids.data_ptr<int64_t>());
-      int64_t* p = pos.data_ptr<int64_t>();
-      for (int64_t b = 0; b < batch; ++b) ++p[b];
+      std::copy(picks, picks + batch, step_id);
+      for (int64_t b = 0; b < batch; ++b) ++step_pos[b];
     }
     return {logits.slice(0, 0, done), tokens.slice(0, 0, done - 1)};
   }
@@ -684,15 +709,11 @@ class DecodeStep {
   }
 
  private:
-  // Into sp, si and out: the kv_indptr, kv_indices and out_loc (each range's last slot) of
+  // Into p, dst and last: the kv_indptr, kv_indices and out_loc (each range's last slot) of
   // one step of a decode ahead, each request's range without its last `later` slots (those
-  // of the steps after it). Returns the slots in si that the step uses.
-  static int64_t ahead_ranges(const int64_t* ip, const at::Tensor& indices, int64_t batch,
-                              int64_t later, at::Tensor& sp, at::Tensor& si, at::Tensor& out) {
-    const int64_t* all = indices.data_ptr<int64_t>();
-    int64_t* p = sp.data_ptr<int64_t>();
-    int64_t* dst = si.data_ptr<int64_t>();
-    int64_t* last = out.data_ptr<int64_t>();
+  // of the steps after it), from all of them (ip, all).
+  static void ahead_ranges(const int64_t* ip, const int64_t* all, int64_t batch, int64_t later,
+                           int64_t* p, int64_t* dst, int64_t* last) {
     p[0] = 0;
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t n = ip[b + 1] - ip[b] - later;
@@ -700,7 +721,6 @@ class DecodeStep {
       p[b + 1] = p[b] + n;
       last[b] = all[ip[b] + n - 1];
     }
-    return p[batch];
   }
 
   // Whether the head's refinement gives the logits their last change (the picks it ranks
@@ -771,6 +791,7 @@ class DecodeStep {
     for (const at::Tensor& inv : f_.inv_freqs) {
       TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.is_contiguous() &&
                   inv.numel() == f_.rotary_dim / 2, "inv_freqs: float32 [rotary_dim / 2]");
+      inv_freqs_.push_back(inv.data_ptr<float>());
     }
     if (f_.rope_of_layer.empty()) f_.rope_of_layer.assign(layers, f_.inv_freqs.empty() ? -1 : 0);
     TORCH_CHECK(static_cast<int64_t>(f_.rope_of_layer.size()) == layers,
@@ -799,21 +820,19 @@ class DecodeStep {
     }
   }
 
-  // The residual stream, fp32 [B, hidden], of token ids [B] (checked against the
-  // vocabulary before anything is written), and into `ropes` the RoPE tables of positions.
+  // The residual stream, fp32 [B, hidden], of rows' token ids (checked against the
+  // vocabulary before anything is written), in scratch_, and there the RoPE tables of their
+  // positions.
   template <typename T>
-  at::Tensor embedded(const at::Tensor& ids_in, const at::Tensor& positions_in,
-                      std::vector<std::pair<at::Tensor, at::Tensor>>& ropes) const {
-    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-    const at::Tensor positions = positions_in.to(at::kLong).contiguous();
-    const int64_t batch = ids.size(0), n = shape_.hidden, vocab = embed_.size(0);
-    at::Tensor h = at::empty({batch, n}, embed_.options().dtype(at::kFloat));
-    const int64_t* id = ids.data_ptr<int64_t>();
+  at::Tensor& embedded(const StepRows& rows) {
+    const int64_t batch = rows.batch, n = shape_.hidden, vocab = embed_.size(0);
+    const int64_t* id = rows.ids;
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "token id ", id[b], " outside the vocabulary");
     }
+    Scratch& sc = scratch(batch);
     const T* e = embed_.data_ptr<T>();
-    float* hp = h.data_ptr<float>();
+    float* hp = sc.h.data_ptr<float>();
     const float embed_scale = static_cast<float>(f_.embed_scale);
     for (int64_t b = 0; b < batch; ++b) {
       for (int64_t i = 0; i < n; ++i) hp[b * n + i] = float(e[id[b] * n + i]);
@@ -821,89 +840,80 @@ class DecodeStep {
         for (int64_t i = 0; i < n; ++i) hp[b * n + i] *= embed_scale;
       }
     }
-    for (const at::Tensor& inv : f_.inv_freqs) ropes.push_back(rope_tables<T>(positions, inv));
-    return h;
+    for (size_t r = 0; r < inv_freqs_.size(); ++r) {
+      rope_tables<T>(rows.positions, batch, inv_freqs_[r], sc.cos[r], sc.sin[r]);
+    }
+    return sc.h;
   }
 
+  // The residual stream after the last layer at `picked` of the rows (a copy: scratch_
+  // serves the next forward).
   template <typename T>
-  at::Tensor extend_hidden(const at::Tensor& ids, const at::Tensor& positions,
-                           const int64_t* first, const int64_t* ends,
-                           const at::Tensor& kv_indices, const at::Tensor& out_loc,
-                           const std::vector<at::Tensor>& k_bufs,
+  at::Tensor extend_hidden(const StepRows& rows, const std::vector<at::Tensor>& k_bufs,
                            const std::vector<at::Tensor>& v_bufs, double scale,
-                           const at::Tensor& rows) {
-    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
-    at::Tensor h = embedded<T>(ids, positions, ropes);
-    run<T>(h, ropes, first, ends, kv_indices, out_loc, k_bufs, v_bufs, scale);
-    return h.index_select(0, rows);
+                           const at::Tensor& picked) {
+    at::Tensor& h = embedded<T>(rows);
+    run<T>(rows, k_bufs, v_bufs, scale);
+    return h.index_select(0, picked);
   }
 
+  // rows' logits, fp32 [batch, vocab], into `logits`; where `picks` is given, each row's
+  // greedy pick there (refine_rows').
   template <typename T>
-  at::Tensor step(const at::Tensor& ids_in, const at::Tensor& positions_in,
-                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                  const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
-                  const std::vector<at::Tensor>& v_bufs, double scale, at::Tensor into = {},
-                  int64_t* picks = nullptr) {
+  void step(const StepRows& rows, const std::vector<at::Tensor>& k_bufs,
+            const std::vector<at::Tensor>& v_bufs, double scale, float* logits,
+            int64_t* picks = nullptr) {
     PhaseClock clock(phases_);
-    std::vector<std::pair<at::Tensor, at::Tensor>> ropes;
-    at::Tensor h = embedded<T>(ids_in, positions_in, ropes);
-    const int64_t batch = h.size(0), n = shape_.hidden;
+    at::Tensor& h = embedded<T>(rows);
+    const int64_t batch = rows.batch, n = shape_.hidden, vocab = embed_.size(0);
     clock.mark(kEmbed);
-    const int64_t* ip = kv_indptr.data_ptr<int64_t>();
-    run<T>(h, ropes, ip, ip + 1, kv_indices, out_loc, k_bufs, v_bufs, scale);
+    run<T>(rows, k_bufs, v_bufs, scale);
     clock.restart();
-    at::Tensor hn = at::empty({batch, n}, embed_.options());
+    at::Tensor& hn = scratch_.hn;
     const auto* final_norm = static_cast<const T*>(norm_weights_.back());
     rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm, hn.data_ptr<T>(), batch, n, eps_);
     clock.mark(kNorms);
     linear<T>(head_, hn, outs_[5]);
-    at::Tensor logits = widened_logits<T>(outs_[5], into);
+    widen_logits<T>(outs_[5], logits);
     clock.mark(kHead);
     if (head16_bits_ != nullptr) {
-      TORCH_CHECK(logits.size(1) == head16_rows_, "refine: a row per logit");
-      refine_rows(logits.data_ptr<float>(), batch, logits.size(1), hn.data_ptr<T>(),
-                  head16_bits_, n, refine_, picks);
+      TORCH_CHECK(vocab == head16_rows_, "refine: a row per logit");
+      refine_rows(logits, batch, vocab, hn.data_ptr<T>(), head16_bits_, n, refine_, picks);
     }
     clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
-    if (f_.logits_scaling != 1.0) logits.div_(f_.logits_scaling);
-    if (f_.final_softcap > 0) logits.div_(f_.final_softcap).tanh_().mul_(f_.final_softcap);
-    return logits;
+    if (f_.logits_scaling != 1.0 || f_.final_softcap > 0) {
+      at::Tensor l = at::from_blob(logits, {batch, vocab}, at::TensorOptions().dtype(at::kFloat));
+      if (f_.logits_scaling != 1.0) l.div_(f_.logits_scaling);
+      if (f_.final_softcap > 0) l.div_(f_.final_softcap).tanh_().mul_(f_.final_softcap);
+    }
   }
 
-  // The head's output y [B, vocab] in T as fp32, into `into` when given (else a new tensor),
-  // by a loop of ours: ATen's copy_ splits those ~50k values over OpenMP's threads, whose
-  // team then spins on the other core while the next step's matmuls want it (the int4 step
-  // 2.80 -> 2.76 ms, its matmuls each a little faster; alternating in one process, medians
-  // of 10, a 2-core Zen 4).
+  // The head's output y [B, vocab] in T as fp32 into `into`, by a loop of ours: ATen's copy_
+  // splits those ~50k values over OpenMP's threads, whose team then spins on the other core
+  // while the next step's matmuls want it (the int4 step 2.80 -> 2.76 ms, its matmuls each a
+  // little faster; alternating in one process, medians of 10, a 2-core Zen 4).
   template <typename T>
-  static at::Tensor widened_logits(const at::Tensor& y_in, at::Tensor into) {
+  static void widen_logits(const at::Tensor& y_in, float* into) {
     const at::Tensor y = y_in.contiguous();
-    if (!into.defined()) into = at::empty(y.sizes(), y.options().dtype(at::kFloat));
-    TORCH_CHECK(into.numel() == y.numel() && into.scalar_type() == at::kFloat,
-                "logits: an fp32 buffer of the head's size");
-    if (y.scalar_type() != c10::CppTypeToScalarType<T>::value || !into.is_contiguous()) {
-      return into.copy_(y);
+    const int64_t n = y.numel();
+    if (y.scalar_type() != c10::CppTypeToScalarType<T>::value) {
+      at::from_blob(into, y.sizes(), at::TensorOptions().dtype(at::kFloat)).copy_(y);
+      return;
     }
     using Bits = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
     const auto* src = static_cast<const Bits*>(y.data_ptr());
-    float* dst = into.data_ptr<float>();
-    const int64_t n = y.numel();
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
-    return into;
+    for (int64_t i = 0; i < n; ++i) into[i] = widen(src[i]);
   }
 
   // cos and signed sin [B, rotary] as runtime/model/model.py's rope_tables gives them (fp32
-  // angles, the tables rounded to T), widened to fp32.
+  // angles, the tables rounded to T), widened to fp32: of positions [batch] and inv_freq
+  // [rotary / 2], into cos and sin.
   template <typename T>
-  std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions,
-                                                const at::Tensor& inv_freq) const {
-    const int64_t batch = positions.size(0), d = f_.rotary_dim, half = d / 2;
-    at::Tensor cos = at::empty({batch, d}, inv_freq.options());
-    at::Tensor sin = at::empty({batch, d}, inv_freq.options());
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const float* f = inv_freq.data_ptr<float>();
+  void rope_tables(const int64_t* pos, int64_t batch, const float* f, at::Tensor& cos,
+                   at::Tensor& sin) const {
+    const int64_t d = f_.rotary_dim, half = d / 2;
     float* c = cos.data_ptr<float>();
     float* sn = sin.data_ptr<float>();
     for (int64_t b = 0; b < batch; ++b) {
@@ -914,7 +924,6 @@ class DecodeStep {
         sn[b * d + i] = -sn[b * d + half + i];
       }
     }
-    return {cos, sin};
   }
 
   // Each row's first visible slot per distinct window: first[b], or the last `w` before
@@ -1052,18 +1061,17 @@ class DecodeStep {
   // attends to the slots indices[first[b]:ends[b]] (its own new slot, out_loc[b], last):
   // a decode step's rows each a request, an extend's each a new token of one.
   template <typename T>
-  void run(at::Tensor& h, const std::vector<std::pair<at::Tensor, at::Tensor>>& ropes,
-           const int64_t* first, const int64_t* ends, const at::Tensor& kv_indices,
-           const at::Tensor& out_loc, const std::vector<at::Tensor>& k_bufs,
+  void run(const StepRows& rows, const std::vector<at::Tensor>& k_bufs,
            const std::vector<at::Tensor>& v_bufs, double scale) {
-    const int64_t batch = h.size(0), n = shape_.hidden, layers = norms_.size() / 2;
+    const int64_t batch = rows.batch, n = shape_.hidden, layers = norms_.size() / 2;
     const Shape& s = shape_;
-    const auto opts = h.options().dtype(dtype_);
-    at::Tensor xn = at::empty({batch, n}, opts);
-    at::Tensor attn = at::empty({batch, s.heads * s.head_dim}, opts);
-    at::Tensor qf = at::empty({batch, s.heads * s.head_dim}, h.options());
-    float* hp = h.data_ptr<float>();
-    const int64_t* indices = kv_indices.data_ptr<int64_t>();
+    Scratch& sc = scratch_;
+    at::Tensor& xn = sc.xn;
+    at::Tensor& attn = sc.attn;
+    at::Tensor& qf = sc.qf;
+    float* hp = sc.h.data_ptr<float>();
+    const int64_t *first = rows.first, *ends = rows.ends, *indices = rows.indices;
+    const int64_t* out_loc = rows.out_loc;
     const auto starts = window_starts(first, ends, batch);
     // plans_[0]: the whole ranges; plans_[1 + i]: window starts[i]'s.
     plans_.resize(1 + starts.size());
@@ -1093,7 +1101,7 @@ class DecodeStep {
       const KvRows kv = kv_rows<T>(k_bufs[l], v_bufs[l], s);
       T* const kbuf = k_bufs[l].data_ptr<T>();
       T* const vbuf = v_bufs[l].data_ptr<T>();
-      prefetch_new_kv<T>(out_loc.data_ptr<int64_t>(), kbuf, vbuf, kv, batch, s);
+      prefetch_new_kv<T>(out_loc, kbuf, vbuf, kv, batch, s);
       pre_norm<T>(hp, 2 * l, xn, batch);
       clock.mark(kNorms);
       prefetch_norm<T>(2 * l + 1);
@@ -1101,9 +1109,9 @@ class DecodeStep {
       clock.mark(kQkv);
       if (f_.qk_norm) qk_norm<T>(qkv.data_ptr<T>(), batch, l);
       const int64_t r = f_.rope_of_layer[l];
-      rope_and_store<T>(qkv.data_ptr<T>(), r < 0 ? nullptr : ropes[r].first.data_ptr<float>(),
-                        r < 0 ? nullptr : ropes[r].second.data_ptr<float>(), f_.rotary_dim,
-                        out_loc.data_ptr<int64_t>(), kbuf, vbuf, kv, qf.data_ptr<float>(),
+      rope_and_store<T>(qkv.data_ptr<T>(), r < 0 ? nullptr : sc.cos[r].data_ptr<float>(),
+                        r < 0 ? nullptr : sc.sin[r].data_ptr<float>(), f_.rotary_dim,
+                        out_loc, kbuf, vbuf, kv, qf.data_ptr<float>(),
                         batch, s, static_cast<float>(scale));
       clock.mark(kRope);
       attention<T>(plan_of(l), qf.data_ptr<float>(), kbuf, vbuf, kv, indices,
@@ -1153,6 +1161,37 @@ class DecodeStep {
   Family f_;
   std::vector<Experts> moe_;  // per layer where any layer is MoE (else empty)
   std::vector<AttentionPlan> plans_;  // run's, per window size (see there)
+  // A forward's own buffers, kept for the next one of as many rows (a decode step's for the
+  // next step): each at::empty cost ~1 us once the weight stream had left the allocator's
+  // data out of cache. Normal tensors, as outs_.
+  struct Scratch {
+    int64_t rows = -1;
+    at::Tensor h, hn, xn, attn, qf;  // residual (fp32), final norm, layer norm, attention, q
+    std::vector<at::Tensor> cos, sin;  // per inv_freqs_
+  };
+  Scratch scratch_;
+  std::vector<const float*> inv_freqs_;  // f_.inv_freqs' data, taken once
+
+  // scratch_ for `rows` rows (re-made when their count changes).
+  Scratch& scratch(int64_t rows) {
+    Scratch& sc = scratch_;
+    if (sc.rows == rows) return sc;
+    const Shape& s = shape_;
+    const auto f32 = embed_.options().dtype(at::kFloat), t = embed_.options().dtype(dtype_);
+    sc.h = at::empty({rows, s.hidden}, f32);
+    sc.hn = at::empty({rows, s.hidden}, t);
+    sc.xn = at::empty({rows, s.hidden}, t);
+    sc.attn = at::empty({rows, s.heads * s.head_dim}, t);
+    sc.qf = at::empty({rows, s.heads * s.head_dim}, f32);
+    sc.cos.clear();
+    sc.sin.clear();
+    for (size_t r = 0; r < inv_freqs_.size(); ++r) {
+      sc.cos.push_back(at::empty({rows, f_.rotary_dim}, f32));
+      sc.sin.push_back(at::empty({rows, f_.rotary_dim}, f32));
+    }
+    sc.rows = rows;
+    return sc;
+  }
   Shape shape_;
   at::ScalarType dtype_;
 };
