@@ -23,6 +23,8 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -479,6 +481,18 @@ struct StepRows {
   int64_t batch;
 };
 
+// A step's alternatives for the token picker (runtime/sampler.py's TopK): each row's best
+// entries after the refinement and its logsumexp, the bits top_logits gives for that row.
+struct StepTop {
+  RowTop best;
+  double* lse = nullptr;  // [rows]
+};
+
+// logits_ahead's: logits, tokens taken, and the rows' alternatives (ids, values, logsumexp).
+using AheadTop = std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<float>>,
+                            std::vector<double>>;
+using AheadResult = std::tuple<at::Tensor, at::Tensor, std::optional<AheadTop>>;
+
 class DecodeStep {
  public:
   // Per layer: the norm weights before attention and before the MLP (norms; empty: none)
@@ -615,15 +629,17 @@ class DecodeStep {
   // `steps` slots of its new tokens; step s sees the range up to its own new slot. The
   // steps end early once every request's pick is one of stop_ids, or once interrupt() has
   // been called since interrupts() returned `mark` (new work for the caller to schedule).
-  // Returns the logits of the steps run, fp32 [done, B, vocab], and the tokens steps 1 ...
-  // done - 1 took, [done - 1, B] int64. Why: at batch 1 the engine's Python between two
-  // steps costs as much as the attention of all layers; the caller checks each pick as it
-  // checks any draft.
-  std::pair<at::Tensor, at::Tensor> logits_ahead(
+  // Returns the logits of the steps run, fp32 [done, B, vocab], the tokens steps 1 ...
+  // done - 1 took, [done - 1, B] int64, and (where `alternatives` > 0 and the refinement
+  // can give them: refines_last, alternatives <= its candidates + 1) each row's
+  // alternatives as top_logits gives them, rows in [done][B] order, else None. Why: at
+  // batch 1 the engine's Python between two steps costs as much as the attention of all
+  // layers; the caller checks each pick as it checks any draft.
+  AheadResult logits_ahead(
       const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_indptr,
       const at::Tensor& kv_indices, const std::vector<at::Tensor>& k_bufs,
       const std::vector<at::Tensor>& v_bufs, double scale, int64_t steps,
-      const std::vector<int64_t>& stop_ids, int64_t mark) {
+      const std::vector<int64_t>& stop_ids, int64_t mark, int64_t alternatives) {
     const int64_t batch = ids.numel();
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() &&
                 kv_indptr.numel() == batch + 1 && steps >= 1,
@@ -662,6 +678,11 @@ class DecodeStep {
     int64_t* step_id = step_ids.data_ptr<int64_t>();
     const StepRows rows{step_id, step_pos, last_slots, range_ip, range_ip + 1, range_slots,
                         batch};
+    const int64_t k = alternatives > 0 && refines_last() && alternatives <= refine_ + 1
+                          ? std::min(alternatives, vocab) : 0;
+    std::vector<int64_t> top_ids(steps * batch * k);
+    std::vector<float> top_values(top_ids.size());
+    std::vector<double> top_lse(k ? steps * batch : 0);
     // The refinement ranks each row's best entries anyway; the pick comes from them where
     // nothing changes the logits after it (refine_top_logits), else from a pass of its own.
     const bool picked_by_refine = refines_last();
@@ -673,10 +694,13 @@ class DecodeStep {
       int64_t* picks = token_out + s * batch;  // the last step's: not returned
       int64_t* refine_picks = picked_by_refine ? picks : nullptr;
       float* step_logits = logits_out + s * batch * vocab;
+      const StepTop top{{k, top_ids.data() + s * batch * k, top_values.data() + s * batch * k},
+                        top_lse.data() + s * batch};
+      const StepTop* step_top = k ? &top : nullptr;
       if (dtype_ == at::kFloat) {
-        step<float>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks);
+        step<float>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks, step_top);
       } else {
-        step<c10::BFloat16>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks);
+        step<c10::BFloat16>(rows, k_bufs, v_bufs, scale, step_logits, refine_picks, step_top);
       }
       if (s + 1 == steps) break;
       if (interrupts_.load(std::memory_order_acquire) != mark) {
@@ -691,7 +715,18 @@ class DecodeStep {
       std::copy(picks, picks + batch, step_id);
       for (int64_t b = 0; b < batch; ++b) ++step_pos[b];
     }
-    return {logits.slice(0, 0, done), tokens.slice(0, 0, done - 1)};
+    std::optional<AheadTop> alts;
+    if (k) {
+      AheadTop a;
+      auto& [a_ids, a_values, a_lse] = a;
+      for (int64_t i = 0; i < done * batch; ++i) {
+        a_ids.emplace_back(top_ids.begin() + i * k, top_ids.begin() + (i + 1) * k);
+        a_values.emplace_back(top_values.begin() + i * k, top_values.begin() + (i + 1) * k);
+      }
+      a_lse.assign(top_lse.begin(), top_lse.begin() + done * batch);
+      alts = std::move(a);
+    }
+    return {logits.slice(0, 0, done), tokens.slice(0, 0, done - 1), std::move(alts)};
   }
 
   // Ends a logits_ahead in progress (or the next one, given an earlier mark) after its
@@ -720,6 +755,26 @@ class DecodeStep {
       std::copy(all + ip[b], all + ip[b] + n, dst + p[b]);
       p[b + 1] = p[b] + n;
       last[b] = all[ip[b] + n - 1];
+    }
+  }
+
+  // top.lse of each of the rows, given their best entries: logsumexp's blocks on the step's
+  // threads (each core mostly on the half of the row its part of the head wrote), then
+  // their sum per row on this one. In the token picker's top_logits it took ~17 us a token,
+  // most of it reading the rows back from memory after the later steps' weight reads.
+  void logsumexps(const float* logits, int64_t batch, int64_t vocab, const StepTop& top) {
+    const int64_t blocks = exp_blocks(vocab), k = top.best.k;
+    exp_sums_.resize(batch * blocks);
+    float* sums = exp_sums_.data();
+    WorkerPool::get().parallel_for(batch * blocks, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / blocks;
+        sums[i] = exp_block_sum(logits + t * vocab, vocab, top.best.values[t * k], i % blocks);
+      }
+    });
+    for (int64_t t = 0; t < batch; ++t) {
+      top.lse[t] = logsumexp_of_blocks(logits + t * vocab, vocab, top.best.values[t * k],
+                                       sums + t * blocks);
     }
   }
 
@@ -858,11 +913,12 @@ class DecodeStep {
   }
 
   // rows' logits, fp32 [batch, vocab], into `logits`; where `picks` is given, each row's
-  // greedy pick there (refine_rows').
+  // greedy pick there (refine_rows'), and where `top` is, its alternatives (only where the
+  // refinement gives the logits their last change: refines_last).
   template <typename T>
   void step(const StepRows& rows, const std::vector<at::Tensor>& k_bufs,
             const std::vector<at::Tensor>& v_bufs, double scale, float* logits,
-            int64_t* picks = nullptr) {
+            int64_t* picks = nullptr, const StepTop* top = nullptr) {
     PhaseClock clock(phases_);
     at::Tensor& h = embedded<T>(rows);
     const int64_t batch = rows.batch, n = shape_.hidden, vocab = embed_.size(0);
@@ -878,7 +934,9 @@ class DecodeStep {
     clock.mark(kHead);
     if (head16_bits_ != nullptr) {
       TORCH_CHECK(vocab == head16_rows_, "refine: a row per logit");
-      refine_rows(logits, batch, vocab, hn.data_ptr<T>(), head16_bits_, n, refine_, picks);
+      refine_rows(logits, batch, vocab, hn.data_ptr<T>(), head16_bits_, n, refine_, picks,
+                  top != nullptr ? top->best : RowTop{});
+      if (top != nullptr) logsumexps(logits, batch, vocab, *top);
     }
     clock.mark(kRefine);
     // As model.py's _logits: divided by Granite's scaling, then Gemma's final soft-cap.
@@ -1161,6 +1219,7 @@ class DecodeStep {
   Family f_;
   std::vector<Experts> moe_;  // per layer where any layer is MoE (else empty)
   std::vector<AttentionPlan> plans_;  // run's, per window size (see there)
+  std::vector<float> exp_sums_;       // logsumexps' blocks
   // A forward's own buffers, kept for the next one of as many rows (a decode step's for the
   // next step): each at::empty cost ~1 us once the weight stream had left the allocator's
   // data out of cache. Normal tensors, as outs_.

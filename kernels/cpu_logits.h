@@ -65,24 +65,56 @@ inline std::vector<Ranked> top_entries(const float* v, int64_t n, int64_t r) {
   return heap;
 }
 
-// log(sum(exp(v[0, n)))) given its largest entry `peak`, exp(v - peak) summed in 8 float lanes
-// per block of 512 and the blocks in double (a float sum over 150k entries drifts by 1e-4).
-inline double logsumexp(const float* v, int64_t n, float peak) {
-  if (std::isnan(peak) || std::isinf(peak)) return peak;  // NaN, +inf, or a row of -inf only
-  double total = 0.0;
-  int64_t i = 0;
+// log(sum(exp(v[0, n)))) given its largest entry `peak`: exp(v - peak) summed in 8 float
+// lanes per block of kExpBlock entries (exp_block_sum; the vector loop's entries, n rounded
+// down to a multiple of 8), the blocks' sums in order and then the entries past them one by
+// one in double (a float sum over 150k entries drifts by 1e-4). Split so that the blocks can
+// be summed on several threads with the same bits (a decode step's alternatives).
+constexpr int64_t kExpBlock = 512;
+
+// How many blocks logsumexp sums in lanes (none without AVX2).
+inline int64_t exp_blocks(int64_t n) {
+#ifdef SGL_NB_AVX2
+  return (n / 8 * 8 + kExpBlock - 1) / kExpBlock;
+#else
+  (void)n;
+  return 0;
+#endif
+}
+
+// Block j's float sum of exp(v - peak).
+inline float exp_block_sum(const float* v, int64_t n, float peak, int64_t j) {
 #ifdef SGL_NB_AVX2
   const __m256 p = _mm256_set1_ps(peak);
-  while (i + 8 <= n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (const int64_t end = std::min(n, i + 512); i + 8 <= end; i += 8) {
-      acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), p)));
-    }
-    total += hsum(acc);
+  __m256 acc = _mm256_setzero_ps();
+  const int64_t end = std::min(n / 8 * 8, (j + 1) * kExpBlock);
+  for (int64_t i = j * kExpBlock; i < end; i += 8) {
+    acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), p)));
   }
+  return hsum(acc);
+#else
+  (void)v, (void)n, (void)peak, (void)j;
+  return 0.f;
 #endif
-  for (; i < n; ++i) total += std::exp(v[i] - peak);
+}
+
+// logsumexp from its blocks' sums (exp_block_sum of each of the exp_blocks(n)).
+inline double logsumexp_of_blocks(const float* v, int64_t n, float peak, const float* sums) {
+  if (std::isnan(peak) || std::isinf(peak)) return peak;  // NaN, +inf, or a row of -inf only
+  double total = 0.0;
+  const int64_t blocks = exp_blocks(n);
+  for (int64_t j = 0; j < blocks; ++j) total += sums[j];
+  for (int64_t i = blocks ? n / 8 * 8 : 0; i < n; ++i) total += std::exp(v[i] - peak);
   return peak + std::log(total);
+}
+
+inline double logsumexp(const float* v, int64_t n, float peak) {
+  if (std::isnan(peak) || std::isinf(peak)) return peak;
+  std::vector<float> sums(exp_blocks(n));
+  for (int64_t j = 0; j < static_cast<int64_t>(sums.size()); ++j) {
+    sums[j] = exp_block_sum(v, n, peak, j);
+  }
+  return logsumexp_of_blocks(v, n, peak, sums.data());
 }
 
 // Each row of rows [B, V] (fp32): the ids and values of its k largest logits (best first) and
@@ -130,14 +162,24 @@ inline float dot_bf16(const X* x, const uint16_t* w, int64_t k) {
   return acc;
 }
 
+// A refinement's best entries of each row, [rows, k] (refine_rows).
+struct RowTop {
+  int64_t k = 0;
+  int64_t* ids = nullptr;
+  float* values = nullptr;
+};
+
 // refine_top_logits on checked pointers: logits [rows, vocab] fp32 in place, h [rows, k]
 // (fp32 or bf16), w [vocab, k] bf16 bits. The decode step calls this on pointers it took
 // once: through the tensors (their checks, and h widened by a torch op, all cold after the
 // step's weight reads) the phase took 0.035 ms a step against 0.018 (int4, alternating in
-// one process, medians of 16).
+// one process, medians of 16). Where `top` is given (top.k <= r + 1), each row's top.k best
+// entries after the refinement go there, best first: top_logits' ids and values of the
+// refined row, since no entry left out of the r + 1 ranks above the (r + 1)-th.
 template <typename H>
 inline void refine_rows(float* logits, int64_t rows, int64_t vocab, const H* h,
-                        const uint16_t* w, int64_t k, int64_t r, int64_t* picks = nullptr) {
+                        const uint16_t* w, int64_t k, int64_t r, int64_t* picks = nullptr,
+                        const RowTop& top = {}) {
   for (int64_t t = 0; t < rows; ++t) {
     float* row = logits + t * vocab;
     // On this thread: the row is in its cache (the head's widening wrote it); split over
@@ -150,8 +192,12 @@ inline void refine_rows(float* logits, int64_t rows, int64_t vocab, const H* h,
     for (int64_t i = 0; i < refined; ++i) {
       best[i].value = row[best[i].id] = dot_bf16(h + t * k, w + best[i].id * k, k);
     }
-    if (picks != nullptr) {
-      picks[t] = std::min_element(best.begin(), best.end(), above)->id;
+    std::sort(best.begin(), best.end(), above);
+    if (picks != nullptr && !best.empty()) picks[t] = best.front().id;
+    const int64_t kept = std::min<int64_t>(top.k, static_cast<int64_t>(best.size()));
+    for (int64_t i = 0; i < kept; ++i) {
+      top.ids[t * top.k + i] = best[i].id;
+      top.values[t * top.k + i] = best[i].value;
     }
   }
 }

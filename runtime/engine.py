@@ -40,7 +40,7 @@ from sgl_nb.runtime.scheduled_batch import ScheduledBatch
 from sgl_nb.runtime.scheduler import Scheduler
 from sgl_nb.runtime.step_threads import StepThreads
 from sgl_nb.runtime.text_decoder import text_decoder
-from sgl_nb.runtime.token_picker import PickRows, TokenPick, TokenPicker
+from sgl_nb.runtime.token_picker import AheadRows, PickRows, TokenPick, TokenPicker
 from sgl_nb.runtime.token_usage import TokenUsage
 
 log = logging.getLogger("sgl_nb.engine")
@@ -340,7 +340,8 @@ class Engine:
         try:
             if ahead > 1:
                 rows = self.model.forward_ahead(batch.forward, self.pool,
-                                                self._stop_ids(batch.reqs), self._ahead_mark)
+                                                self._stop_ids(batch.reqs), self._ahead_mark,
+                                                self.settings.token_alternatives)
                 logits = StepLogits(rows.rows[-1], None, rows)
                 ahead = rows.rows.shape[0]  # the steps it ran
             else:
@@ -391,14 +392,17 @@ class Engine:
         return sorted(frozenset().union(*(r.stop_tokens for r in reqs)))
 
     @staticmethod
-    def _ahead_rows(batch: ScheduledBatch,
-                    ahead: AheadLogits) -> tuple[tuple[Request, torch.Tensor], ...]:
+    def _ahead_rows(batch: ScheduledBatch, ahead: AheadLogits) -> tuple[AheadRows, ...]:
         """A decode ahead: each request's later inputs become its drafts (their KV is
-        computed), its rows one per step for the picker to check them."""
+        computed), its rows one per step for the picker to check them (with their
+        alternatives, where the step computed them)."""
         tokens = ahead.tokens.t().tolist()
         for r, drafts in zip(batch.reqs, tokens):
             r.draft_ids = drafts
-        return tuple((r, ahead.rows[:, b]) for b, r in enumerate(batch.reqs))
+        n = len(batch.reqs)
+        alts = ahead.alternatives
+        return tuple(AheadRows(r, ahead.rows[:, b], None if alts is None else tuple(
+            part[b::n] for part in alts)) for b, r in enumerate(batch.reqs))
 
     def _postprocess(self, pick: TokenPick) -> None:
         """One pick into its request: text, events, stream, finish."""

@@ -30,6 +30,16 @@ from sgl_nb.runtime.sampler import Sampled, TopK, float_cpu, sample, top_alterna
 from sgl_nb.runtime.token_choice import Alternative, TokenChoice
 
 
+class AheadRows(NamedTuple):
+    """One request's rows of a decode ahead."""
+
+    req: Request
+    rows: torch.Tensor  # [steps, vocab] fp32: its logits after each step
+    # Where the step computed them: per row its best ids, their logits and its logsumexp
+    # (AheadLogits.alternatives), as top_alternatives would give them.
+    alternatives: tuple[list[list[int]], list[list[float]], list[float]] | None = None
+
+
 class PickRows(NamedTuple):
     """The logits of one step that choose a next token."""
 
@@ -39,8 +49,8 @@ class PickRows(NamedTuple):
     # of its new tokens, the last one's row last.
     drafted: list[tuple[Request, torch.Tensor]]
     # A decode ahead (ForwardBatch.ahead): a request whose drafts are the greedy picks the
-    # step took as its later inputs, and its rows (fp32), one per step.
-    ahead: tuple[tuple[Request, torch.Tensor], ...] = ()
+    # step took as its later inputs, and its rows, one per step.
+    ahead: tuple[AheadRows, ...] = ()
 
 
 class TokenPick(NamedTuple):
@@ -102,8 +112,8 @@ class TokenPicker:
             yield from self._pick_ready(rows.last, rows.ready)
         for req, logits in rows.drafted:
             yield from self._pick_drafted(req, logits)
-        for req, logits in rows.ahead:
-            yield from self._pick_ahead(req, logits)
+        for ahead in rows.ahead:
+            yield from self._pick_ahead(ahead)
 
     def token_text(self, token: int) -> str:
         """One token's own text (as the token event has always given it), decoded once."""
@@ -169,7 +179,7 @@ class TokenPicker:
         if not req.draft_ids:
             self._propose_drafts(req)
 
-    def _pick_ahead(self, req: Request, rows: torch.Tensor) -> Iterator[TokenPick]:
+    def _pick_ahead(self, ahead: AheadRows) -> Iterator[TokenPick]:
         """A request that decoded ahead: rows[j] are its logits after its j-th new token,
         its drafts the greedy picks the step took. Its rows are independent of its picks
         (Scheduler._steps_ahead: greedy, no grammar or penalties), so they are masked and
@@ -177,7 +187,9 @@ class TokenPicker:
         draft's: while it is the next draft, that draft is taken; at the first that
         differs (a tie the step broke otherwise) the drafts after it are dropped with
         their KV. Its tokens are then the ones a step a token gives."""
-        rows, reqs, top, failed = self._mask_rows(float_cpu(rows), [req] * rows.shape[0])
+        req, rows = ahead.req, ahead.rows
+        rows, reqs, top, failed = self._mask_rows(float_cpu(rows), [req] * rows.shape[0],
+                                                  ahead.alternatives)
         yield from failed[:1]
         if failed or not reqs:
             return
@@ -229,10 +241,12 @@ class TokenPicker:
                                             allowed)
         self.lookups.drafted += len(req.draft_ids)
 
-    def _mask_rows(self, rows: torch.Tensor, reqs: list[Request]) -> MaskedRows:
+    def _mask_rows(self, rows: torch.Tensor, reqs: list[Request],
+                   computed: tuple | None = None) -> MaskedRows:
         """Penalties, then the top alternatives, then the grammar masks, on each request's
         row of logits (in place). The alternatives come between the two so that they show
-        what the model offered, masked or not."""
+        what the model offered, masked or not. computed: the rows' alternatives where the
+        step gave them (AheadRows; rows without penalties)."""
         failed: list[TokenPick] = []
         # Only rows with penalties: indexing a row is a torch op (see sampler.float_cpu).
         penalized = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
@@ -240,7 +254,10 @@ class TokenPicker:
             self._rows_that(self._penalize, rows, penalized, reqs, failed))
         keep = [i for i in range(len(reqs)) if i not in failed_rows]
         k = self.settings.token_alternatives
-        top = top_alternatives(rows, k) if k else None  # the whole batch at once
+        if k and computed is not None and not penalized:
+            top = TopK(*computed, argmax_first=True)
+        else:
+            top = top_alternatives(rows, k) if k else None  # the whole batch at once
         grammars = [i for i in keep if reqs[i].grammar is not None]
         if grammars:
             masked = set(self._rows_that(self._mask, rows, grammars, reqs, failed))

@@ -129,6 +129,31 @@ def test_an_interrupt_ends_the_run_after_its_step(int4_runtime):
     assert torch.equal(cut.rows[0], whole.rows[0])
 
 
+def test_the_step_gives_each_rows_alternatives_as_top_logits(int4_runtime):
+    """The fused step's alternatives (AheadLogits.alternatives: the refinement's best
+    entries and a logsumexp summed on both threads) are the bits the kernels' top_logits
+    gives for each row it returns; none asked for, or more than the refinement ranks: None."""
+    model, pool = int4_runtime.engine.model, int4_runtime.engine.pool
+    ext = cpu_decode.loaded()
+    slots = pool.alloc(48)  # two 20-token contexts (whatever their KV holds), 4 new tokens each
+    try:
+        mine = [slots[:24], slots[24:]]
+        batch = build_batch(True, [[42], [7]], [20, 20], mine, [s[20:21] for s in mine], "cpu")
+        batch.ahead = 4
+        got = model.forward_ahead(batch, pool, [], model.ahead_mark(), alternatives=5)
+        none = model.forward_ahead(batch, pool, [], model.ahead_mark())
+        too_many = model.forward_ahead(batch, pool, [], model.ahead_mark(), alternatives=100)
+    finally:
+        pool.free(slots)
+    assert none.alternatives is None and too_many.alternatives is None
+    ids, values, lse = got.alternatives
+    rows = got.rows.reshape(-1, got.rows.shape[-1])
+    assert len(ids) == len(values) == len(lse) == rows.shape[0] == 8
+    want_ids, want_values, want_lse = ext.top_logits(rows.contiguous(), 5)
+    assert (ids, values, lse) == (want_ids, want_values, want_lse)
+    assert [row[0] for row in ids] == greedy_picks(rows).tolist()
+
+
 def test_work_arriving_mid_run_changes_no_token(int4_runtime):
     """Requests submitted while a long run decodes end it early (Engine._post): each
     output is still the one it has alone, and no slot is left behind."""

@@ -335,16 +335,18 @@ class Model:
         return last if batch.score_rows is None else (last, rows[batch.score_rows])
 
     def forward_ahead(self, batch: ForwardBatch, pool: KVPool, stop_ids: list[int],
-                      mark: int = 0) -> AheadLogits:
+                      mark: int = 0, alternatives: int = 0) -> AheadLogits:
         """Up to batch.ahead decode steps (ForwardBatch), each request's later inputs its
         greedy picks, ending early once every pick is one of stop_ids, or (the fused step)
         once interrupt_ahead was called after ahead_mark() gave `mark`: on CPU one C++
-        call, so that no Python runs between the steps."""
+        call, so that no Python runs between the steps. alternatives > 0: the fused step
+        also gives each row's that many best entries and its logsumexp, where it can."""
         fused = self._fused_decode()
         if fused is not None:
             return AheadLogits(*fused.logits_ahead(
                 batch.input_ids, batch.positions, batch.kv_indptr, batch.kv_indices,
-                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead, stop_ids, mark))
+                pool.k_buffers, pool.v_buffers, self.scale, batch.ahead, stop_ids, mark,
+                alternatives))
         rows, picks, ids = [], [], batch.input_ids
         for s in range(batch.ahead):
             rows.append(self.forward(batch.step_of(s, ids), pool))
