@@ -929,8 +929,12 @@ class DecodeStep {
     const auto* final_norm = static_cast<const T*>(norm_weights_.back());
     rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm, hn.data_ptr<T>(), batch, n, eps_);
     clock.mark(kNorms);
-    linear<T>(head_, hn, outs_[5]);
-    widen_logits<T>(outs_[5], logits);
+    if (head_.int4.nib != nullptr && head_.int4.k == n) {
+      int4_matmul(hn.data_ptr<T>(), batch, head_.int4, RoundedTo<T>{logits});
+    } else {
+      linear<T>(head_, hn, outs_[5]);
+      widen_logits<T>(outs_[5], logits);
+    }
     clock.mark(kHead);
     if (head16_bits_ != nullptr) {
       TORCH_CHECK(vocab == head16_rows_, "refine: a row per logit");

@@ -182,8 +182,9 @@ inline void refine_rows(float* logits, int64_t rows, int64_t vocab, const H* h,
                         const RowTop& top = {}) {
   for (int64_t t = 0; t < rows; ++t) {
     float* row = logits + t * vocab;
-    // On this thread: the row is in its cache (the head's widening wrote it); split over
-    // the two cores it took ~13 us more a step (alternating in one process).
+    // On this thread, though the head's threads wrote the row, each its half: ranked by
+    // both cores, each its own half, then merged, the phase took as long (alternating in
+    // one process).
     std::vector<Ranked> best = top_entries(row, vocab, r + 1);
     const int64_t refined = std::min<int64_t>(r, static_cast<int64_t>(best.size()));
     // Every candidate's weight row asked for at once: the weight stream evicted them, and

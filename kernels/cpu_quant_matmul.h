@@ -904,9 +904,21 @@ inline void rows_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, flo
   w.template block<NR, NC>(j0, r0, out);
 }
 
-// y [rows, n] = T(finish(j, r, part)) for every output.
-template <int NC, typename T, typename Weights>
-void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
+// Where quant_matmul puts its outputs: T values (a T*), or fp32 of T-rounded values, the bits
+// of T widened (a step's logits, written where they are read: no pass of their own to widen
+// them, each core's outputs in its own cache).
+template <typename T>
+struct RoundedTo {
+  float* p;
+};
+template <typename T>
+inline void put(T* y, int64_t i, float v) { y[i] = T(v); }
+template <typename T>
+inline void put(RoundedTo<T> y, int64_t i, float v) { y.p[i] = float(T(v)); }
+
+// y [rows, n] = finish(j, r, part) for every output, put as y takes it.
+template <int NC, typename Y, typename Weights>
+void quant_matmul(const Weights& w, int64_t rows, int64_t n, Y y) {
   const int64_t chunk = row_chunk(w.x.k);
   for_each_block<kMaxRowBlock, NC>(rows, n, chunk, [&](int64_t j0, auto width, int64_t r0,
                                                        int64_t nr) {
@@ -919,7 +931,7 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, T* y) {
     rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part);
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < W; ++c)
-        y[(r0 + r) * n + j0 + c] = T(w.finish(j0 + c, r0 + r, part[r * W + c]));
+        put(y, (r0 + r) * n + j0 + c, w.finish(j0 + c, r0 + r, part[r * W + c]));
   });
 }
 
@@ -1003,9 +1015,10 @@ void with_int4_rows(const T* x, int64_t rows, const Int4Panels& w, const F& fn) 
   }
 }
 
-// y [rows, n] = x [rows, k] @ w.T, x and y bf16 or fp32 (int4_linear's kernels).
-template <typename T>
-void int4_matmul(const T* x, int64_t rows, const Int4Panels& w, T* y) {
+// y [rows, n] = x [rows, k] @ w.T, x bf16 or fp32, y T* or RoundedTo<T> (int4_linear's
+// kernels).
+template <typename T, typename Y>
+void int4_matmul(const T* x, int64_t rows, const Int4Panels& w, Y y) {
   with_int4_rows(x, rows, w, [&](const auto& weights) {
 #ifdef SGL_NB_AVX512_VNNI
     if constexpr (std::is_same_v<std::decay_t<decltype(weights)>, Int4Weights<QuantizedRows>>) {
