@@ -568,7 +568,6 @@ class DecodeStep {
     const at::Tensor ip = kv_indptr.to(at::kLong).contiguous();
     const at::Tensor kv = kv_indices.to(at::kLong).contiguous();
     const int64_t batch = ids.numel();
-    at::Tensor logits = at::empty({batch, embed_.size(0)}, kv.options().dtype(at::kFloat));
     const int64_t* p = ip.data_ptr<int64_t>();
     const StepRows rows{id.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), loc.data_ptr<int64_t>(),
                         p, p + 1, kv.data_ptr<int64_t>(), batch};
@@ -576,6 +575,7 @@ class DecodeStep {
     std::lock_guard<std::mutex> lock(busy_);
     const c10::InferenceMode normal_tensors(false);  // see outs_
     phases_ = &phase_s_;
+    at::Tensor logits = at::empty({batch, embed_.size(0)}, kv.options().dtype(at::kFloat));
     if (dtype_ == at::kFloat) {
       step<float>(rows, k_bufs, v_bufs, scale, logits.data_ptr<float>());
     } else {
