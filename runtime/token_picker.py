@@ -254,7 +254,8 @@ class TokenPicker:
             self._rows_that(self._penalize, rows, penalized, reqs, failed))
         keep = [i for i in range(len(reqs)) if i not in failed_rows]
         k = self.settings.token_alternatives
-        if k and computed is not None and not penalized:
+        if k and computed is not None and not penalized and computed[0] and \
+                len(computed[0][0]) == min(k, rows.shape[-1]):  # as many as asked for now
             top = TopK(*computed, argmax_first=True)
         else:
             top = top_alternatives(rows, k) if k else None  # the whole batch at once
