@@ -774,7 +774,7 @@ class DecodeStep {
     });
     for (int64_t t = 0; t < batch; ++t) {
       top.lse[t] = logsumexp_of_blocks(logits + t * vocab, vocab, top.best.values[t * k],
-                                       sums + t * blocks);
+                                       [&](int64_t j) { return sums[t * blocks + j]; });
     }
   }
 
@@ -925,7 +925,7 @@ class DecodeStep {
     clock.mark(kEmbed);
     run<T>(rows, k_bufs, v_bufs, scale);
     clock.restart();
-    at::Tensor& hn = scratch_.hn;
+    at::Tensor& hn = scratch(batch).hn;
     const auto* final_norm = static_cast<const T*>(norm_weights_.back());
     rms_norm_rows<float, T>(h.data_ptr<float>(), final_norm, hn.data_ptr<T>(), batch, n, eps_);
     clock.mark(kNorms);
@@ -1127,7 +1127,7 @@ class DecodeStep {
            const std::vector<at::Tensor>& v_bufs, double scale) {
     const int64_t batch = rows.batch, n = shape_.hidden, layers = norms_.size() / 2;
     const Shape& s = shape_;
-    Scratch& sc = scratch_;
+    Scratch& sc = scratch(batch);
     at::Tensor& xn = sc.xn;
     at::Tensor& attn = sc.attn;
     at::Tensor& qf = sc.qf;

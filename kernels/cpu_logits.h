@@ -98,23 +98,20 @@ inline float exp_block_sum(const float* v, int64_t n, float peak, int64_t j) {
 #endif
 }
 
-// logsumexp from its blocks' sums (exp_block_sum of each of the exp_blocks(n)).
-inline double logsumexp_of_blocks(const float* v, int64_t n, float peak, const float* sums) {
+// logsumexp given block j's sum as block_sum(j) (exp_block_sum, here or computed before).
+template <typename BlockSum>
+inline double logsumexp_of_blocks(const float* v, int64_t n, float peak,
+                                  const BlockSum& block_sum) {
   if (std::isnan(peak) || std::isinf(peak)) return peak;  // NaN, +inf, or a row of -inf only
   double total = 0.0;
   const int64_t blocks = exp_blocks(n);
-  for (int64_t j = 0; j < blocks; ++j) total += sums[j];
+  for (int64_t j = 0; j < blocks; ++j) total += block_sum(j);
   for (int64_t i = blocks ? n / 8 * 8 : 0; i < n; ++i) total += std::exp(v[i] - peak);
   return peak + std::log(total);
 }
 
 inline double logsumexp(const float* v, int64_t n, float peak) {
-  if (std::isnan(peak) || std::isinf(peak)) return peak;
-  std::vector<float> sums(exp_blocks(n));
-  for (int64_t j = 0; j < static_cast<int64_t>(sums.size()); ++j) {
-    sums[j] = exp_block_sum(v, n, peak, j);
-  }
-  return logsumexp_of_blocks(v, n, peak, sums.data());
+  return logsumexp_of_blocks(v, n, peak, [&](int64_t j) { return exp_block_sum(v, n, peak, j); });
 }
 
 // Each row of rows [B, V] (fp32): the ids and values of its k largest logits (best first) and

@@ -23,6 +23,7 @@ import torch
 from sgl_nb.runtime.engine_config import EngineConfig
 from sgl_nb.runtime.events import EventBus
 from sgl_nb.runtime.grammar import GrammarError
+from sgl_nb.runtime.model.forward_batch import Alternatives
 from sgl_nb.runtime.penalties import adjust_logits
 from sgl_nb.runtime.prompt_lookup import MAX_BATCH, PromptLookup
 from sgl_nb.runtime.request import Request
@@ -35,9 +36,7 @@ class AheadRows(NamedTuple):
 
     req: Request
     rows: torch.Tensor  # [steps, vocab] fp32: its logits after each step
-    # Where the step computed them: per row its best ids, their logits and its logsumexp
-    # (AheadLogits.alternatives), as top_alternatives would give them.
-    alternatives: tuple[list[list[int]], list[list[float]], list[float]] | None = None
+    alternatives: Alternatives | None = None  # where the step computed them, a row each
 
 
 class PickRows(NamedTuple):
@@ -242,7 +241,7 @@ class TokenPicker:
         self.lookups.drafted += len(req.draft_ids)
 
     def _mask_rows(self, rows: torch.Tensor, reqs: list[Request],
-                   computed: tuple | None = None) -> MaskedRows:
+                   computed: Alternatives | None = None) -> MaskedRows:
         """Penalties, then the top alternatives, then the grammar masks, on each request's
         row of logits (in place). The alternatives come between the two so that they show
         what the model offered, masked or not. computed: the rows' alternatives where the

@@ -66,14 +66,18 @@ class ForwardBatch:
                             self.logits_at)
 
 
+# Rows' alternatives as the fused step computes them: each row's k best ids, their logits,
+# and its logsumexp, as the kernels' top_logits gives them.
+Alternatives = tuple[list[list[int]], list[list[float]], list[float]]
+
+
 class AheadLogits(NamedTuple):
     """What a batch that decodes ahead gives (ForwardBatch.ahead)."""
 
     rows: torch.Tensor  # [ahead, B, vocab] fp32: the logits of each step
     tokens: torch.Tensor  # [ahead - 1, B] int64: the picks steps 1 ... ahead - 1 took as input
-    # Where the step computed them (the fused CPU step): each row's k best (ids, logits) and
-    # its logsumexp, as the kernels' top_logits gives them, rows in [ahead][B] order.
-    alternatives: tuple[list[list[int]], list[list[float]], list[float]] | None = None
+    # Where the fused CPU step computed them, rows in [ahead][B] order.
+    alternatives: Alternatives | None = None
 
 
 def greedy_picks(rows: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,8 @@ def read_bandwidth(passes: int = 5) -> float:
     of a 2-core Zen 4 whose fp32 matmuls streamed 34-36."""
     size = min(max(2 * last_level_cache_bytes(), 2**28), 2**31)
     buf = Arena(size).buffer.view(torch.float32)
-    buf.fill_(1.0)
-    buf.sum()  # every page touched before timing
+    buf.fill_(1.0)  # every page touched before timing
+    buf.sum()
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
