@@ -28,6 +28,22 @@ inline bool gated_panels(const Int4Panels& gate_up) {
 template <typename T>
 void int4_gated(const T* x, int64_t rows, const Int4Panels& w, Activation act, T* out) {
   const int64_t inter = w.n / 2;
+  if (rows == 1) {
+    return int4_row_panels(
+        x, w, inter / kRowPanel, kRowPanel * w.k, [&](const auto& weights, int64_t p0, int64_t p1) {
+          for (int64_t j0 = p0 * kRowPanel; j0 < p1 * kRowPanel; j0 += kRowPanel) {
+            float gate[kRowPanel], up[kRowPanel];
+            weights.template block<1, kRowPanel>(j0, 0, gate);
+            weights.template block<1, kRowPanel>(inter + j0, 0, up);
+            T g[kRowPanel], u[kRowPanel];
+            for (int64_t c = 0; c < kRowPanel; ++c) {
+              g[c] = T(weights.finish(j0 + c, 0, gate[c]));
+              u[c] = T(weights.finish(inter + j0 + c, 0, up[c]));
+            }
+            act_span(g, u, out + j0, kRowPanel, act);
+          }
+        });
+  }
   with_int4_rows(x, rows, w, [&](const auto& weights) {
     for_each_block<kMaxRowBlock, kRowPanel>(
         rows, inter, row_chunk(w.k), [&](int64_t j0, auto, int64_t r0, int64_t nr) {

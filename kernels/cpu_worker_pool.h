@@ -38,9 +38,11 @@ class WorkerPool {
   // waits only for the chunks in progress. (With a fixed part per thread, a worker the OS
   // had not scheduled yet held up each of a decode step's ~150 jobs: on a 2-core machine
   // at load average 8 the int4 step took 1.35x as long, median of 40, measured.) A second
-  // caller while a job runs (another Python thread) does its whole loop itself.
+  // caller while a job runs (another Python thread) does its whole loop itself. A chunk
+  // holds at least `min_grain` items: each chunk's claim is a locked instruction, which the
+  // loads after it wait for (see int4_row_panels).
   template <typename F>
-  void parallel_for(int64_t n, const F& f) {
+  void parallel_for(int64_t n, const F& f, int64_t min_grain = 1) {
     const int64_t want = threads.load() > 0 ? threads.load() : at::get_num_threads();
     const int64_t threads = std::min<int64_t>({want, n, kMaxParts});
     if (threads <= 1 || running_.exchange(true, std::memory_order_acquire)) {
@@ -52,7 +54,7 @@ class WorkerPool {
     job_ = job;
     job_fn_ = &f;
     nparts_ = threads;
-    grain_ = std::max<int64_t>(1, n / (threads * 16));
+    grain_ = std::max<int64_t>(min_grain, n / (threads * 16));
     for (int64_t p = 0; p < threads; ++p) {
       parts_[p].next.store(n * p / threads, std::memory_order_relaxed);
       parts_[p].end = n * (p + 1) / threads;

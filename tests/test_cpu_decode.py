@@ -109,11 +109,14 @@ def test_quantized_kernel_matches_the_dequantized_weight(quantization, rows):
     assert (got - want).abs().mean() < 0.02 * want.abs().mean()
 
 
-@pytest.mark.parametrize("quantization,n", [("int8", 96), ("int8", 104), ("int4", 96)])
-def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n):
-    """n = 104: 13 panels of 8 weight rows, an odd count for two threads."""
+@pytest.mark.parametrize("quantization,n,dtype", [
+    ("int8", 96, torch.bfloat16), ("int8", 104, torch.bfloat16), ("int4", 96, torch.bfloat16),
+    ("int4", 96, torch.float32)])
+def test_quantized_kernel_gives_a_row_the_same_bits_in_any_batch(quantization, n, dtype):
+    """n = 104: 13 panels of 8 weight rows, an odd count for two threads. One row of int4
+    takes its own path (int4_row: x prepared by each thread), more rows the blocks."""
     layer, _ = quantized_layer(quantization, n, 1536, seed=1)
-    x = torch.randn(7, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(7, 1536, generator=torch.Generator().manual_seed(2)).to(dtype)
     batch = layer(x)
     for i in range(7):
         assert torch.equal(layer(x[i : i + 1])[0], batch[i])
