@@ -166,6 +166,8 @@ def test_int4_layer_of_an_odd_number_of_groups_takes_our_kernel():
         x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
         want = x.float() @ dequantize(t, "int4").T
         assert (layer(x).float() - want).abs().max() <= tol * want.abs().max(), dtype
+        for i in range(3):  # a row alone (int4_row's path) as in the batch
+            assert torch.equal(layer(x[i : i + 1])[0], layer(x)[i]), dtype
 
 
 def test_int4_layer_takes_torchs_kernel_where_ours_is_off(monkeypatch):

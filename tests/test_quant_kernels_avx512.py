@@ -67,7 +67,7 @@ def assert_close_to_dequantized(got: torch.Tensor, x: torch.Tensor, w: torch.Ten
 
 SHAPES = [(form, n, k) for form, ns in [("int4", (16, 48, 96)), ("q8_0", (8, 40, 104)),
                                         ("int8", (8, 104))]
-          for n in ns for k in (576, 1536, 64, 128)]
+          for n in ns for k in (576, 1536, 64, 128, 96)]
 
 
 @pytest.mark.parametrize("form,n,k", SHAPES)
