@@ -1022,9 +1022,9 @@ void with_int4_rows(const T* x, int64_t rows, const Int4Panels& w, const F& fn) 
 // matmuls (a standalone copy, in spells where a plain read of the weights found 90-99
 // GB/s): 44 GB/s through int4_matmul's blocks; 57 with the same panels walked in halves on
 // x prepared once; 50-52 with x prepared by the caller at each call, the other core then
-// reading what it wrote; 52-54 in the pool's chunks of 1/16 of a part, whose claims (a
-// locked instruction each) hold back the loads behind them. Chunks here hold 32 KB or
-// more.
+// reading what it wrote; 52-54 in the pool's chunks of 1/16 of a part (each claim is a
+// locked instruction, which the loads behind it likely wait for). Chunks here hold 32 KB
+// or more (128 KB, or one per thread: within noise).
 template <typename T, typename F>
 void int4_row_panels(const T* x, const Int4Panels& w, int64_t items, int64_t item_bytes,
                      const F& fn) {
