@@ -28,37 +28,33 @@ inline bool gated_panels(const Int4Panels& gate_up) {
 template <typename T>
 void int4_gated(const T* x, int64_t rows, const Int4Panels& w, Activation act, T* out) {
   const int64_t inter = w.n / 2;
+  using One = std::integral_constant<int, 1>;
+  using Max = std::integral_constant<int, kMaxRowBlock>;
+  // Rows r0..r0 + nr - 1 (nr <= NR) at columns j0..j0 + 7 of out.
+  const auto block = [&](auto max_rows, const auto& weights, int64_t j0, int64_t r0, int64_t nr) {
+    constexpr int NR = decltype(max_rows)::value;
+    float gate[NR * kRowPanel], up[NR * kRowPanel];
+    rows_block<NR, kRowPanel>(weights, nr, j0, r0, gate);
+    rows_block<NR, kRowPanel>(weights, nr, inter + j0, r0, up);
+    for (int64_t r = 0; r < nr; ++r) {
+      T g[kRowPanel], u[kRowPanel];
+      for (int64_t c = 0; c < kRowPanel; ++c) {
+        g[c] = T(weights.finish(j0 + c, r0 + r, gate[r * kRowPanel + c]));
+        u[c] = T(weights.finish(inter + j0 + c, r0 + r, up[r * kRowPanel + c]));
+      }
+      act_span(g, u, out + (r0 + r) * inter + j0, kRowPanel, act);
+    }
+  };
   if (rows == 1) {
     return int4_row_panels(
         x, w, inter / kRowPanel, kRowPanel * w.k, [&](const auto& weights, int64_t p0, int64_t p1) {
-          for (int64_t j0 = p0 * kRowPanel; j0 < p1 * kRowPanel; j0 += kRowPanel) {
-            float gate[kRowPanel], up[kRowPanel];
-            weights.template block<1, kRowPanel>(j0, 0, gate);
-            weights.template block<1, kRowPanel>(inter + j0, 0, up);
-            T g[kRowPanel], u[kRowPanel];
-            for (int64_t c = 0; c < kRowPanel; ++c) {
-              g[c] = T(weights.finish(j0 + c, 0, gate[c]));
-              u[c] = T(weights.finish(inter + j0 + c, 0, up[c]));
-            }
-            act_span(g, u, out + j0, kRowPanel, act);
-          }
+          for (int64_t p = p0; p < p1; ++p) block(One{}, weights, p * kRowPanel, 0, 1);
         });
   }
   with_int4_rows(x, rows, w, [&](const auto& weights) {
     for_each_block<kMaxRowBlock, kRowPanel>(
-        rows, inter, row_chunk(w.k), [&](int64_t j0, auto, int64_t r0, int64_t nr) {
-          float gate[kMaxRowBlock * kRowPanel], up[kMaxRowBlock * kRowPanel];
-          rows_block<kMaxRowBlock, kRowPanel>(weights, nr, j0, r0, gate);
-          rows_block<kMaxRowBlock, kRowPanel>(weights, nr, inter + j0, r0, up);
-          for (int64_t r = 0; r < nr; ++r) {
-            T g[kRowPanel], u[kRowPanel];
-            for (int64_t c = 0; c < kRowPanel; ++c) {
-              g[c] = T(weights.finish(j0 + c, r0 + r, gate[r * kRowPanel + c]));
-              u[c] = T(weights.finish(inter + j0 + c, r0 + r, up[r * kRowPanel + c]));
-            }
-            act_span(g, u, out + (r0 + r) * inter + j0, kRowPanel, act);
-          }
-        });
+        rows, inter, row_chunk(w.k),
+        [&](int64_t j0, auto, int64_t r0, int64_t nr) { block(Max{}, weights, j0, r0, nr); });
   });
 }
 

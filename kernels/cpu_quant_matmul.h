@@ -916,6 +916,17 @@ inline void put(T* y, int64_t i, float v) { y[i] = T(v); }
 template <typename T>
 inline void put(RoundedTo<T> y, int64_t i, float v) { y.p[i] = float(T(v)); }
 
+// Rows r0..r0 + nr - 1 (nr <= NR) of y [rows, n] at columns j0..j0 + W - 1: w's block
+// there, finished and put as y takes it.
+template <int NR, int W, typename Weights, typename Y>
+inline void put_block(const Weights& w, int64_t nr, int64_t j0, int64_t r0, int64_t n, Y y) {
+  float part[NR * W];
+  rows_block<NR, W>(w, nr, j0, r0, part);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t c = 0; c < W; ++c)
+      put(y, (r0 + r) * n + j0 + c, w.finish(j0 + c, r0 + r, part[r * W + c]));
+}
+
 // y [rows, n] = finish(j, r, part) for every output, put as y takes it.
 template <int NC, typename Y, typename Weights>
 void quant_matmul(const Weights& w, int64_t rows, int64_t n, Y y) {
@@ -927,11 +938,7 @@ void quant_matmul(const Weights& w, int64_t rows, int64_t n, Y y) {
     // rows of eight): the whole panel asked for at once streams from memory, where the
     // blocks' strided reads did not (int8 at 16 rows: 1.1-1.7x, measured).
     if (W < kRowPanel && j0 % kRowPanel == 0 && r0 % chunk == 0) w.prefetch_panel(j0);
-    float part[kMaxRowBlock * W];
-    rows_block<kMaxRowBlock, W>(w, nr, j0, r0, part);
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < W; ++c)
-        put(y, (r0 + r) * n + j0 + c, w.finish(j0 + c, r0 + r, part[r * W + c]));
+    put_block<kMaxRowBlock, W>(w, nr, j0, r0, n, y);
   });
 }
 
@@ -1000,19 +1007,26 @@ struct Int4Panels {
   int64_t n = 0, k = 0;
 };
 
+// x's rows as the int4 kernels take them: fp32 as they are (the exact path), else quantized.
+template <typename T>
+using Int4Rows = std::conditional_t<std::is_same_v<T, float>, FloatRows, QuantizedRows>;
+
+template <typename T>
+void prepare_int4_rows(const T* x, int64_t rows, int64_t k, Int4Rows<T>& out) {
+  if constexpr (std::is_same_v<T, float>) {
+    float_rows(x, rows, k, true, out);
+  } else {
+    quantize_rows(x, rows, k, out, /*spread=*/kSpreadRows);
+  }
+}
+
 // fn(weights): w over x [rows, k] (bf16 or fp32) as the int4 kernels take it, x's rows
-// prepared first (quantized, or fp32 as they are: the exact path).
+// prepared first.
 template <typename T, typename F>
 void with_int4_rows(const T* x, int64_t rows, const Int4Panels& w, const F& fn) {
-  if constexpr (std::is_same_v<T, float>) {
-    thread_local FloatRows f;
-    float_rows(x, rows, w.k, true, f);
-    fn(Int4Weights<FloatRows>{w.nib, w.scale, w.min, f});
-  } else {
-    thread_local QuantizedRows q;
-    quantize_rows(x, rows, w.k, q, /*spread=*/kSpreadRows);
-    fn(Int4Weights<QuantizedRows>{w.nib, w.scale, w.min, q});
-  }
+  thread_local Int4Rows<T> prepared;
+  prepare_int4_rows(x, rows, w.k, prepared);
+  fn(Int4Weights<Int4Rows<T>>{w.nib, w.scale, w.min, prepared});
 }
 
 // Decode at batch 1: fn(weights, p0, p1) over items [0, items) of `item_bytes` of nibbles
@@ -1030,19 +1044,14 @@ void int4_row_panels(const T* x, const Int4Panels& w, int64_t items, int64_t ite
                      const F& fn) {
   static std::atomic<uint64_t> calls{0};
   const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
-  using Rows = std::conditional_t<std::is_same_v<T, float>, FloatRows, QuantizedRows>;
   WorkerPool::get().parallel_for(items, [&](int64_t p0, int64_t p1) {
-    thread_local Rows rows;
-    thread_local uint64_t prepared = 0;
-    if (prepared != call) {
-      if constexpr (std::is_same_v<T, float>) {
-        float_rows(x, 1, w.k, true, rows);
-      } else {
-        quantize_rows(x, 1, w.k, rows, /*spread=*/kSpreadRows);
-      }
-      prepared = call;
+    thread_local Int4Rows<T> rows;
+    thread_local uint64_t prepared_for = 0;
+    if (prepared_for != call) {
+      prepare_int4_rows(x, 1, w.k, rows);
+      prepared_for = call;
     }
-    fn(Int4Weights<Rows>{w.nib, w.scale, w.min, rows}, p0, p1);
+    fn(Int4Weights<Int4Rows<T>>{w.nib, w.scale, w.min, rows}, p0, p1);
   }, std::max<int64_t>(1, 32768 / item_bytes));
 }
 
@@ -1052,12 +1061,8 @@ template <typename T, typename Y>
 void int4_row(const T* x, const Int4Panels& w, Y y) {
   int4_row_panels(x, w, w.n / kRowPanel, kRowPanel * w.k / 2,
                   [&](const auto& weights, int64_t p0, int64_t p1) {
-                    for (int64_t j0 = p0 * kRowPanel; j0 < p1 * kRowPanel; j0 += kRowPanel) {
-                      float part[kRowPanel];
-                      weights.template block<1, kRowPanel>(j0, 0, part);
-                      for (int64_t c = 0; c < kRowPanel; ++c)
-                        put(y, j0 + c, weights.finish(j0 + c, 0, part[c]));
-                    }
+                    for (int64_t j0 = p0 * kRowPanel; j0 < p1 * kRowPanel; j0 += kRowPanel)
+                      put_block<1, kRowPanel>(weights, 1, j0, 0, w.n, y);
                   });
 }
 
