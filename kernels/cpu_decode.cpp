@@ -289,6 +289,8 @@ struct AttentionPlan {
   std::vector<int64_t> first;  // (b, kvh)'s tasks: first[i]..first[i + 1]
   // Whole chunks first, then the shorter tails, each thread taking the next task when it
   // is free: contiguous halves were uneven (batch 1 at 300 tokens: 556 keys against 344).
+  // Where tokens share their slots (an extend's), by KV head and chunk instead: the tasks
+  // that read the same K and V rows follow one another (see attention's touch_rows).
   // Which thread computes a task does not change its bits.
   std::vector<int64_t> order;
   int64_t batch = 0, kv_heads = 0;
@@ -316,6 +318,14 @@ inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t b
       const bool full = plan.tasks[t].end - plan.tasks[t].begin == kChunk;
       if (full == whole) plan.order.push_back(t);
     }
+  }
+  bool shared = false;
+  for (int64_t b = 1; b < batch && !shared; ++b) shared = starts[b] == starts[b - 1];
+  if (shared) {
+    std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t c) {
+      const AttentionPlan::Task &x = plan.tasks[a], &y = plan.tasks[c];
+      return x.kvh != y.kvh ? x.kvh < y.kvh : x.begin < y.begin;
+    });
   }
 }
 
@@ -380,9 +390,24 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
   for (int64_t i = 0; i < batch * s.kv_heads; ++i) {
     if (first[i + 1] == first[i]) merge(i);  // no keys: no task will
   }
+  // An extend's tokens read the same K and V rows, chunk by chunk (the plan's order): a
+  // thread loads a chunk's lines ahead of its arithmetic once, for its first task there,
+  // then only the rows a later token adds. Touched again for each token, a 2048-token
+  // prompt's attention took 1.74 s against 1.49 (its time to first token 2.71 -> 2.48 s; 1024
+  // tokens 0.42 -> 0.36 s of attention; int4, a 2-core Zen 4, alternating in one process).
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  struct Touched {
+    uint64_t call = 0;
+    const T* kbuf = nullptr;
+    const int64_t* slots = nullptr;  // the chunk's first entry of indices
+    int64_t kvh = -1, rows = 0;
+  };
   WorkerPool::get().parallel_for(n, [&](int64_t, int64_t) {
     thread_local std::vector<float> scores;  // this thread's own
     thread_local std::vector<const T*> rows, vrows;  // the task's K rows and V rows
+    thread_local Touched touched_here;
+    Touched& touched = touched_here;
     scores.resize(group * kChunk);
     rows.resize(kChunk);
     vrows.resize(kChunk);
@@ -396,7 +421,16 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
         rows[j] = kbuf + at;
         vrows[j] = vbuf + at;
       }
-      touch_rows(rows.data(), vrows.data(), len, d * static_cast<int64_t>(sizeof(T)));
+      const int64_t* slots = indices + task.begin;
+      if (touched.call != call || touched.kbuf != kbuf || touched.slots != slots ||
+          touched.kvh != task.kvh) {
+        touched = {call, kbuf, slots, task.kvh, 0};
+      }
+      if (len > touched.rows) {
+        touch_rows(rows.data() + touched.rows, vrows.data() + touched.rows, len - touched.rows,
+                   d * static_cast<int64_t>(sizeof(T)));
+        touched.rows = len;
+      }
       for (int64_t g = 0; g < group; g += 4) {
         head_block(group - g, [&](auto gn) {
           // Keys per block: 12 accumulators for up to three heads, 8 for four.
