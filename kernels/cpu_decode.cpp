@@ -395,11 +395,9 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
   // then only the rows a later token adds. Touched again for each token, a 2048-token
   // prompt's attention took 1.74 s against 1.49 (its time to first token 2.71 -> 2.48 s; 1024
   // tokens 0.42 -> 0.36 s of attention; int4, a 2-core Zen 4, alternating in one process).
-  static std::atomic<uint64_t> calls{0};
-  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  const uint64_t call = next_call_id();
   struct Touched {
-    uint64_t call = 0;
-    const T* kbuf = nullptr;
+    uint64_t call = 0;               // next_call_id's (a call is one layer's buffers)
     const int64_t* slots = nullptr;  // the chunk's first entry of indices
     int64_t kvh = -1, rows = 0;
   };
@@ -422,9 +420,8 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
         vrows[j] = vbuf + at;
       }
       const int64_t* slots = indices + task.begin;
-      if (touched.call != call || touched.kbuf != kbuf || touched.slots != slots ||
-          touched.kvh != task.kvh) {
-        touched = {call, kbuf, slots, task.kvh, 0};
+      if (touched.call != call || touched.slots != slots || touched.kvh != task.kvh) {
+        touched = {call, slots, task.kvh, 0};
       }
       if (len > touched.rows) {
         touch_rows(rows.data() + touched.rows, vrows.data() + touched.rows, len - touched.rows,

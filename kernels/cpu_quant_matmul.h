@@ -1042,8 +1042,7 @@ void with_int4_rows(const T* x, int64_t rows, const Int4Panels& w, const F& fn) 
 template <typename T, typename F>
 void int4_row_panels(const T* x, const Int4Panels& w, int64_t items, int64_t item_bytes,
                      const F& fn) {
-  static std::atomic<uint64_t> calls{0};
-  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  const uint64_t call = next_call_id();
   WorkerPool::get().parallel_for(items, [&](int64_t p0, int64_t p1) {
     thread_local Int4Rows<T> rows;
     thread_local uint64_t prepared_for = 0;

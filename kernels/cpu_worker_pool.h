@@ -19,6 +19,14 @@ namespace sgl_nb {
 // are more of its threads than cores, so it stops spinning between regions and each of the
 // ~150 regions of a decode step pays a futex wake-up: int4 decode went from 9.6 to 31 ms
 // per step (measured). These workers spin about 100 us between jobs, then sleep.
+// A new id for each call of a kernel whose threads keep state across its chunks
+// (thread_local, prepared on a thread's first chunk): a thread compares the id it saved
+// with the running call's, and state from an earlier call is never taken for this one's.
+inline uint64_t next_call_id() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
 class WorkerPool {
  public:
   static WorkerPool& get() {
