@@ -144,59 +144,76 @@ inline void touch_rows(const T* const* k, const T* const* v, int64_t n, int64_t 
 
 // Eight K or V values as fp32, and the dot product / axpy of a head (d % 8 == 0) with them.
 #ifdef SGL_NB_AVX2
-// Scores of GN query heads (row stride d, fp32) against NK keys: out[g * stride + n]. Each
-// key is widened once for all GN heads, and NK keys at a time give the core independent
-// sums to overlap (1 key: GN chains of d / 8 dependent multiply-adds); each score is the
-// same sum as a lone dot product (its own 8 lanes over d in order, then one horizontal sum).
-template <int GN, int NK, typename T>
-inline void scores_of_keys(const float* q, const T* const* k, int64_t d, float* out,
-                           int64_t stride) {
-  __m256 acc[GN][NK];
+// Scores of TB tokens' GN query heads each (q[t]: a token's heads, row stride d, fp32)
+// against the same NK keys: out[t][g * stride + n]. Each key is widened once for all TB x GN
+// heads, and NK keys at a time give the core independent sums to overlap (1 key: GN chains
+// of d / 8 dependent multiply-adds); each score is the same sum as a lone dot product (its
+// own 8 lanes over d in order, then one horizontal sum, hsum4's whichever group it is in).
+template <int TB, int GN, int NK, typename T>
+inline void scores_of_keys(const float* const* q, const T* const* k, int64_t d,
+                           float* const* out, int64_t stride) {
+  constexpr int kAcc = TB * GN * NK;
+  __m256 acc[kAcc];  // [t][g][n]
   for (int n = 0; n < NK; ++n) {
     const __m256 kv = load8(k[n]);
-    for (int g = 0; g < GN; ++g) acc[g][n] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d), kv);
+    for (int t = 0; t < TB; ++t)
+      for (int g = 0; g < GN; ++g)
+        acc[(t * GN + g) * NK + n] = _mm256_mul_ps(_mm256_loadu_ps(q[t] + g * d), kv);
   }
   for (int64_t i = 8; i < d; i += 8) {
     for (int n = 0; n < NK; ++n) {
       const __m256 kv = load8(k[n] + i);
-      for (int g = 0; g < GN; ++g)
-        acc[g][n] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g][n]);
+      for (int t = 0; t < TB; ++t) {
+        for (int g = 0; g < GN; ++g) {
+          __m256& a = acc[(t * GN + g) * NK + n];
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q[t] + g * d + i), kv, a);
+        }
+      }
     }
   }
-  // One horizontal sum for four keys (hsum4: the same order for each, whatever NK is).
-  for (int g = 0; g < GN; ++g) {
-    const __m128 sums = hsum4(acc[g][0], acc[g][std::min(1, NK - 1)],
-                              acc[g][std::min(2, NK - 1)], acc[g][std::min(3, NK - 1)]);
-    if constexpr (NK == 4) {
-      _mm_storeu_ps(out + g * stride, sums);
-    } else {
-      alignas(16) float lanes[4];
-      _mm_store_ps(lanes, sums);
-      for (int n = 0; n < NK; ++n) out[g * stride + n] = lanes[n];
+  if constexpr (NK == 4) {
+    for (int t = 0; t < TB; ++t)
+      for (int g = 0; g < GN; ++g) {
+        const __m256* a = acc + (t * GN + g) * NK;
+        _mm_storeu_ps(out[t] + g * stride, hsum4(a[0], a[1], a[2], a[3]));
+      }
+  } else {
+    alignas(16) float lanes[(kAcc + 3) / 4 * 4];
+    for (int i = 0; i < kAcc; i += 4) {
+      _mm_store_ps(lanes + i, hsum4(acc[i], acc[std::min(i + 1, kAcc - 1)],
+                                    acc[std::min(i + 2, kAcc - 1)], acc[std::min(i + 3, kAcc - 1)]));
     }
+    for (int t = 0; t < TB; ++t)
+      for (int g = 0; g < GN; ++g)
+        for (int n = 0; n < NK; ++n) out[t][g * stride + n] = lanes[(t * GN + g) * NK + n];
   }
 }
 
-// out[g][e0 : e0 + 8 NV] = sum_j p[g * stride + j] v_j[e0 : ...] over `len` value rows,
-// for GN heads, in registers; each output the same fma chain over j as a lone axpy loop.
-template <int GN, int NV, typename T>
-inline void weighted_values(const float* p, int64_t stride, const T* const* v, int64_t len,
-                            int64_t e0, float* out, int64_t d) {
-  __m256 o[GN][NV];
-  for (int g = 0; g < GN; ++g)
-    for (int m = 0; m < NV; ++m) o[g][m] = _mm256_setzero_ps();
-  // GN weights, then one value vector at a time: 3 x 4 accumulators + 3 + 1 fill the 16
-  // registers (holding all NV value vectors spilled an accumulator: 2x slower, measured).
+// out[t][g][e0 : e0 + 8 NV] = sum_j p[t][g * stride + j] v_j[e0 : ...] over `len` value rows,
+// for TB tokens' GN heads each, in registers; each output the same fma chain over j as a
+// lone axpy loop. Each value vector is widened once for all TB x GN heads.
+template <int TB, int GN, int NV, typename T>
+inline void weighted_values(const float* const* p, int64_t stride, const T* const* v,
+                            int64_t len, int64_t e0, float* const* out, int64_t d) {
+  __m256 o[TB][GN][NV];
+  for (int t = 0; t < TB; ++t)
+    for (int g = 0; g < GN; ++g)
+      for (int m = 0; m < NV; ++m) o[t][g][m] = _mm256_setzero_ps();
+  // The weights, then one value vector at a time: at most 12 accumulators (holding all NV
+  // value vectors spilled an accumulator on AVX2's 16 registers: 2x slower, measured).
   for (int64_t j = 0; j < len; ++j) {
-    __m256 pj[GN];
-    for (int g = 0; g < GN; ++g) pj[g] = _mm256_set1_ps(p[g * stride + j]);
+    __m256 pj[TB][GN];
+    for (int t = 0; t < TB; ++t)
+      for (int g = 0; g < GN; ++g) pj[t][g] = _mm256_set1_ps(p[t][g * stride + j]);
     for (int m = 0; m < NV; ++m) {
       const __m256 vv = load8(v[j] + e0 + 8 * m);
-      for (int g = 0; g < GN; ++g) o[g][m] = _mm256_fmadd_ps(pj[g], vv, o[g][m]);
+      for (int t = 0; t < TB; ++t)
+        for (int g = 0; g < GN; ++g) o[t][g][m] = _mm256_fmadd_ps(pj[t][g], vv, o[t][g][m]);
     }
   }
-  for (int g = 0; g < GN; ++g)
-    for (int m = 0; m < NV; ++m) _mm256_storeu_ps(out + g * d + e0 + 8 * m, o[g][m]);
+  for (int t = 0; t < TB; ++t)
+    for (int g = 0; g < GN; ++g)
+      for (int m = 0; m < NV; ++m) _mm256_storeu_ps(out[t] + g * d + e0 + 8 * m, o[t][g][m]);
 }
 
 // s[j] = exp(s[j] - max); returns (max, sum).
@@ -234,25 +251,29 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t len) {
   }
   return {m, sum};
 }
-template <int GN, int NK, typename T>
-inline void scores_of_keys(const float* q, const T* const* k, int64_t d, float* out,
-                           int64_t stride) {
-  for (int g = 0; g < GN; ++g) {
-    for (int n = 0; n < NK; ++n) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < d; ++i) acc += q[g * d + i] * float(k[n][i]);
-      out[g * stride + n] = acc;
+template <int TB, int GN, int NK, typename T>
+inline void scores_of_keys(const float* const* q, const T* const* k, int64_t d,
+                           float* const* out, int64_t stride) {
+  for (int t = 0; t < TB; ++t) {
+    for (int g = 0; g < GN; ++g) {
+      for (int n = 0; n < NK; ++n) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < d; ++i) acc += q[t][g * d + i] * float(k[n][i]);
+        out[t][g * stride + n] = acc;
+      }
     }
   }
 }
-template <int GN, int NV, typename T>
-inline void weighted_values(const float* p, int64_t stride, const T* const* v, int64_t len,
-                            int64_t e0, float* out, int64_t d) {
-  for (int g = 0; g < GN; ++g) {
-    for (int64_t e = e0; e < e0 + 8 * NV; ++e) {
-      float o = 0.f;
-      for (int64_t j = 0; j < len; ++j) o += p[g * stride + j] * float(v[j][e]);
-      out[g * d + e] = o;
+template <int TB, int GN, int NV, typename T>
+inline void weighted_values(const float* const* p, int64_t stride, const T* const* v,
+                            int64_t len, int64_t e0, float* const* out, int64_t d) {
+  for (int t = 0; t < TB; ++t) {
+    for (int g = 0; g < GN; ++g) {
+      for (int64_t e = e0; e < e0 + 8 * NV; ++e) {
+        float o = 0.f;
+        for (int64_t j = 0; j < len; ++j) o += p[t][g * stride + j] * float(v[j][e]);
+        out[t][g * d + e] = o;
+      }
     }
   }
 }
@@ -293,6 +314,10 @@ struct AttentionPlan {
   // that read the same K and V rows follow one another (see attention's touch_rows).
   // Which thread computes a task does not change its bits.
   std::vector<int64_t> order;
+  // Runs of order that a thread takes at once: units[u]..units[u + 1]. Two tasks that read
+  // the same keys (KV head, begin and end alike: an extend's tokens past the diagonal) make
+  // one unit, their scores and weighted sums computed together (scores_of_keys).
+  std::vector<int64_t> units;
   int64_t batch = 0, kv_heads = 0;
 };
 
@@ -327,6 +352,18 @@ inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t b
       return x.kvh != y.kvh ? x.kvh < y.kvh : x.begin < y.begin;
     });
   }
+  plan.units.clear();
+  for (int64_t k = 0; k < n; ++k) {
+    const AttentionPlan::Task& x = plan.tasks[plan.order[k]];
+    // A unit of one so far, the task before this one.
+    const int64_t u = plan.units.empty() ? -1 : plan.units.back();
+    const bool pairs = u >= 0 && u == k - 1 && [&] {
+      const AttentionPlan::Task& y = plan.tasks[plan.order[u]];
+      return x.kvh == y.kvh && x.begin == y.begin && x.end == y.end;
+    }();
+    if (!pairs) plan.units.push_back(k);
+  }
+  plan.units.push_back(n);
 }
 
 // softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
@@ -406,14 +443,85 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
     thread_local std::vector<const T*> rows, vrows;  // the task's K rows and V rows
     thread_local Touched touched_here;
     Touched& touched = touched_here;
-    scores.resize(group * kChunk);
+    scores.resize(2 * group * kChunk);
     rows.resize(kChunk);
     vrows.resize(kChunk);
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const int64_t t = order[k];
-      const Task& task = tasks[t];
+    // The unit's tasks ts[0..TB), over the same len keys (rows, vrows): each its token's
+    // heads. Two tokens at once took an extend's attention 52 -> 45 ms a layer (2,048 tokens,
+    // the default model's shape; in one process, alternating with one at a time).
+    const auto run = [&](auto tokens, const int64_t* ts, int64_t len) {
+      using Tokens = decltype(tokens);
+      const float* q[Tokens::value];
+      float* sc[Tokens::value];
+      float* o[Tokens::value];
+      for (int i = 0; i < Tokens::value; ++i) {
+        const Task& x = tasks[ts[i]];
+        q[i] = qf + (x.b * s.heads + x.kvh * group) * d;
+        sc[i] = scores.data() + i * group * kChunk;
+        o[i] = acc.data() + ts[i] * group * d;
+      }
+      for (int64_t g = 0; g < group; g += 4) {
+        head_block(group - g, [&](auto gn) {
+          // Keys per block: 12 accumulators for up to three heads a token, else 8.
+          constexpr int TB = Tokens::value, NK = (gn() <= 3 ? 4 : 2) / TB;
+          const float* qg[TB];
+          float* out[TB];
+          for (int i = 0; i < TB; ++i) qg[i] = q[i] + g * d;
+          int64_t j = 0;
+          for (; j + NK <= len; j += NK) {
+            for (int i = 0; i < TB; ++i) out[i] = sc[i] + g * len + j;
+            scores_of_keys<TB, gn(), NK>(qg, rows.data() + j, d, out, len);
+          }
+          for (; j < len; ++j) {
+            for (int i = 0; i < TB; ++i) out[i] = sc[i] + g * len + j;
+            scores_of_keys<TB, gn(), 1>(qg, rows.data() + j, d, out, len);
+          }
+        });
+      }
+      for (int i = 0; i < Tokens::value; ++i) {
+        if (softcap > 0.f) soft_cap(sc[i], group * len, softcap);
+        for (int64_t g = 0; g < group; ++g) {
+          const auto [m, l] = exp_shifted(sc[i] + g * len, len);
+          mx[ts[i] * group + g] = m;
+          sum[ts[i] * group + g] = l;
+        }
+      }
+      for (int64_t g = 0; g < group; g += 4) {
+        head_block(group - g, [&](auto gn) {
+          // Tokens per pass: with 16 vector registers, two tokens' weights and sums spill (an
+          // extend's attention 45 -> 49 ms a layer, AVX2 code on the Zen 4): one there.
+          // Output columns per pass: 32 (12 accumulators) for up to three heads a token.
+          constexpr int TB = Tokens::value, VB = kVectorRegisters >= 32 ? TB : 1;
+          constexpr int NV = (gn() <= 3 ? 4 : 2) / VB;
+          const float* pg[TB];
+          float* og[TB];
+          for (int i = 0; i < TB; ++i) {
+            pg[i] = sc[i] + g * len;
+            og[i] = o[i] + g * d;
+          }
+          for (int i = 0; i < TB; i += VB) {
+            int64_t e = 0;
+            for (; e + 8 * NV <= d; e += 8 * NV) {
+              weighted_values<VB, gn(), NV>(pg + i, len, vrows.data(), len, e, og + i, d);
+            }
+            for (; e < d; e += 8) {
+              weighted_values<VB, gn(), 1>(pg + i, len, vrows.data(), len, e, og + i, d);
+            }
+          }
+        });
+      }
+      for (int i = 0; i < Tokens::value; ++i) {
+        // acq_rel: the last task's thread sees the other tasks' partial results.
+        const Task& x = tasks[ts[i]];
+        const int64_t h = x.b * s.kv_heads + x.kvh;
+        if (left[h].tasks.fetch_sub(1, std::memory_order_acq_rel) == 1) merge(h);
+      }
+    };
+    const int64_t units = static_cast<int64_t>(plan.units.size()) - 1;
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t k = plan.units[u];
+      const Task& task = tasks[order[k]];
       const int64_t len = task.end - task.begin;
-      const float* q = qf + (task.b * s.heads + task.kvh * group) * d;
       for (int64_t j = 0; j < len; ++j) {
         const int64_t at = kv.at(indices[task.begin + j], task.kvh);
         rows[j] = kbuf + at;
@@ -428,45 +536,11 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
                    d * static_cast<int64_t>(sizeof(T)));
         touched.rows = len;
       }
-      for (int64_t g = 0; g < group; g += 4) {
-        head_block(group - g, [&](auto gn) {
-          // Keys per block: 12 accumulators for up to three heads, 8 for four.
-          constexpr int NK = gn() <= 3 ? 4 : 2;
-          float* out = scores.data() + g * len;
-          int64_t j = 0;
-          for (; j + NK <= len; j += NK) {
-            scores_of_keys<gn(), NK>(q + g * d, rows.data() + j, d, out + j, len);
-          }
-          for (; j < len; ++j) {
-            scores_of_keys<gn(), 1>(q + g * d, rows.data() + j, d, out + j, len);
-          }
-        });
+      if (plan.units[u + 1] - k == 2) {
+        run(std::integral_constant<int, 2>(), order.data() + k, len);
+      } else {
+        run(std::integral_constant<int, 1>(), order.data() + k, len);
       }
-      if (softcap > 0.f) soft_cap(scores.data(), group * len, softcap);
-      for (int64_t g = 0; g < group; ++g) {
-        const auto [m, l] = exp_shifted(scores.data() + g * len, len);
-        mx[t * group + g] = m;
-        sum[t * group + g] = l;
-      }
-      float* o = acc.data() + t * group * d;
-      for (int64_t g = 0; g < group; g += 4) {
-        head_block(group - g, [&](auto gn) {
-          // Output columns per pass: 32 (12 accumulators) for up to three heads, else 16.
-          constexpr int NV = gn() <= 3 ? 4 : 2;
-          const float* p = scores.data() + g * len;
-          int64_t e = 0;
-          for (; e + 8 * NV <= d; e += 8 * NV) {
-            weighted_values<gn(), NV>(p, len, vrows.data(), len, e, o + g * d, d);
-          }
-          for (; e + 16 <= d; e += 16) {
-            weighted_values<gn(), 2>(p, len, vrows.data(), len, e, o + g * d, d);
-          }
-          if (e < d) weighted_values<gn(), 1>(p, len, vrows.data(), len, e, o + g * d, d);
-        });
-      }
-      // acq_rel: the last task's thread sees the other tasks' partial results.
-      const int64_t i = task.b * s.kv_heads + task.kvh;
-      if (left[i].tasks.fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i);
     }
   });
 }

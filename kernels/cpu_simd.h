@@ -18,6 +18,13 @@
 
 namespace sgl_nb {
 
+// Vector registers the compiler may use: AVX-512's encoding reaches 32 (ymm too), AVX2's 16.
+#ifdef __AVX512F__
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
 // Asks for `bytes` from p to be brought into the caches (whole lines, in order).
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

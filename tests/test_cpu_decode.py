@@ -80,6 +80,12 @@ def test_extend_attention_matches_the_reference_and_any_split(dtype):
     whole = kernels.extend_attention(q[:200], k, v, torch.tensor([0, 200]),
                                      torch.tensor([0, 200]), slots[:200], 0.125)
     assert torch.equal(whole[160:], got[:40])
+    # Tokens that read a whole chunk of keys are computed two at a time; each alone (a
+    # decode) gets the same bits, whichever token it was paired with.
+    for i in (128, 171, 199):
+        alone = ext.decode_attention(q[i : i + 1].float() * 0.125, k, v,
+                                     torch.tensor([0, i + 1]), slots[: i + 1])
+        assert torch.equal(alone[0].to(dtype), whole[i])
     heads = kernels.extend_attention(qs, head_major(k), head_major(v), qo, kv, idx, 0.125)
     assert torch.equal(heads, got)
 
