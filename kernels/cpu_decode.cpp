@@ -366,6 +366,70 @@ inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t b
   plan.units.push_back(n);
 }
 
+// One attention unit's tokens (AttentionPlan::units): per token its group query heads (q,
+// row stride d, fp32), its scores' scratch (group x kChunk), and where its partial result
+// goes: each head's max and exp-sum (mx, sum) and unnormalised output (out, [group][d]).
+template <int TB>
+struct UnitTokens {
+  const float* q[TB];
+  float* scores[TB];
+  float *mx[TB], *sum[TB], *out[TB];
+};
+
+// The partial results of TB tokens over the same len keys (K rows, V rows). Two tokens at
+// once took an extend's attention 44 -> 37 ms a layer (2,048 tokens, the default model's
+// shape; builds alternating, medians of 12): each K and V vector is widened once for both.
+// `u` by value: taken by reference, its pointers were reloaded in the loops (4% slower).
+template <int TB, typename T>
+void attend_keys(const UnitTokens<TB> u, const T* const* rows, const T* const* vrows,
+                 int64_t len, int64_t group, int64_t d, float softcap) {
+  for (int64_t g = 0; g < group; g += 4) {
+    head_block(group - g, [&](auto gn) {
+      // Keys per block: 12 accumulators for up to three heads a token, else 8.
+      constexpr int NK = (gn() <= 3 ? 4 : 2) / TB;
+      const float* q[TB];
+      float* out[TB];
+      for (int i = 0; i < TB; ++i) q[i] = u.q[i] + g * d;
+      int64_t j = 0;
+      for (; j + NK <= len; j += NK) {
+        for (int i = 0; i < TB; ++i) out[i] = u.scores[i] + g * len + j;
+        scores_of_keys<TB, gn(), NK>(q, rows + j, d, out, len);
+      }
+      for (; j < len; ++j) {
+        for (int i = 0; i < TB; ++i) out[i] = u.scores[i] + g * len + j;
+        scores_of_keys<TB, gn(), 1>(q, rows + j, d, out, len);
+      }
+    });
+  }
+  for (int i = 0; i < TB; ++i) {  // a token's scores: [group][len]
+    if (softcap > 0.f) soft_cap(u.scores[i], group * len, softcap);
+    for (int64_t g = 0; g < group; ++g) {
+      std::tie(u.mx[i][g], u.sum[i][g]) = exp_shifted(u.scores[i] + g * len, len);
+    }
+  }
+  for (int64_t g = 0; g < group; g += 4) {
+    head_block(group - g, [&](auto gn) {
+      // Tokens per pass: with 16 vector registers two tokens' weights and sums spill (an
+      // extend's attention 45 -> 49 ms a layer, AVX2 code on a Zen 4): one at a time there.
+      // Output columns per pass: 32 (12 accumulators) for up to three heads a token.
+      constexpr int VB = kVectorRegisters >= 32 ? TB : 1, NV = (gn() <= 3 ? 4 : 2) / VB;
+      const float* p[TB];
+      float* o[TB];
+      for (int i = 0; i < TB; ++i) {
+        p[i] = u.scores[i] + g * len;
+        o[i] = u.out[i] + g * d;
+      }
+      for (int i = 0; i < TB; i += VB) {
+        int64_t e = 0;
+        for (; e + 8 * NV <= d; e += 8 * NV) {
+          weighted_values<VB, gn(), NV>(p + i, len, vrows, len, e, o + i, d);
+        }
+        for (; e < d; e += 8) weighted_values<VB, gn(), 1>(p + i, len, vrows, len, e, o + i, d);
+      }
+    });
+  }
+}
+
 // softcap > 0: the scores (q comes scaled) are soft-capped before the softmax.
 template <typename T>
 void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const T* vbuf,
@@ -446,71 +510,20 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
     scores.resize(2 * group * kChunk);
     rows.resize(kChunk);
     vrows.resize(kChunk);
-    // The unit's tasks ts[0..TB), over the same len keys (rows, vrows): each its token's
-    // heads. Two tokens at once took an extend's attention 52 -> 45 ms a layer (2,048 tokens,
-    // the default model's shape; in one process, alternating with one at a time).
+    // The unit's tasks ts[0..TB), each its token's heads, over the same len keys.
     const auto run = [&](auto tokens, const int64_t* ts, int64_t len) {
-      using Tokens = decltype(tokens);
-      const float* q[Tokens::value];
-      float* sc[Tokens::value];
-      float* o[Tokens::value];
-      for (int i = 0; i < Tokens::value; ++i) {
+      constexpr int TB = decltype(tokens)::value;
+      UnitTokens<TB> u;
+      for (int i = 0; i < TB; ++i) {
         const Task& x = tasks[ts[i]];
-        q[i] = qf + (x.b * s.heads + x.kvh * group) * d;
-        sc[i] = scores.data() + i * group * kChunk;
-        o[i] = acc.data() + ts[i] * group * d;
+        u.q[i] = qf + (x.b * s.heads + x.kvh * group) * d;
+        u.scores[i] = scores.data() + i * group * kChunk;
+        u.mx[i] = mx.data() + ts[i] * group;
+        u.sum[i] = sum.data() + ts[i] * group;
+        u.out[i] = acc.data() + ts[i] * group * d;
       }
-      for (int64_t g = 0; g < group; g += 4) {
-        head_block(group - g, [&](auto gn) {
-          // Keys per block: 12 accumulators for up to three heads a token, else 8.
-          constexpr int TB = Tokens::value, NK = (gn() <= 3 ? 4 : 2) / TB;
-          const float* qg[TB];
-          float* out[TB];
-          for (int i = 0; i < TB; ++i) qg[i] = q[i] + g * d;
-          int64_t j = 0;
-          for (; j + NK <= len; j += NK) {
-            for (int i = 0; i < TB; ++i) out[i] = sc[i] + g * len + j;
-            scores_of_keys<TB, gn(), NK>(qg, rows.data() + j, d, out, len);
-          }
-          for (; j < len; ++j) {
-            for (int i = 0; i < TB; ++i) out[i] = sc[i] + g * len + j;
-            scores_of_keys<TB, gn(), 1>(qg, rows.data() + j, d, out, len);
-          }
-        });
-      }
-      for (int i = 0; i < Tokens::value; ++i) {
-        if (softcap > 0.f) soft_cap(sc[i], group * len, softcap);
-        for (int64_t g = 0; g < group; ++g) {
-          const auto [m, l] = exp_shifted(sc[i] + g * len, len);
-          mx[ts[i] * group + g] = m;
-          sum[ts[i] * group + g] = l;
-        }
-      }
-      for (int64_t g = 0; g < group; g += 4) {
-        head_block(group - g, [&](auto gn) {
-          // Tokens per pass: with 16 vector registers, two tokens' weights and sums spill (an
-          // extend's attention 45 -> 49 ms a layer, AVX2 code on the Zen 4): one there.
-          // Output columns per pass: 32 (12 accumulators) for up to three heads a token.
-          constexpr int TB = Tokens::value, VB = kVectorRegisters >= 32 ? TB : 1;
-          constexpr int NV = (gn() <= 3 ? 4 : 2) / VB;
-          const float* pg[TB];
-          float* og[TB];
-          for (int i = 0; i < TB; ++i) {
-            pg[i] = sc[i] + g * len;
-            og[i] = o[i] + g * d;
-          }
-          for (int i = 0; i < TB; i += VB) {
-            int64_t e = 0;
-            for (; e + 8 * NV <= d; e += 8 * NV) {
-              weighted_values<VB, gn(), NV>(pg + i, len, vrows.data(), len, e, og + i, d);
-            }
-            for (; e < d; e += 8) {
-              weighted_values<VB, gn(), 1>(pg + i, len, vrows.data(), len, e, og + i, d);
-            }
-          }
-        });
-      }
-      for (int i = 0; i < Tokens::value; ++i) {
+      attend_keys<TB>(u, rows.data(), vrows.data(), len, group, d, softcap);
+      for (int i = 0; i < TB; ++i) {
         // acq_rel: the last task's thread sees the other tasks' partial results.
         const Task& x = tasks[ts[i]];
         const int64_t h = x.b * s.kv_heads + x.kvh;
