@@ -355,7 +355,7 @@ inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t b
   plan.units.clear();
   for (int64_t k = 0; k < n; ++k) {
     const AttentionPlan::Task& x = plan.tasks[plan.order[k]];
-    // A unit of one so far, the task before this one.
+    // Task k joins the unit before it if that unit holds one task, k - 1, of the same keys.
     const int64_t u = plan.units.empty() ? -1 : plan.units.back();
     const bool pairs = u >= 0 && u == k - 1 && [&] {
       const AttentionPlan::Task& y = plan.tasks[plan.order[u]];
