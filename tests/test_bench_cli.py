@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 import pytest
@@ -16,7 +17,7 @@ from sgl_nb.cli import main
 DEFAULTS = {
     "engine": {"model": None, "new_tokens": 256, "requests": 16, "prefix_tokens": 400,
                "shared_new_tokens": 32, "dtype": [], "quantization": [], "repeat": 2,
-               "json": None},
+               "llamacpp_venv": ".venv-llamacpp", "json": None},
     "programs": {"model": None, "questions": 32, "fork_tokens": 64, "json_items": 4,
                  "sessions": 8, "turns": 4, "chat_tokens": 24, "json": None},
     "remote": {"model": None, "new_tokens": 256, "requests": 16, "prefix_tokens": 400,
@@ -145,6 +146,18 @@ def test_peers_without_llamacpp_venv_says_how_to_build_it(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench", "peers", "--llamacpp-venv", str(tmp_path / "none")])
     assert "make llamacpp" in str(e.value.code) and "none/bin/python" in str(e.value.code)
+
+
+def test_engine_without_llamacpp_says_how_to_build_it(tmp_path, capsys):
+    """Without llama-cpp-python here or in --llamacpp-venv, the engine bench goes on without
+    llama.cpp and says where it looked and how to build it."""
+    from sgl_nb.bench.engine import llama_cpp_child
+
+    args = argparse.Namespace(llamacpp_venv=str(tmp_path / "none"), new_tokens=4,
+                              shared_new_tokens=2)
+    assert llama_cpp_child(args, [1, 2, 3], [[1, 2]]) is None
+    said = capsys.readouterr().out
+    assert "make llamacpp" in said and "none/bin/python" in said
 
 
 def test_peers_gguf_variant_keeps_the_files_metadata_and_values(tmp_path):

@@ -45,6 +45,11 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint folder or .gguf (default: the default model)")
 
 
+def add_llamacpp_venv_argument(parser: argparse.ArgumentParser, why: str = "") -> None:
+    parser.add_argument("--llamacpp-venv", default=".venv-llamacpp",
+                        help=f"the venv with llama-cpp-python (`make llamacpp`){why}")
+
+
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="also write the figures to this file")

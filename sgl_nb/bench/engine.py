@@ -22,8 +22,9 @@ caught in one is outvoted by its other round.
 
 fp32 always runs (the first table: ratios and targets). `--dtype bfloat16` and
 `--quantization int8 int4` add one row each to a second table, against the same fp32
-transformers baseline; with llama-cpp-python installed (and the default model) a last row
-measures llama.cpp on the default GGUF file.
+transformers baseline; on the default model a last row measures llama.cpp on its GGUF file
+(llama-cpp-python in this venv, else in --llamacpp-venv's: `make llamacpp`), and int4's one
+stream is given against it.
 
 Each engine mode, transformers and llama.cpp run in a fresh process of their own, one
 after another: threads, thread pools and caches left by one never slow the next.
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_nb.bench import add_json_argument, add_model_argument
+from sgl_nb.bench import add_json_argument, add_llamacpp_venv_argument, add_model_argument
 from sgl_nb.runtime.model.weight_arena import Arena
 
 STREAM_PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
@@ -222,15 +223,11 @@ def decode_breakdown(step_s: float, forward_s: float, decodes: int,
 
 
 def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]):
-    """llama.cpp (llama-cpp-python) on the default GGUF: one stream, then the shared-prefix
-    requests one after another (its KV cache keeps the longest common prefix of the last
-    prompt, so the shared prefix is computed once). None when it is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print("llama.cpp: not measured; `pip install llama-cpp-python` (builds from source "
-              "in a few minutes) to compare against it on the same GGUF", flush=True)
-        return None
+    """llama.cpp (llama-cpp-python, in this venv) on the default GGUF: one stream, then the
+    shared-prefix requests one after another (its KV cache keeps the longest common prefix
+    of the last prompt, so the shared prefix is computed once)."""
+    from llama_cpp import Llama
+
     from sgl_nb.runtime.model.model_loader import default_gguf_path
 
     threads = torch.get_num_threads()
@@ -255,6 +252,32 @@ def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list
     shared_s = time.perf_counter() - t0
     return {"one_stream_tok_s": args.new_tokens / stream_s, "one_stream_s": stream_s,
             "shared_prefix_s": shared_s, "threads": threads}
+
+
+def llama_cpp_child(args: argparse.Namespace, ids: list[int],
+                    prompts: list[list[int]]) -> dict | None:
+    """llama_cpp_bench's workload on llama.cpp in its own venv (--llamacpp-venv, `make
+    llamacpp`), through `sgl-nb bench peers`' child process; None without that venv."""
+    from sgl_nb.bench.peers import LlamaCpp
+    from sgl_nb.runtime.model.model_loader import default_gguf_path
+
+    if not (Path(args.llamacpp_venv) / "bin" / "python").is_file():
+        print(f"llama.cpp: not measured; no {args.llamacpp_venv}/bin/python (`make llamacpp` "
+              "builds llama-cpp-python there, or pip install it in this venv)", flush=True)
+        return None
+    threads = torch.get_num_threads()
+    base = {"model": str(default_gguf_path()), "threads": threads}
+    llama = LlamaCpp(args.llamacpp_venv)
+    try:
+        llama.ask({**base, "ids": ids[:8], "n": 4})  # warm-up
+        stream = llama.ask({**base, "ids": ids, "n": args.new_tokens})
+        shared = [llama.ask({**base, "ids": p, "n": args.shared_new_tokens, "keep_prefix": i > 0})
+                  for i, p in enumerate(prompts)]
+    finally:
+        llama.close()
+    return {"one_stream_tok_s": args.new_tokens / stream["seconds"],
+            "one_stream_s": stream["seconds"],
+            "shared_prefix_s": sum(r["seconds"] for r in shared), "threads": threads}
 
 
 def in_fresh_process(fn, *args):
@@ -300,8 +323,12 @@ def hf_in_process(args: argparse.Namespace) -> dict:
             "shared_prefix_s": hf_batched(hf, tok, prompts, args.shared_new_tokens)}
 
 
-def llama_in_process(args: argparse.Namespace):
+def llama_in_process(args: argparse.Namespace) -> dict | None:
     _, ids, prompts = workload(args)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return llama_cpp_child(args, ids, prompts)
     return llama_cpp_bench(args, ids, prompts)
 
 
@@ -370,6 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=2,
                         help="rounds of the whole sequence, ours and the baselines'; each "
                         "side keeps its best round (noise only slows a run)")
+    add_llamacpp_venv_argument(parser, ", where this venv has none")
     add_json_argument(parser)
 
 
@@ -493,3 +521,7 @@ def print_modes(args: argparse.Namespace, r: dict) -> None:
               f"{hf_shared / llama['shared_prefix_s']:>7.2f}x{'-':>9}{'-':>10}{'-':>8}{'-':>12}")
     print("vs HF: against transformers fp32 on the same weights; the shared-prefix requests "
           "run one after another on llama.cpp")
+    if llama is not None and "int4" in modes:
+        ours, theirs = modes["int4"]["one_stream_tok_s"], llama["one_stream_tok_s"]
+        print(f"int4 one stream against llama.cpp on the same Q4_1 file: {ours:.1f} against "
+              f"{theirs:.1f} tok/s, {ours / theirs:.2f}x (prefill included on both sides)")

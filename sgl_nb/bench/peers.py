@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_nb.bench import add_json_argument
+from sgl_nb.bench import add_json_argument, add_llamacpp_venv_argument
 from sgl_nb.bench.engine import STREAM_PROMPT
 
 # GGUF type -> (our dtype, our quantization)
@@ -42,7 +42,6 @@ ROWS = {
     "Q8_0": (None, "int8"),
     "F32": ("float32", None),
 }
-DEFAULT_VENV = ".venv-llamacpp"
 CHILD = Path(__file__).with_name("peers_llamacpp.py")
 REPLY_TIMEOUT_S = 1800.0  # one request's answer; only a hung child reaches it
 
@@ -243,8 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="one-stream tokens")
     parser.add_argument("--repeat", type=int, default=4,
                         help="rounds, both engines on every file each round")
-    parser.add_argument("--llamacpp-venv", default=DEFAULT_VENV,
-                        help="the venv with llama-cpp-python (make llamacpp)")
+    add_llamacpp_venv_argument(parser)
     parser.add_argument("--copy", action="store_true",
                         help="also the copy workload on Q4_1, prompt lookup on and off")
     parser.add_argument("--llama-lookup-tokens", type=int, default=10,

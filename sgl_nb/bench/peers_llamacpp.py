@@ -5,7 +5,10 @@ It reads one JSON request a line on stdin and answers one JSON line on stdout:
     {"model": "x.gguf", "ids": [...], "n": 128, "threads": 2, "stop_at_eos": false,
      "lookup": 0}
     -> {"tokens": [...], "seconds": ..., "decode_seconds": ...}
-"lookup" > 0 drafts that many tokens by prompt lookup (LlamaPromptLookupDecoding). Greedy
+"lookup" > 0 drafts that many tokens by prompt lookup (LlamaPromptLookupDecoding).
+"keep_prefix": true keeps what the model evaluated for the request before, so that generate
+computes only what follows their longest common prefix (`sgl-nb bench engine`'s
+shared-prefix requests, one after another). Greedy
 (top_k=1): llama.cpp's generate yields tokens until told to stop. Each model stays loaded
 between requests (the bench alternates them round by round). {"ping": true} answers the
 library's version once everything imports.
@@ -38,7 +41,8 @@ def one_stream(req: dict) -> dict:
     llm = model(req["model"], req["threads"], req.get("lookup", 0))
     eos = llm.token_eos() if req.get("stop_at_eos") else None
     tokens, stamps = [], []
-    llm.reset()
+    if not req.get("keep_prefix"):
+        llm.reset()
     t0 = time.perf_counter()
     for token in llm.generate(req["ids"], top_k=1, temp=0.0, reset=True):
         stamps.append(time.perf_counter())
