@@ -258,7 +258,7 @@ def llama_cpp_child(args: argparse.Namespace, ids: list[int],
                     prompts: list[list[int]]) -> dict | None:
     """llama_cpp_bench's workload on llama.cpp in its own venv (--llamacpp-venv, `make
     llamacpp`), through `sgl-nb bench peers`' child process; None without that venv."""
-    from sgl_nb.bench.peers import LlamaCpp
+    from sgl_nb.bench.llamacpp_process import LlamaCpp
     from sgl_nb.runtime.model.model_loader import default_gguf_path
 
     if not (Path(args.llamacpp_venv) / "bin" / "python").is_file():

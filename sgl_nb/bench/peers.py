@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from sgl_nb.bench import add_json_argument, add_llamacpp_venv_argument
 from sgl_nb.bench.engine import STREAM_PROMPT
+from sgl_nb.bench.llamacpp_process import LlamaCpp
 
 # GGUF type -> (our dtype, our quantization)
 ROWS = {
@@ -42,44 +41,6 @@ ROWS = {
     "Q8_0": (None, "int8"),
     "F32": ("float32", None),
 }
-CHILD = Path(__file__).with_name("peers_llamacpp.py")
-REPLY_TIMEOUT_S = 1800.0  # one request's answer; only a hung child reaches it
-
-
-class LlamaCpp:
-    """The child process running llama.cpp: one JSON request a line, one answer a line."""
-
-    def __init__(self, venv: str | Path):
-        python = Path(venv) / "bin" / "python"
-        if not python.is_file():
-            raise SystemExit(f"--llamacpp-venv: no {python}; `make llamacpp` builds "
-                             "llama-cpp-python in .venv-llamacpp")
-        self.log = tempfile.TemporaryFile(mode="w+")
-        # -I: the script's folder is not put on sys.path (its copy.py would shadow the
-        # standard library's copy module).
-        self.proc = subprocess.Popen([str(python), "-I", str(CHILD)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.version = self.ask({"ping": True})["version"]
-
-    def ask(self, request: dict) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.seek(0)
-            tail = "\n".join(self.log.read().splitlines()[-20:])
-            raise RuntimeError(f"llama.cpp child exited ({self.proc.wait()}):\n{tail}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"llama.cpp failed on {request.get('model')}: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=REPLY_TIMEOUT_S)
-        self.log.close()
-
-
 def ours_stream(rt, ids: list[int], n: int) -> dict:
     """One stream on our engine, figures in the child's shape; prompt lookup off, as
     llama.cpp's one stream has none (--copy compares the two with it)."""
