@@ -352,16 +352,14 @@ inline void plan_attention(const int64_t* starts, const int64_t* ends, int64_t b
       return x.kvh != y.kvh ? x.kvh < y.kvh : x.begin < y.begin;
     });
   }
+  // Task k joins the unit of k - 1 where that unit holds k - 1 alone and reads the same keys.
+  const auto same_keys = [&](int64_t a, int64_t c) {
+    const AttentionPlan::Task &x = plan.tasks[plan.order[a]], &y = plan.tasks[plan.order[c]];
+    return x.kvh == y.kvh && x.begin == y.begin && x.end == y.end;
+  };
   plan.units.clear();
   for (int64_t k = 0; k < n; ++k) {
-    const AttentionPlan::Task& x = plan.tasks[plan.order[k]];
-    // Task k joins the unit before it if that unit holds one task, k - 1, of the same keys.
-    const int64_t u = plan.units.empty() ? -1 : plan.units.back();
-    const bool pairs = u >= 0 && u == k - 1 && [&] {
-      const AttentionPlan::Task& y = plan.tasks[plan.order[u]];
-      return x.kvh == y.kvh && x.begin == y.begin && x.end == y.end;
-    }();
-    if (!pairs) plan.units.push_back(k);
+    if (k == 0 || plan.units.back() != k - 1 || !same_keys(k - 1, k)) plan.units.push_back(k);
   }
   plan.units.push_back(n);
 }
@@ -507,7 +505,7 @@ void attention(const AttentionPlan& plan, const float* qf, const T* kbuf, const 
     thread_local std::vector<const T*> rows, vrows;  // the task's K rows and V rows
     thread_local Touched touched_here;
     Touched& touched = touched_here;
-    scores.resize(2 * group * kChunk);
+    scores.resize(2 * group * kChunk);  // a unit's tokens: two at most
     rows.resize(kChunk);
     vrows.resize(kChunk);
     // The unit's tasks ts[0..TB), each its token's heads, over the same len keys.

@@ -14,11 +14,6 @@
 
 namespace sgl_nb {
 
-// Our own workers rather than OpenMP: libgomp counts every thread team in the process, and
-// once the caller's main thread has run an OpenMP region (any torch op in a notebook) there
-// are more of its threads than cores, so it stops spinning between regions and each of the
-// ~150 regions of a decode step pays a futex wake-up: int4 decode went from 9.6 to 31 ms
-// per step (measured). These workers spin about 100 us between jobs, then sleep.
 // A new id for each call of a kernel whose threads keep state across its chunks
 // (thread_local, prepared on a thread's first chunk): a thread compares the id it saved
 // with the running call's, and state from an earlier call is never taken for this one's.
@@ -27,6 +22,11 @@ inline uint64_t next_call_id() {
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
+// Our own workers rather than OpenMP: libgomp counts every thread team in the process, and
+// once the caller's main thread has run an OpenMP region (any torch op in a notebook) there
+// are more of its threads than cores, so it stops spinning between regions and each of the
+// ~150 regions of a decode step pays a futex wake-up: int4 decode went from 9.6 to 31 ms
+// per step (measured). These workers spin about 100 us between jobs, then sleep.
 class WorkerPool {
  public:
   static WorkerPool& get() {

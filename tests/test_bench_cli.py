@@ -151,11 +151,11 @@ def test_peers_without_llamacpp_venv_says_how_to_build_it(tmp_path):
 def test_engine_without_llamacpp_says_how_to_build_it(tmp_path, capsys):
     """Without llama-cpp-python here or in --llamacpp-venv, the engine bench goes on without
     llama.cpp and says where it looked and how to build it."""
-    from sgl_nb.bench.engine import llama_cpp_child
+    from sgl_nb.bench.engine import llama_cpp_bench
 
     args = argparse.Namespace(llamacpp_venv=str(tmp_path / "none"), new_tokens=4,
                               shared_new_tokens=2)
-    assert llama_cpp_child(args, [1, 2, 3], [[1, 2]]) is None
+    assert llama_cpp_bench(args, [1, 2, 3], [[1, 2]]) is None
     said = capsys.readouterr().out
     assert "make llamacpp" in said and "none/bin/python" in said
 

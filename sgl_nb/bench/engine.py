@@ -33,9 +33,11 @@ after another: threads, thread pools and caches left by one never slow the next.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -222,52 +224,24 @@ def decode_breakdown(step_s: float, forward_s: float, decodes: int,
     return out
 
 
-def llama_cpp_bench(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]):
-    """llama.cpp (llama-cpp-python, in this venv) on the default GGUF: one stream, then the
-    shared-prefix requests one after another (its KV cache keeps the longest common prefix
-    of the last prompt, so the shared prefix is computed once)."""
-    from llama_cpp import Llama
-
-    from sgl_nb.runtime.model.model_loader import default_gguf_path
-
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_batch=512,
-                n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def run(tokens: list[int], n: int) -> None:
-        # generate() yields greedy tokens until told to stop: EOS does not end it early.
-        for i, _ in enumerate(llm.generate(tokens, top_k=1, temp=0.0, reset=True), 1):
-            if i == n:
-                break
-
-    run(ids[:8], 4)  # warm-up
-    llm.reset()
-    t0 = time.perf_counter()
-    run(ids, args.new_tokens)
-    stream_s = time.perf_counter() - t0
-    llm.reset()
-    t0 = time.perf_counter()
-    for p in prompts:
-        run(p, args.shared_new_tokens)
-    shared_s = time.perf_counter() - t0
-    return {"one_stream_tok_s": args.new_tokens / stream_s, "one_stream_s": stream_s,
-            "shared_prefix_s": shared_s, "threads": threads}
-
-
-def llama_cpp_child(args: argparse.Namespace, ids: list[int],
+def llama_cpp_bench(args: argparse.Namespace, ids: list[int],
                     prompts: list[list[int]]) -> dict | None:
-    """llama_cpp_bench's workload on llama.cpp in its own venv (--llamacpp-venv, `make
-    llamacpp`), through `sgl-nb bench peers`' child process; None without that venv."""
-    from sgl_nb.bench.llamacpp_process import LlamaCpp
+    """llama.cpp on the default GGUF, in the child process `sgl-nb bench peers` runs
+    (llama-cpp-python here, else in --llamacpp-venv's: `make llamacpp`): one stream, then
+    the shared-prefix requests one after another, each keeping what the last evaluated, so
+    that the shared prefix is computed once. None without llama-cpp-python."""
+    from sgl_nb.bench.llamacpp_process import LlamaCpp, venv_python
     from sgl_nb.runtime.model.model_loader import default_gguf_path
 
-    if not (Path(args.llamacpp_venv) / "bin" / "python").is_file():
-        print(f"llama.cpp: not measured; no {args.llamacpp_venv}/bin/python (`make llamacpp` "
-              "builds llama-cpp-python there, or pip install it in this venv)", flush=True)
+    here = importlib.util.find_spec("llama_cpp") is not None
+    python = Path(sys.executable) if here else venv_python(args.llamacpp_venv)
+    if not python.is_file():
+        print(f"llama.cpp: not measured; no {python} (`make llamacpp` builds llama-cpp-python "
+              "there, or pip install it in this venv)", flush=True)
         return None
     threads = torch.get_num_threads()
     base = {"model": str(default_gguf_path()), "threads": threads}
-    llama = LlamaCpp(args.llamacpp_venv)
+    llama = LlamaCpp(python)
     try:
         llama.ask({**base, "ids": ids[:8], "n": 4})  # warm-up
         stream = llama.ask({**base, "ids": ids, "n": args.new_tokens})
@@ -325,10 +299,6 @@ def hf_in_process(args: argparse.Namespace) -> dict:
 
 def llama_in_process(args: argparse.Namespace) -> dict | None:
     _, ids, prompts = workload(args)
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return llama_cpp_child(args, ids, prompts)
     return llama_cpp_bench(args, ids, prompts)
 
 

@@ -13,11 +13,15 @@ CHILD = Path(__file__).with_name("peers_llamacpp.py")
 REPLY_TIMEOUT_S = 1800.0  # one request's answer; only a hung child reaches it
 
 
+def venv_python(venv: str | Path) -> Path:
+    return Path(venv) / "bin" / "python"
+
+
 class LlamaCpp:
     """The child process running llama.cpp: one JSON request a line, one answer a line."""
 
-    def __init__(self, venv: str | Path):
-        python = Path(venv) / "bin" / "python"
+    def __init__(self, python: Path):
+        """python: one that has llama-cpp-python (a venv's: venv_python)."""
         if not python.is_file():
             raise SystemExit(f"--llamacpp-venv: no {python}; `make llamacpp` builds "
                              "llama-cpp-python in .venv-llamacpp")

@@ -32,7 +32,7 @@ import torch
 
 from sgl_nb.bench import add_json_argument, add_llamacpp_venv_argument
 from sgl_nb.bench.engine import STREAM_PROMPT
-from sgl_nb.bench.llamacpp_process import LlamaCpp
+from sgl_nb.bench.llamacpp_process import LlamaCpp, venv_python
 
 # GGUF type -> (our dtype, our quantization)
 ROWS = {
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--llama-lookup-tokens must be at least 1")
     from sgl_nb.bench.peers_gguf import variant_path
 
-    llama = LlamaCpp(args.llamacpp_venv)
+    llama = LlamaCpp(venv_python(args.llamacpp_venv))
     files = {qtype: variant_path(qtype) for qtype in args.files}
     if args.copy:
         files.setdefault("Q4_1", variant_path("Q4_1"))
